@@ -1,0 +1,56 @@
+"""The executor interface: one stage replica, however its workers are run (processes, Ray)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from vllm_omni_like.messages import ExecuteBatch, ReplicaDied
+
+FailureCallback = Callable[[ReplicaDied], None]
+MessageSink = Callable[[object], None]
+
+
+class Executor(ABC):
+    """Runs batches on the workers of one replica; reports results and its own death.
+
+    Results, progress and failures reach the owner as messages through `sink` (called on the
+    executor's threads; it must only enqueue). When a worker dies, every request in flight gets
+    an EngineDeadError result, then each failure callback fires exactly once.
+    """
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start the workers and wait until each has loaded its stage; raise on failure."""
+
+    @abstractmethod
+    def execute(self, batch: ExecuteBatch) -> None:
+        """Send a batch; raises EngineDeadError if the replica is dead."""
+
+    @abstractmethod
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the workers to stop these requests at their next step boundary."""
+
+    @abstractmethod
+    def add_failure_callback(self, callback: FailureCallback) -> None: ...
+
+    @abstractmethod
+    def kill(self, reason: str) -> None:
+        """Kill the workers (a stalled replica); handled as a death."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers; idempotent; leaves no process behind."""
+
+    @property
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> set[str]: ...
+
+    @property
+    @abstractmethod
+    def last_activity(self) -> float:
+        """time.monotonic() of the last message from a worker (progress counts)."""

@@ -1,0 +1,272 @@
+"""The multi-process executor: spawn the workers of one replica, read them, watch them die."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.executor import transport
+from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
+from vllm_omni_like.executor.worker import worker_main
+from vllm_omni_like.messages import (
+    AbortRequests,
+    BatchDone,
+    ExecuteBatch,
+    Progress,
+    ReplicaDied,
+    RequestResult,
+    Shutdown,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+from vllm_omni_like.outputs import StageOutput
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _WorkerHandle:
+    def __init__(self, rank: int, proc: mp.process.BaseProcess, conn: Connection) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.reader: threading.Thread | None = None
+
+
+class MultiprocExecutor(Executor):
+    """Workers of one stage replica as spawned processes, with a monitor thread on sentinels."""
+
+    def __init__(self, config: StageConfig, replica: int, sink: MessageSink,
+                 faults: tuple[FaultRule, ...] = (), device: str | None = None) -> None:
+        self.config = config
+        self.replica = replica
+        self.sink = sink
+        self.faults = faults
+        self.device = device or config.device
+        self._workers: list[_WorkerHandle] = []
+        self._callbacks: list[FailureCallback] = []
+        self._lock = threading.Lock()
+        self._inflight: dict[int, set[str]] = {}
+        self._startup: queue.Queue[object] = queue.Queue()
+        self._dead = False
+        self._stopping = False
+        self._kill_reason: str | None = None
+        self._last_activity = time.monotonic()
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._monitor: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.config.workers_per_replica):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            device = self.device
+            proc = ctx.Process(
+                target=worker_main,
+                args=(child_conn, self.config, rank, device, self.faults, os.getpid()),
+                name=f"{self.config.name}-r{self.replica}-w{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()  # so the reader sees EOF when the worker dies
+            handle = _WorkerHandle(rank, proc, parent_conn)
+            handle.reader = threading.Thread(
+                target=self._read_forever, args=(handle,), daemon=True,
+                name=f"reader-{proc.name}",
+            )
+            handle.reader.start()
+            self._workers.append(handle)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._monitor_forever, daemon=True,
+                                         name=f"monitor-{self.config.name}-r{self.replica}")
+        self._monitor.start()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.load_timeout
+        ready: set[int] = set()
+        where = f"replica {self.replica}"
+        while len(ready) < len(self._workers):
+            try:
+                msg = self._startup.get(timeout=0.05)
+            except queue.Empty:
+                for w in self._workers:
+                    if w.proc.exitcode is not None and w.rank not in ready:
+                        time.sleep(0.05)  # a load failure message may still be in the pipe
+                        if self._startup.empty():
+                            raise EngineDeadError(
+                                f"{where}: worker {w.rank} {describe_exit(w.proc.exitcode)} "
+                                "while loading", stage=self.config.name)
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"{where}: load timed out after "
+                                          f"{self.config.load_timeout:.0f}s", stage=self.config.name)
+                continue
+            match msg:
+                case WorkerReady(rank=rank):
+                    ready.add(rank)
+                case WorkerLoadFailed(error=info, traceback=tb):
+                    logger.error("stage %s %s failed to load:\n%s", self.config.name, where, tb)
+                    raise EngineDeadError(f"{where}: {info.message}", stage=self.config.name)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._wake_w.send_bytes(b"x")
+        for w in self._workers:
+            try:
+                transport.send(w.conn, Shutdown(), w.send_lock)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for w in self._workers:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+        for w in self._workers:
+            w.conn.close()
+            if w.reader is not None:
+                w.reader.join(2)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(2)
+        self._wake_r.close()
+        self._wake_w.close()
+        for w in self._workers:
+            w.proc.close()
+        self._dead = True
+
+    # ---- work --------------------------------------------------------------------------------
+    def execute(self, batch: ExecuteBatch) -> None:
+        with self._lock:
+            if self._dead or self._stopping:
+                raise EngineDeadError(f"replica {self.replica} is dead", stage=self.config.name)
+            self._inflight[batch.batch_id] = {r.request_id for r in batch.requests}
+        for w in self._workers:
+            try:
+                transport.send(w.conn, batch, w.send_lock)
+            except (OSError, ValueError):
+                pass  # the monitor fails this batch as the worker's death is seen
+
+    def abort(self, request_ids: list[str]) -> None:
+        for w in self._workers:
+            try:
+                transport.send(w.conn, AbortRequests(list(request_ids)), w.send_lock)
+            except (OSError, ValueError):
+                pass
+
+    def add_failure_callback(self, callback: FailureCallback) -> None:
+        self._callbacks.append(callback)
+
+    def kill(self, reason: str) -> None:
+        self._kill_reason = reason
+        for w in self._workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and not self._stopping
+
+    @property
+    def in_flight(self) -> set[str]:
+        with self._lock:
+            return set().union(*self._inflight.values()) if self._inflight else set()
+
+    @property
+    def last_activity(self) -> float:
+        return self._last_activity
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _read_forever(self, w: _WorkerHandle) -> None:
+        while True:
+            try:
+                msg = transport.recv(w.conn)
+            except (EOFError, OSError, ValueError):
+                return
+            self._last_activity = time.monotonic()
+            match msg:
+                case WorkerReady() | WorkerLoadFailed():
+                    self._startup.put(msg)
+                case RequestResult(batch_id=bid, output=out):
+                    with self._lock:
+                        pending = self._inflight.get(bid)
+                        if pending is None or out.request_id not in pending:
+                            continue
+                        pending.discard(out.request_id)
+                    self.sink(msg)
+                case BatchDone(batch_id=bid):
+                    with self._lock:
+                        self._inflight.pop(bid, None)
+                    self.sink(msg)
+                case Progress():
+                    self.sink(msg)
+
+    def _monitor_forever(self) -> None:
+        sentinels = {w.proc.sentinel: w for w in self._workers}
+        ready = wait([*sentinels, self._wake_r])
+        if self._stopping:
+            return
+        dead = next(sentinels[s] for s in ready if s in sentinels)
+        self._on_death(dead)
+
+    def _on_death(self, dead: _WorkerHandle) -> None:
+        # 1) what happened
+        dead.proc.join(0.1)
+        desc = describe_exit(dead.proc.exitcode)
+        if self._kill_reason:
+            desc = f"{desc} ({self._kill_reason})"
+        logger.error("stage %s replica %d: worker %d (pid %s) %s", self.config.name,
+                     self.replica, dead.rank, dead.proc.pid, desc)
+        # 2) the replica is unusable: stop its other workers, drain what they already sent
+        self.kill(self._kill_reason or f"worker {dead.rank} died")
+        for w in self._workers:
+            if w.reader is not None:
+                w.reader.join(0.05)
+        # 3) fail what was in flight; from now on nothing new is accepted
+        with self._lock:
+            self._dead = True
+            inflight, self._inflight = self._inflight, {}
+        lost: list[str] = []
+        for bid, ids in inflight.items():
+            for rid in sorted(ids):
+                err = EngineDeadError(f"replica {self.replica} worker {desc}", stage=self.config.name)
+                self.sink(RequestResult(bid, StageOutput.from_error(rid, err, self.config.name)))
+                lost.append(rid)
+            self.sink(BatchDone(bid, len(ids), 0, 0.0))
+        # 4) tell the owner, once
+        event = ReplicaDied(self.config.name, self.replica, desc, lost)
+        for cb in self._callbacks:
+            try:
+                cb(event)
+            except Exception:
+                logger.exception("failure callback raised")

@@ -1,0 +1,151 @@
+"""Worker process main: load the stage once, then run batches until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.errors import EngineDeadError, InvalidRequestError, classify
+from vllm_omni_like.executor import transport
+from vllm_omni_like.messages import (
+    AbortRequests,
+    BatchDone,
+    ExecuteBatch,
+    Progress,
+    RequestResult,
+    Shutdown,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stages.base import Stage, StageControl, create_stage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.isolation import FatalStageError, run_isolated
+
+logger = logging.getLogger("vllm_omni_like.worker")
+
+PARENT_POLL_S = 0.2
+EXIT_FATAL = 3
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent is gone (even SIGKILLed): no orphans."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(PARENT_POLL_S)
+
+
+class _Worker:
+    def __init__(self, conn: Connection, config: StageConfig, rank: int, device: str,
+                 faults: tuple[FaultRule, ...]) -> None:
+        self.conn = conn
+        self.config = config
+        self.rank = rank
+        self.device = device
+        self.reports = rank == 0  # other ranks compute the same batch; rank 0 answers
+        self.send_lock = threading.Lock()
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.batch_id = -1
+        self.control = StageControl(FaultInjector(faults, config.name), self._progress)
+        self.stage: Stage | None = None
+
+    def send(self, msg: object) -> None:
+        transport.send(self.conn, msg, self.send_lock)
+
+    def _progress(self, ids: list[str], step: int, total: int, previews: dict[str, Any]) -> None:
+        if self.reports:
+            self.send(Progress(self.batch_id, ids, step, total, previews))
+
+    # 1) load ------------------------------------------------------------------------------------
+    def load(self) -> bool:
+        try:
+            self.control.faults.fire_load()
+            self.stage = create_stage(self.config)
+            self.stage.load(self.device)
+        except Exception as exc:
+            err = classify(exc, self.config.name)
+            info = EngineDeadError(f"failed to load: {err.message}", stage=self.config.name).info()
+            self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
+            return False
+        self.send(WorkerReady(self.rank, os.getpid(), self.device))
+        return True
+
+    # 2) receive: aborts apply at once, even while a batch runs ----------------------------------
+    def receive_forever(self) -> None:
+        while True:
+            try:
+                msg = transport.recv(self.conn)
+            except (EOFError, OSError):
+                os._exit(0)  # the parent closed the pipe or died
+            match msg:
+                case AbortRequests(request_ids=ids):
+                    self.control.abort(ids)
+                case _:
+                    self.inbox.put(msg)
+
+    # 3) run batches -------------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while True:
+            match self.inbox.get():
+                case ExecuteBatch() as batch:
+                    self.run_batch(batch)
+                case Shutdown():
+                    return
+
+    def run_batch(self, batch: ExecuteBatch) -> None:
+        assert self.stage is not None
+        started = time.monotonic()
+        self.batch_id = batch.batch_id
+        ids = [r.request_id for r in batch.requests]
+        self.control.max_model_batch = 0
+        valid = []
+        for req in batch.requests:
+            try:
+                self.stage.validate(req)
+                valid.append(req)
+            except InvalidRequestError as exc:
+                self._result(batch.batch_id, StageOutput.from_error(req.request_id, exc, self.stage.name))
+        try:
+            outputs = run_isolated(self.stage, valid, self.control)
+        except FatalStageError as exc:
+            logger.error("stage %s: fatal device error, worker exits: %s", self.stage.name, exc)
+            sys.stderr.flush()
+            os._exit(EXIT_FATAL)
+        for out in outputs:
+            out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
+            if not self.control.is_aborted(out.request_id):
+                self._result(batch.batch_id, out)
+        if self.reports:
+            elapsed = time.monotonic() - started
+            self.send(BatchDone(batch.batch_id, len(ids), self.control.max_model_batch, elapsed))
+        self.control.forget(ids)
+
+    def _result(self, batch_id: int, out: StageOutput) -> None:
+        if self.reports:
+            self.send(RequestResult(batch_id, out))
+
+
+def worker_main(conn: Connection, config: StageConfig, rank: int, device: str,
+                faults: tuple[FaultRule, ...], parent_pid: int) -> None:
+    """Entry point of a spawned worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    worker = _Worker(conn, config, rank, device, faults)
+    if not worker.load():
+        sys.exit(1)
+    threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()
+    worker.run_forever()
+    if worker.stage is not None:
+        worker.stage.close()

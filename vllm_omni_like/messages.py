@@ -1,0 +1,106 @@
+"""Every message that crosses a thread or process boundary. Data only; receivers `match` on type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.params import GenerationParams
+
+# ---- what a stage is asked to do ---------------------------------------------------------------
+
+
+@dataclass
+class StageRequest:
+    """One request as one stage sees it."""
+
+    request_id: str
+    prompt: str
+    params: GenerationParams = field(default_factory=GenerationParams)
+    mode: str = "text2img"  # text | text2img | edit | text2video
+    images: list[Any] = field(default_factory=list)  # HxWx3 uint8 arrays (edit inputs)
+    mask: Any | None = None  # HxW uint8, 255 = repaint (diffusers' convention)
+    # a prompt written by an earlier stage is truncated to the encoder, not refused
+    truncate_prompt: bool = False
+
+    def batch_key(self) -> tuple:
+        return self.params.shape_key(self.mode)
+
+
+# ---- parent -> worker ----------------------------------------------------------------------------
+
+
+@dataclass
+class ExecuteBatch:
+    batch_id: int
+    requests: list[StageRequest]
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- worker -> parent ----------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    pid: int
+    device: str
+
+
+@dataclass
+class WorkerLoadFailed:
+    rank: int
+    error: ErrorInfo
+    traceback: str = ""
+
+
+@dataclass
+class Progress:
+    """Step `step` of `total` finished for these requests (those not aborted)."""
+
+    batch_id: int
+    request_ids: list[str]
+    step: int
+    total: int
+    previews: dict[str, Any] = field(default_factory=dict)  # request id -> HxWx3 uint8
+
+
+@dataclass
+class RequestResult:
+    batch_id: int
+    output: StageOutput
+
+
+@dataclass
+class BatchDone:
+    batch_id: int
+    batch_size: int
+    model_batch_dim: int  # the largest batch dimension the model itself saw
+    elapsed_s: float
+
+
+# ---- executor -> its owner (on the reader / monitor threads) -----------------------------------
+
+
+@dataclass
+class ReplicaDied:
+    """The executor of `replica` lost a worker; its in-flight requests were already failed."""
+
+    stage: str
+    replica: int
+    exit_desc: str
+    in_flight: list[str] = field(default_factory=list)
+
+
+WorkerMessage = WorkerReady | WorkerLoadFailed | Progress | RequestResult | BatchDone

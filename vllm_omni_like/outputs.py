@@ -1,0 +1,67 @@
+"""What stages and the engine return: stage outputs, media payloads, the request output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_like.errors import ErrorInfo, classify
+
+
+@dataclass
+class ImagePayload:
+    """One image as an HxWx3 uint8 array (numpy), plus the seed that made it."""
+
+    pixels: Any
+    seed: int | None = None
+
+
+@dataclass
+class VideoPayload:
+    """A clip as an FxHxWx3 uint8 array (numpy)."""
+
+    frames: Any
+    fps: int
+    seed: int | None = None
+
+
+@dataclass
+class StageOutput:
+    """One stage's result for one request: text and/or media, or an error."""
+
+    request_id: str
+    stage: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    images: list[ImagePayload] = field(default_factory=list)
+    video: VideoPayload | None = None
+    error: ErrorInfo | None = None
+    steps_run: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_error(cls, request_id: str, exc: BaseException, stage: str) -> StageOutput:
+        return cls(request_id=request_id, stage=stage, error=classify(exc, stage).info())
+
+
+@dataclass
+class OmniRequestOutput:
+    """The final answer to one request: the last stage's output, or the error that ended it."""
+
+    request_id: str
+    stage_id: str | None = None
+    finished: bool = True
+    output: StageOutput | None = None
+    revised_prompt: str | None = None
+    error: ErrorInfo | None = None
+    stage_outputs: dict[str, StageOutput] = field(default_factory=dict)
+
+    @classmethod
+    def from_error(
+        cls, request_id: str, exc: BaseException, stage_id: str | None
+    ) -> OmniRequestOutput:
+        return cls(request_id=request_id, stage_id=stage_id, error=classify(exc, stage_id).info())
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,45 @@
+"""Per-request generation parameters (no logic beyond the batching key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a request asks of every stage; each stage reads the fields it understands."""
+
+    width: int | None = None
+    height: int | None = None
+    n: int = 1
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    strength: float | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    partial_images: int = 0
+    # LLM stage
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    # null stage: per-step delay in seconds
+    step_delay: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def shape_key(self, mode: str) -> tuple:
+        """Everything that decides tensor shapes or the step loop: equal keys batch together."""
+        return (
+            mode,
+            self.width,
+            self.height,
+            self.num_frames,
+            self.num_inference_steps,
+            self.guidance_scale,
+            self.strength,
+            self.negative_prompt is None,
+            self.max_new_tokens,
+            self.step_delay,
+        )

@@ -1,0 +1,1 @@
+"""Stages: the models that run inside worker processes."""

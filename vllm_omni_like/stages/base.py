@@ -1,0 +1,110 @@
+"""The Stage contract: `load` once, then `execute(batch, control)` many times, in a worker."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stages.faults import FaultInjector
+
+
+class StageAborted(Exception):
+    """Raised inside `execute` when every request of the batch was aborted."""
+
+
+class StageControl:
+    """What a running stage sees of the world: progress reporting, aborts, injected faults."""
+
+    def __init__(
+        self,
+        faults: FaultInjector,
+        on_progress: Callable[[list[str], int, int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.faults = faults
+        self._on_progress = on_progress
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+        self.steps_run: dict[str, int] = {}
+        self.max_model_batch = 0
+
+    # -- aborts: written by the worker's receiver thread, read between steps ---------------------
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._aborted.update(request_ids)
+
+    def forget(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._aborted.difference_update(request_ids)
+            for rid in request_ids:
+                self.steps_run.pop(rid, None)
+
+    def is_aborted(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._aborted
+
+    def live(self, batch: list[StageRequest]) -> list[StageRequest]:
+        return [r for r in batch if not self.is_aborted(r.request_id)]
+
+    # -- the step boundary -------------------------------------------------------------------------
+    def step(
+        self,
+        batch: list[StageRequest],
+        step: int,
+        total: int,
+        previews: dict[str, Any] | None = None,
+    ) -> None:
+        """Call after each denoising/decoding step; raises StageAborted once nobody needs it."""
+        self.faults.fire("step", batch)
+        live = self.live(batch)
+        if not live:
+            raise StageAborted()
+        for r in live:
+            self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
+        if self._on_progress is not None:
+            ids = [r.request_id for r in live]
+            self._on_progress(ids, step, total, previews or {})
+
+    def saw_model_batch(self, size: int) -> None:
+        self.max_model_batch = max(self.max_model_batch, size)
+
+
+class Stage(ABC):
+    """A model that runs batches of requests inside a worker process."""
+
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.name = config.name
+
+    @abstractmethod
+    def load(self, device: str) -> None:
+        """Load weights (or build them, for `load_format=dummy`) onto `device`."""
+
+    def validate(self, request: StageRequest) -> None:  # noqa: B027 - optional hook
+        """Raise InvalidRequestError for what this stage cannot do; runs before batching."""
+
+    @abstractmethod
+    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        """Run one batch; return one output per request, in order."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what `load` took."""
+
+
+_KINDS = {
+    "null": "vllm_omni_like.stages.null:NullStage",
+    "llm": "vllm_omni_like.stages.llm:LLMStage",
+    "diffusion": "vllm_omni_like.stages.diffusion:DiffusionStage",
+}
+
+
+def create_stage(config: StageConfig) -> Stage:
+    """Import the stage class only now, so a null stage never imports torch."""
+    module_name, _, cls_name = _KINDS[config.kind].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(config)

@@ -1,0 +1,68 @@
+"""A stage that never imports torch: steps and delays from the request, deterministic output."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.stages.base import Stage, StageControl
+
+MAX_SIDE = 2048
+
+
+def _digest(seed: int | None, prompt: str, index: int) -> int:
+    data = f"{seed}|{prompt}|{index}".encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+class NullStage(Stage):
+    """Control-plane stand-in for an LLM (output=text) or a diffusion model (image/video)."""
+
+    def load(self, device: str) -> None:
+        self.output_kind = self.config.options.get("output", "image")
+        self.default_steps = int(self.config.options.get("steps", 4))
+        self.device = device
+
+    def validate(self, request: StageRequest) -> None:
+        p = request.params
+        for side, value in (("width", p.width), ("height", p.height)):
+            if value is not None and not 0 < value <= MAX_SIDE:
+                raise InvalidRequestError(
+                    f"{side} {value} is outside 1..{MAX_SIDE}", stage=self.name, param="size"
+                )
+
+    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        control.faults.fire("execute", batch)
+        control.saw_model_batch(len(batch))
+        steps = batch[0].params.num_inference_steps or self.default_steps
+        delay = batch[0].params.step_delay
+        for i in range(steps):
+            if delay > 0:
+                time.sleep(delay)
+            control.step(batch, i + 1, steps)
+        live = control.live(batch)
+        return [self._output(r, control.steps_run.get(r.request_id, 0)) for r in live]
+
+    def _output(self, r: StageRequest, steps_run: int) -> StageOutput:
+        out = StageOutput(request_id=r.request_id, stage=self.name, steps_run=steps_run)
+        p = r.params
+        if self.output_kind == "text":
+            out.text = f"{r.prompt} (rewritten #{_digest(p.seed, r.prompt, 0) % 10_000:04d})"
+            return out
+        h, w = p.height or 64, p.width or 64
+        if self.output_kind == "video":
+            rng = np.random.default_rng(_digest(p.seed, r.prompt, 0))
+            frames = rng.integers(0, 256, size=(p.num_frames or 5, h, w, 3), dtype=np.uint8)
+            out.video = VideoPayload(frames=frames, fps=p.fps or 8, seed=p.seed)
+            return out
+        for i in range(p.n):
+            seed = None if p.seed is None else p.seed + i
+            rng = np.random.default_rng(_digest(seed, r.prompt, i))
+            pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            out.images.append(ImagePayload(pixels=pixels, seed=seed))
+        return out
