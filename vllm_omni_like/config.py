@@ -92,8 +92,10 @@ class StageConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in STAGE_KINDS:
-            raise InvalidRequestError(f"stage {self.name!r}: kind must be one of {STAGE_KINDS}")
+        if self.kind not in STAGE_KINDS and ":" not in self.kind:
+            raise InvalidRequestError(
+                f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class'"
+            )
         if self.replicas < 1 or self.workers_per_replica < 1 or self.max_batch_size < 1:
             raise InvalidRequestError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         if self.load_format not in ("auto", "dummy"):

@@ -49,7 +49,7 @@ class OmniError(Exception):
         retry_after: float | None = None,
     ) -> None:
         message = message.strip() or f"{type(self).__name__} (no detail given)"
-        if stage and f"stage '{stage}'" not in message:
+        if stage and not message.startswith(f"stage '{stage}'"):
             message = f"stage '{stage}': {message}"
         super().__init__(message)
         self.message = message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -57,8 +58,14 @@ class _WorkerHandle:
 class MultiprocExecutor(Executor):
     """Workers of one stage replica as spawned processes, with a monitor thread on sentinels."""
 
-    def __init__(self, config: StageConfig, replica: int, sink: MessageSink,
-                 faults: tuple[FaultRule, ...] = (), device: str | None = None) -> None:
+    def __init__(
+        self,
+        config: StageConfig,
+        replica: int,
+        sink: MessageSink,
+        faults: tuple[FaultRule, ...] = (),
+        device: str | None = None,
+    ) -> None:
         self.config = config
         self.replica = replica
         self.sink = sink
@@ -92,7 +99,9 @@ class MultiprocExecutor(Executor):
             child_conn.close()  # so the reader sees EOF when the worker dies
             handle = _WorkerHandle(rank, proc, parent_conn)
             handle.reader = threading.Thread(
-                target=self._read_forever, args=(handle,), daemon=True,
+                target=self._read_forever,
+                args=(handle,),
+                daemon=True,
                 name=f"reader-{proc.name}",
             )
             handle.reader.start()
@@ -102,8 +111,11 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = threading.Thread(target=self._monitor_forever, daemon=True,
-                                         name=f"monitor-{self.config.name}-r{self.replica}")
+        self._monitor = threading.Thread(
+            target=self._monitor_forever,
+            daemon=True,
+            name=f"monitor-{self.config.name}-r{self.replica}",
+        )
         self._monitor.start()
 
     def _wait_ready(self) -> None:
@@ -114,16 +126,22 @@ class MultiprocExecutor(Executor):
             try:
                 msg = self._startup.get(timeout=0.05)
             except queue.Empty:
+                msg = None
+            if msg is None:
                 for w in self._workers:
                     if w.proc.exitcode is not None and w.rank not in ready:
                         time.sleep(0.05)  # a load failure message may still be in the pipe
                         if self._startup.empty():
                             raise EngineDeadError(
                                 f"{where}: worker {w.rank} {describe_exit(w.proc.exitcode)} "
-                                "while loading", stage=self.config.name)
+                                "while loading",
+                                stage=self.config.name,
+                            )
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"{where}: load timed out after "
-                                          f"{self.config.load_timeout:.0f}s", stage=self.config.name)
+                    raise EngineDeadError(
+                        f"{where}: load timed out after {self.config.load_timeout:.0f}s",
+                        stage=self.config.name,
+                    )
                 continue
             match msg:
                 case WorkerReady(rank=rank):
@@ -138,11 +156,7 @@ class MultiprocExecutor(Executor):
                 return
             self._stopping = True
         self._wake_w.send_bytes(b"x")
-        for w in self._workers:
-            try:
-                transport.send(w.conn, Shutdown(), w.send_lock)
-            except (OSError, ValueError):
-                pass
+        self._send_all(Shutdown())
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for w in self._workers:
             w.proc.join(max(0.0, deadline - time.monotonic()))
@@ -167,18 +181,16 @@ class MultiprocExecutor(Executor):
             if self._dead or self._stopping:
                 raise EngineDeadError(f"replica {self.replica} is dead", stage=self.config.name)
             self._inflight[batch.batch_id] = {r.request_id for r in batch.requests}
-        for w in self._workers:
-            try:
-                transport.send(w.conn, batch, w.send_lock)
-            except (OSError, ValueError):
-                pass  # the monitor fails this batch as the worker's death is seen
+        self._send_all(batch)
 
     def abort(self, request_ids: list[str]) -> None:
+        self._send_all(AbortRequests(list(request_ids)))
+
+    def _send_all(self, msg: object) -> None:
         for w in self._workers:
-            try:
-                transport.send(w.conn, AbortRequests(list(request_ids)), w.send_lock)
-            except (OSError, ValueError):
-                pass
+            # a dead worker's pipe refuses; the monitor handles that death
+            with contextlib.suppress(OSError, ValueError):
+                transport.send(w.conn, msg, w.send_lock)
 
     def add_failure_callback(self, callback: FailureCallback) -> None:
         self._callbacks.append(callback)
@@ -245,8 +257,14 @@ class MultiprocExecutor(Executor):
         desc = describe_exit(dead.proc.exitcode)
         if self._kill_reason:
             desc = f"{desc} ({self._kill_reason})"
-        logger.error("stage %s replica %d: worker %d (pid %s) %s", self.config.name,
-                     self.replica, dead.rank, dead.proc.pid, desc)
+        logger.error(
+            "stage %s replica %d: worker %d (pid %s) %s",
+            self.config.name,
+            self.replica,
+            dead.rank,
+            dead.proc.pid,
+            desc,
+        )
         # 2) the replica is unusable: stop its other workers, drain what they already sent
         self.kill(self._kill_reason or f"worker {dead.rank} died")
         for w in self._workers:
@@ -259,7 +277,9 @@ class MultiprocExecutor(Executor):
         lost: list[str] = []
         for bid, ids in inflight.items():
             for rid in sorted(ids):
-                err = EngineDeadError(f"replica {self.replica} worker {desc}", stage=self.config.name)
+                err = EngineDeadError(
+                    f"replica {self.replica} worker {desc}", stage=self.config.name
+                )
                 self.sink(RequestResult(bid, StageOutput.from_error(rid, err, self.config.name)))
                 lost.append(rid)
             self.sink(BatchDone(bid, len(ids), 0, 0.0))

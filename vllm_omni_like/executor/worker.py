@@ -46,8 +46,14 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 class _Worker:
-    def __init__(self, conn: Connection, config: StageConfig, rank: int, device: str,
-                 faults: tuple[FaultRule, ...]) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        config: StageConfig,
+        rank: int,
+        device: str,
+        faults: tuple[FaultRule, ...],
+    ) -> None:
         self.conn = conn
         self.config = config
         self.rank = rank
@@ -73,8 +79,7 @@ class _Worker:
             self.stage = create_stage(self.config)
             self.stage.load(self.device)
         except Exception as exc:
-            err = classify(exc, self.config.name)
-            info = EngineDeadError(f"failed to load: {err.message}", stage=self.config.name).info()
+            info = EngineDeadError(f"failed to load: {classify(exc).message}").info()
             self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
             return False
         self.send(WorkerReady(self.rank, os.getpid(), self.device))
@@ -114,7 +119,9 @@ class _Worker:
                 self.stage.validate(req)
                 valid.append(req)
             except InvalidRequestError as exc:
-                self._result(batch.batch_id, StageOutput.from_error(req.request_id, exc, self.stage.name))
+                self._result(
+                    batch.batch_id, StageOutput.from_error(req.request_id, exc, self.stage.name)
+                )
         try:
             outputs = run_isolated(self.stage, valid, self.control)
         except FatalStageError as exc:
@@ -135,12 +142,19 @@ class _Worker:
             self.send(RequestResult(batch_id, out))
 
 
-def worker_main(conn: Connection, config: StageConfig, rank: int, device: str,
-                faults: tuple[FaultRule, ...], parent_pid: int) -> None:
+def worker_main(
+    conn: Connection,
+    config: StageConfig,
+    rank: int,
+    device: str,
+    faults: tuple[FaultRule, ...],
+    parent_pid: int,
+) -> None:
     """Entry point of a spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
+    )
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     worker = _Worker(conn, config, rank, device, faults)
     if not worker.load():

@@ -104,7 +104,10 @@ _KINDS = {
 
 
 def create_stage(config: StageConfig) -> Stage:
-    """Import the stage class only now, so a null stage never imports torch."""
-    module_name, _, cls_name = _KINDS[config.kind].partition(":")
+    """Import the stage class only now, so a null stage never imports torch.
+
+    `kind` is a built-in name or a 'package.module:Class' of the user's own Stage subclass.
+    """
+    module_name, _, cls_name = _KINDS.get(config.kind, config.kind).partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(config)

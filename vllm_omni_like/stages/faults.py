@@ -58,9 +58,10 @@ class FaultInjector:
 
     def fire_load(self) -> None:
         for rule in self.rules:
-            if rule.point == "load" and rule.match is None:
-                if rule.p is None or hash_fraction(rule.seed, "load", self.stage, "load") < rule.p:
-                    self._act(rule, "load", None)
+            if rule.point != "load" or rule.match is not None:
+                continue
+            if rule.p is None or hash_fraction(rule.seed, "load", self.stage, "load") < rule.p:
+                self._act(rule, "load", None)
 
     def _act(self, rule: FaultRule, point: str, request_id: str | None) -> None:
         self.fired[rule.kind] = self.fired.get(rule.kind, 0) + 1

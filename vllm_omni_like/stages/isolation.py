@@ -62,8 +62,14 @@ def run_isolated(
             free_device_cache()
         if len(live) == 1:
             if not isinstance(exc, InvalidRequestError):
-                logger.warning("stage %s: request %s failed: %r", stage.name, live[0].request_id, exc)
-            return [StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage.name), stage.name)]
+                logger.warning(
+                    "stage %s: request %s failed: %r", stage.name, live[0].request_id, exc
+                )
+            return [
+                StageOutput.from_error(
+                    live[0].request_id, _as_request_error(exc, stage.name), stage.name
+                )
+            ]
         logger.info("stage %s: batch of %d raised %r; bisecting", stage.name, len(live), exc)
         mid = len(live) // 2
         return run_isolated(stage, live[:mid], control) + run_isolated(stage, live[mid:], control)

@@ -1,0 +1,51 @@
+"""Shared fixtures and helpers: real worker processes, bounded waits, leak checks."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import psutil
+import pytest
+
+from vllm_omni_like.messages import BatchDone
+
+
+def drain_batch(q: queue.Queue, batch_id: int, timeout: float = 30.0) -> list[object]:
+    """Messages from an executor sink until `batch_id` is done (bounded by `timeout`)."""
+    got: list[object] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        got.append(msg)
+        if isinstance(msg, BatchDone) and msg.batch_id == batch_id:
+            return got
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def live_children() -> list[psutil.Process]:
+    """Child processes, less multiprocessing's own resource tracker (one per parent, by design)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" in " ".join(child.cmdline()) or child.status() == "zombie":
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        found.append(child)
+    return found
+
+
+@pytest.fixture
+def no_leaked_children():
+    """After the test, this process has no child processes left."""
+    yield
+    assert wait_until(lambda: not live_children(), 10), live_children()

@@ -1,0 +1,217 @@
+"""The multi-process executor with real worker processes (null stages: no torch)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import drain_batch, wait_until
+from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.executor import MultiprocExecutor
+from vllm_omni_like.messages import BatchDone, ExecuteBatch, Progress, RequestResult, StageRequest
+from vllm_omni_like.params import GenerationParams
+
+FAULTS = (FaultRule("diffusion", "execute", "raise", match="@fail"),
+          FaultRule("diffusion", "step", "exit", match="@exit"))
+
+
+def _req(rid: str, prompt: str = "a cat", steps: int = 2, delay: float = 0.0) -> StageRequest:
+    return StageRequest(rid, prompt, GenerationParams(seed=1, num_inference_steps=steps,
+                                                      step_delay=delay))
+
+
+def _results(msgs) -> dict[str, object]:
+    return {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}
+
+
+@pytest.fixture
+def executor(no_leaked_children):
+    sink: queue.Queue = queue.Queue()
+    ex = MultiprocExecutor(StageConfig(name="diffusion", kind="null"), 0, sink.put, FAULTS)
+    ex.start()
+    deaths = []
+    ex.add_failure_callback(deaths.append)
+    yield ex, sink, deaths
+    ex.shutdown()
+
+
+def test_batch_runs_end_to_end_with_progress(executor):
+    ex, sink, _ = executor
+    ex.execute(ExecuteBatch(1, [_req("a"), _req("b", "a dog")]))
+    msgs = drain_batch(sink, 1)
+    res = _results(msgs)
+    assert set(res) == {"a", "b"} and all(o.error is None and o.images for o in res.values())
+    assert sum(isinstance(m, Progress) for m in msgs) == 2
+    done = msgs[-1]
+    assert isinstance(done, BatchDone) and done.batch_size == 2 and done.model_batch_dim == 2
+    assert ex.in_flight == set()
+
+
+def test_recoverable_fault_fails_only_its_own_request(executor):
+    ex, sink, deaths = executor
+    ex.execute(ExecuteBatch(2, [_req("a"), _req("b", "x @fail"), _req("c")]))
+    res = _results(drain_batch(sink, 2))
+    assert res["a"].error is None and res["c"].error is None
+    assert res["b"].error.error_class == "EngineGenerateError"
+    assert res["b"].error.message == (
+        "stage 'diffusion': InjectedFault: injected raise fault at execute for request b")
+    assert ex.alive and deaths == []
+
+
+def _kill_and_time(ex, sink, deaths, busy: bool):
+    if busy:
+        ex.execute(ExecuteBatch(3, [_req("slow", steps=1000, delay=0.01), _req("slow2", steps=1000,
+                                                                              delay=0.01)]))
+        assert isinstance(sink.get(timeout=10), Progress)  # it is running
+    pid = ex.pids[0]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return t0
+
+
+def test_sigkill_of_busy_worker_fails_in_flight_work_fast_and_fires_once(executor):
+    ex, sink, deaths = executor
+    t0 = _kill_and_time(ex, sink, deaths, busy=True)
+    failed = {}
+    while len(failed) < 2:
+        msg = sink.get(timeout=5)
+        if isinstance(msg, RequestResult):
+            failed[msg.output.request_id] = (time.monotonic() - t0, msg.output.error)
+    for elapsed, err in failed.values():
+        assert elapsed < 0.1
+        assert err.error_class == "EngineDeadError" and err.status == 503
+        assert err.message == "stage 'diffusion': replica 0 worker killed by signal SIGKILL"
+    assert wait_until(lambda: len(deaths) == 1, 1)
+    time.sleep(0.3)
+    assert len(deaths) == 1
+    assert deaths[0].exit_desc == "killed by signal SIGKILL"
+    assert sorted(deaths[0].in_flight) == ["slow", "slow2"]
+    assert not ex.alive and ex.in_flight == set()
+    with pytest.raises(EngineDeadError, match="replica 0 is dead"):
+        ex.execute(ExecuteBatch(4, [_req("late")]))
+
+
+def test_sigkill_of_idle_worker_fires_the_callback_once(executor):
+    ex, sink, deaths = executor
+    t0 = _kill_and_time(ex, sink, deaths, busy=False)
+    assert wait_until(lambda: len(deaths) == 1, 1)
+    assert time.monotonic() - t0 < 0.5
+    time.sleep(0.3)
+    assert len(deaths) == 1 and deaths[0].in_flight == []
+    assert sink.empty()
+
+
+def test_worker_exit_fault_is_a_death_with_its_exit_code(executor):
+    ex, sink, deaths = executor
+    ex.execute(ExecuteBatch(5, [_req("p", "poison @exit")]))
+    res = _results(drain_batch(sink, 5))
+    assert res["p"].error.error_class == "EngineDeadError"
+    assert wait_until(lambda: len(deaths) == 1, 1)
+    assert deaths[0].exit_desc == "exited with code 86"
+
+
+def test_fatal_device_error_makes_the_worker_exit(no_leaked_children):
+    sink: queue.Queue = queue.Queue()
+    cfg = StageConfig(name="diffusion", kind="tests.stage_helpers:DeviceErrorStage")
+    ex = MultiprocExecutor(cfg, 0, sink.put)
+    ex.start()
+    deaths = []
+    ex.add_failure_callback(deaths.append)
+    ex.execute(ExecuteBatch(1, [_req("a"), _req("b", "device-error")]))
+    res = _results(drain_batch(sink, 1))
+    assert {o.error.error_class for o in res.values()} == {"EngineDeadError"}
+    assert wait_until(lambda: len(deaths) == 1, 2)
+    assert deaths[0].exit_desc == "exited with code 3"
+    ex.shutdown()
+
+
+def test_abort_reaches_the_running_worker(executor):
+    ex, sink, _ = executor
+    ex.execute(ExecuteBatch(6, [_req("a", steps=500, delay=0.01), _req("b", steps=500, delay=0.01)]))
+    assert isinstance(sink.get(timeout=10), Progress)
+    ex.abort(["a", "b"])
+    t0 = time.monotonic()
+    msgs = drain_batch(sink, 6, timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert _results(msgs) == {}  # aborted requests deliver nothing
+    steps = [m.step for m in msgs if isinstance(m, Progress)]
+    assert max(steps, default=0) < 100
+
+
+def test_shutdown_is_idempotent_and_leaves_no_process(no_leaked_children):
+    ex = MultiprocExecutor(StageConfig(name="s", kind="null", workers_per_replica=2), 0,
+                           lambda m: None)
+    ex.start()
+    pids = ex.pids
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    threads = [threading.Thread(target=ex.shutdown) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    ex.shutdown()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "faults", "expected"),
+    [
+        (StageConfig(name="diffusion", kind="diffusion", model="/nonexistent/model"), (),
+         "stage 'diffusion': replica 0: failed to load: FileNotFoundError: "
+         "model directory '/nonexistent/model' does not exist"),
+        (StageConfig(name="llm", kind="null"), (FaultRule("llm", "load", "raise"),),
+         "stage 'llm': replica 0: failed to load: InjectedFault: injected raise "
+         "fault at load"),
+        (StageConfig(name="llm", kind="null"), (FaultRule("llm", "load", "exit"),),
+         "stage 'llm': replica 0: worker 0 exited with code 86 while loading"),
+    ],
+)
+def test_startup_failures_name_stage_and_cause(cfg, faults, expected, no_leaked_children):
+    ex = MultiprocExecutor(cfg, 0, lambda m: None, faults)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        ex.start()
+    assert info.value.message == expected
+    assert time.monotonic() - t0 < 30
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from vllm_omni_like.config import StageConfig
+    from vllm_omni_like.executor import MultiprocExecutor
+    if __name__ == "__main__":
+        ex = MultiprocExecutor(StageConfig(name="s", kind="null", workers_per_replica=2), 0,
+                               lambda m: None)
+        ex.start()
+        print(" ".join(map(str, ex.pids)), flush=True)
+        time.sleep(120)
+""")
+
+
+def test_workers_exit_when_their_parent_is_sigkilled(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        proc.kill()
+        proc.wait(5)
+        t0 = time.monotonic()
+        gone = wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 10)
+        assert gone, "workers outlived their parent"
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.kill()
+        proc.wait(5)
+        proc.stdout.close()

@@ -1,0 +1,265 @@
+"""Diffusion stage: any diffusers pipeline from a local directory (text-to-image, edit, video)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.stages.base import Stage, StageControl
+from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
+from vllm_omni_like.stages.torch_utils import (
+    BatchDimProbe,
+    check_model_dir,
+    quiet_loading,
+    random_diffusers_components,
+    resolve_device,
+    resolve_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 20
+MAX_STEPS = 200
+
+
+def _to_uint8(images: Any) -> np.ndarray:
+    return (np.clip(np.asarray(images, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+class DiffusionStage(Stage):
+    """Runs text2img / edit (img2img or inpaint, same components) / text2video batches."""
+
+    # 1. load -----------------------------------------------------------------------------------
+    def load(self, device: str) -> None:
+        import diffusers
+
+        opts = self.config.options
+        quiet_loading()
+        path = self.config.model or "tiny-image"
+        if path in TINY_NAMES:
+            path = ensure_tiny_model(path)
+        check_model_dir(path, "model_index.json")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
+        components = {}
+        if self.config.load_format == "dummy":
+            components = random_diffusers_components(path, self.device, self.dtype)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(
+            path, local_files_only=True, dtype=self.dtype, **components
+        )
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe.to(self.device)
+        self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters
+        self.denoiser = getattr(pipe, "unet", None) or pipe.transformer
+        self.probe = BatchDimProbe()
+        self.probe.attach(self.denoiser)
+        self.edit_pipes = self._edit_pipelines()
+        self.tokenizer = getattr(pipe, "tokenizer", None)
+        self.size_multiple = int(opts.get("size_multiple", self._size_multiple()))
+        self.max_side = int(opts.get("max_side", 2048))
+        self.default_size = int(opts.get("default_size", self._native_size()))
+        self.default_steps = int(opts.get("default_steps", DEFAULT_STEPS))
+        self.default_guidance = float(
+            opts.get("default_guidance", 7.5 if not self.is_video else 5.0)
+        )
+        self.max_frames = int(opts.get("max_frames", 129))
+
+    def _edit_pipelines(self) -> dict[str, Any]:
+        if self.is_video:
+            return {}
+        import diffusers
+
+        pipes = {}
+        for mode, auto in (
+            ("edit", diffusers.AutoPipelineForImage2Image),
+            ("inpaint", diffusers.AutoPipelineForInpainting),
+        ):
+            try:
+                pipes[mode] = auto.from_pipe(self.pipe)
+                pipes[mode].set_progress_bar_config(disable=True)
+            except Exception as exc:  # this model family has no such variant
+                logger.info("stage %s: no %s pipeline (%s)", self.name, mode, exc)
+        return pipes
+
+    def _size_multiple(self) -> int:
+        factor = int(
+            getattr(self.pipe, "vae_scale_factor", None)
+            or getattr(self.pipe, "vae_scale_factor_spatial", 8)
+        )
+        patch = getattr(self.denoiser.config, "patch_size", None)
+        if isinstance(patch, (list, tuple)):
+            factor *= int(patch[-1])
+        return math.lcm(8, factor)  # diffusers' pipelines check multiples of 8
+
+    def _native_size(self) -> int:
+        sample = getattr(self.denoiser.config, "sample_size", None)
+        if isinstance(sample, int) and not self.is_video:
+            return sample * int(getattr(self.pipe, "vae_scale_factor", 8))
+        return 64 if self.config.model in TINY_NAMES or not self.config.model else 512
+
+    # 2. validate (before batching) ---------------------------------------------------------------
+    def validate(self, request: StageRequest) -> None:
+        p = request.params
+        if request.mode == "text2video" and not self.is_video:
+            raise InvalidRequestError("this model makes images, not videos", stage=self.name)
+        if request.mode in ("text2img", "edit") and self.is_video:
+            raise InvalidRequestError("this model makes videos, not images", stage=self.name)
+        if (
+            request.mode == "edit"
+            and ("inpaint" if request.mask is not None else "edit") not in self.edit_pipes
+        ):
+            raise InvalidRequestError("this model does not support image edits", stage=self.name)
+        for side, value in (("width", p.width), ("height", p.height)):
+            if value is None:
+                continue
+            if value <= 0 or value > self.max_side or value % self.size_multiple:
+                raise InvalidRequestError(
+                    f"{side} {value} is not supported: it must be a multiple of "
+                    f"{self.size_multiple} between {self.size_multiple} and {self.max_side}",
+                    stage=self.name,
+                    param="size",
+                    code="invalid_size",
+                )
+        if p.num_inference_steps is not None and not 1 <= p.num_inference_steps <= MAX_STEPS:
+            raise InvalidRequestError(
+                f"num_inference_steps must be within 1..{MAX_STEPS}",
+                stage=self.name,
+                param="num_inference_steps",
+            )
+        if p.num_frames is not None and not 1 <= p.num_frames <= self.max_frames:
+            raise InvalidRequestError(
+                f"num_frames must be within 1..{self.max_frames}",
+                stage=self.name,
+                param="num_frames",
+            )
+        self._check_prompt_length(request)
+
+    def _check_prompt_length(self, request: StageRequest) -> None:
+        if self.tokenizer is None or request.truncate_prompt:
+            return
+        limit = self.tokenizer.model_max_length
+        for text, param in (
+            (request.prompt, "prompt"),
+            (request.params.negative_prompt or "", "negative_prompt"),
+        ):
+            count = len(self.tokenizer(text).input_ids)
+            if count > limit:
+                raise InvalidRequestError(
+                    f"{param} is {count} tokens long; the text encoder takes at most {limit}",
+                    stage=self.name,
+                    param=param,
+                    code="prompt_too_long",
+                )
+
+    # 3. execute -----------------------------------------------------------------------------------
+    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        control.faults.fire("execute", batch)
+        first = batch[0]
+        p = first.params
+        pipe = self.pipe
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": p.num_inference_steps or self.default_steps,
+            "guidance_scale": self.default_guidance
+            if p.guidance_scale is None
+            else p.guidance_scale,
+            "output_type": "np",
+        }
+        prompts, negatives, generators, seeds = [], [], [], []
+        for r in batch:
+            count = 1 if self.is_video else r.params.n
+            base = r.params.seed if r.params.seed is not None else random.randrange(2**31)
+            for i in range(count):
+                prompts.append(r.prompt)
+                negatives.append(r.params.negative_prompt or "")
+                seeds.append(base + i)
+                generators.append(torch.Generator(device=self.device).manual_seed(base + i))
+        kwargs.update(prompt=prompts, generator=generators)
+        if any(negatives) or not self.is_video:
+            kwargs["negative_prompt"] = negatives
+        if self.tokenizer is not None and any(r.truncate_prompt for r in batch):
+            limit = self.tokenizer.model_max_length
+            kwargs["prompt"] = [self._truncate(t, limit) for t in prompts]
+        if self.is_video:
+            kwargs.update(
+                num_frames=p.num_frames or 9,
+                max_sequence_length=self.tokenizer.model_max_length
+                if self.tokenizer is not None
+                else 512,
+            )
+        if first.mode == "edit":
+            pipe = self._edit_inputs(batch, kwargs)
+        size = self.default_size
+        kwargs.update(height=p.height or size, width=p.width or size)
+        kwargs["callback_on_step_end"] = self._callback(batch, control)
+        self.probe.reset()
+        with torch.inference_mode():
+            result = pipe(**kwargs)
+        control.saw_model_batch(self.probe.max_seen)
+        return self._split(batch, result, seeds)
+
+    def _truncate(self, text: str, limit: int) -> str:
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        special = len(self.tokenizer("").input_ids)
+        if len(ids) + special <= limit:
+            return text
+        logger.warning(
+            "stage %s: prompt of %d tokens truncated to %d", self.name, len(ids) + special, limit
+        )
+        return self.tokenizer.decode(ids[: limit - special])
+
+    def _edit_inputs(self, batch: list[StageRequest], kwargs: dict[str, Any]) -> Any:
+        from PIL import Image
+
+        images, masks = [], []
+        for r in batch:
+            image = Image.fromarray(r.images[0]).convert("RGB")
+            for _ in range(r.params.n):
+                images.append(image)
+                if r.mask is not None:
+                    masks.append(Image.fromarray(r.mask).convert("L"))
+        kwargs["image"] = images
+        kwargs["strength"] = (
+            batch[0].params.strength if batch[0].params.strength is not None else 0.8
+        )
+        if masks:
+            kwargs["mask_image"] = masks
+            return self.edit_pipes["inpaint"]
+        return self.edit_pipes["edit"]
+
+    def _callback(self, batch: list[StageRequest], control: StageControl):
+        def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
+            total = int(getattr(pipe, "_num_timesteps", 0) or 0) or i + 1
+            control.step(batch, i + 1, total)
+            return callback_kwargs
+
+        return on_step_end
+
+    def _split(self, batch: list[StageRequest], result: Any, seeds: list[int]) -> list[StageOutput]:
+        outputs, k = [], 0
+        media = result.frames if self.is_video else result.images
+        pixels = _to_uint8(media)
+        for r in batch:
+            out = StageOutput(request_id=r.request_id, stage=self.name)
+            if self.is_video:
+                out.video = VideoPayload(frames=pixels[k], fps=r.params.fps or 8, seed=seeds[k])
+                k += 1
+            else:
+                for _ in range(r.params.n):
+                    out.images.append(ImagePayload(pixels=pixels[k], seed=seeds[k]))
+                    k += 1
+            outputs.append(out)
+        return outputs
+
+    def close(self) -> None:
+        del self.pipe
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,354 @@
+"""The embedded default models, built offline by the package: nothing is ever downloaded.
+
+Each is a standard transformers / diffusers directory, so it loads through the same stage code
+as a user's model. Trained weights shipped in `vllm_omni_like/assets/<name>/` win; otherwise
+the architecture is built from fixed seeds into the cache directory, once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from importlib import resources
+
+from vllm_omni_like.config import cache_dir
+
+TINY_NAMES = ("tiny-llm", "tiny-image", "tiny-video")
+BUILD_VERSION = "1"
+MAX_TEXT_TOKENS = 32
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
+WORDS = [
+    "a",
+    "an",
+    "the",
+    "at",
+    "on",
+    "in",
+    "of",
+    "and",
+    "with",
+    "to",
+    "is",
+    "moving",
+    "towards",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "center",
+    "middle",
+    "upper",
+    "lower",
+    "corner",
+    "background",
+    "small",
+    "large",
+    "big",
+    "medium",
+    "tiny",
+    "huge",
+    "shape",
+    "shapes",
+    "scene",
+    "picture",
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "ring",
+    "cross",
+    "diamond",
+    "rectangle",
+    "hexagon",
+    "heart",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "orange",
+    "purple",
+    "pink",
+    "white",
+    "black",
+    "gray",
+    "grey",
+    "brown",
+    "cyan",
+    "magenta",
+    "up",
+    "down",
+    "moves",
+    "slides",
+    "drifts",
+    "across",
+    "one",
+    "two",
+    "draw",
+    "show",
+    "make",
+    "image",
+    "photo",
+    "video",
+    "clip",
+    "of",
+    "cat",
+    "dog",
+    "house",
+    "tree",
+    "sun",
+    "moon",
+    "car",
+    "sky",
+    "sea",
+    ",",
+    ".",
+    ":",
+    ";",
+    "!",
+    "?",
+    "-",
+    "'",
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "8",
+    "9",
+]
+
+
+def vocabulary() -> list[str]:
+    seen: dict[str, None] = dict.fromkeys(SPECIALS)
+    seen.update(dict.fromkeys(WORDS))
+    return list(seen)
+
+
+def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
+    """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        sep_token="<sep>",
+        model_max_length=max_length,
+    )
+
+
+def _build_llm(out: str) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(max_length=128)
+    tokenizer.padding_side = "left"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        max_new_tokens=24,
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _clip_text_encoder(vocab_size: int, tokenizer):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=MAX_TEXT_TOKENS,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def _build_image(out: str) -> None:
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=8,
+        sample_size=64,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=_clip_text_encoder(len(tokenizer), tokenizer),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(out)
+
+
+def _build_video(out: str) -> None:
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(out)
+
+
+_BUILDERS: dict[str, Callable[[str], None]] = {
+    "tiny-llm": _build_llm,
+    "tiny-image": _build_image,
+    "tiny-video": _build_video,
+}
+
+
+def shipped_path(name: str) -> str | None:
+    """Trained weights inside the package, if this build ships them."""
+    path = resources.files("vllm_omni_like") / "assets" / name
+    return str(path) if path.is_dir() else None
+
+
+def ensure_tiny_model(name: str) -> str:
+    """The directory of an embedded model; built (atomically, once) if nothing ships it."""
+    if name not in _BUILDERS:
+        raise KeyError(f"unknown embedded model {name!r}; known: {', '.join(TINY_NAMES)}")
+    shipped = shipped_path(name)
+    if shipped is not None:
+        return shipped
+    final = os.path.join(cache_dir(), f"{name}-v{BUILD_VERSION}")
+    if os.path.isdir(final):
+        return final
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir())
+    try:
+        _BUILDERS[name](tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first: theirs is identical
+            if not os.path.isdir(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,102 @@
+"""Device, dtype and model-building helpers shared by the torch stages."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from vllm_omni_like.errors import InvalidRequestError
+
+
+def quiet_loading() -> None:
+    """No progress bars from the hub libraries in worker logs."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return gpu_default if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
+    return _DTYPES[dtype]
+
+
+def check_model_dir(path: str, marker: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not os.path.exists(os.path.join(path, marker)):
+        raise FileNotFoundError(f"{path!r} has no {marker}: not a model directory of this kind")
+
+
+def random_diffusers_components(
+    path: str, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """`--load-format dummy`: every model of a diffusers directory built from its config alone."""
+    import diffusers
+    import transformers
+
+    with open(os.path.join(path, "model_index.json")) as f:
+        index = json.load(f)
+    components: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        library, cls_name = spec
+        sub = os.path.join(path, name)
+        if (
+            library == "diffusers"
+            and hasattr(getattr(diffusers, cls_name), "from_config")
+            and issubclass(getattr(diffusers, cls_name), diffusers.ModelMixin)
+        ):
+            cls = getattr(diffusers, cls_name)
+            with torch.device(device):
+                components[name] = cls.from_config(cls.load_config(sub)).to(dtype)
+        elif library == "transformers" and issubclass(
+            getattr(transformers, cls_name), transformers.PreTrainedModel
+        ):
+            cls = getattr(transformers, cls_name)
+            config = transformers.AutoConfig.from_pretrained(sub, local_files_only=True)
+            with torch.device(device):
+                components[name] = cls(config).to(dtype)
+    return components
+
+
+class BatchDimProbe:
+    """A forward pre-hook that records the largest batch dimension the model itself saw."""
+
+    def __init__(self) -> None:
+        self.max_seen = 0
+
+    def reset(self) -> None:
+        self.max_seen = 0
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        tensor = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+            self.max_seen = max(self.max_seen, int(tensor.shape[0]))
+
+    def attach(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(self, with_kwargs=True)
