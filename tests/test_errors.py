@@ -47,7 +47,11 @@ def test_errors_survive_pickling_with_their_fields():
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is QueueFullError
     assert (back.message, back.code, back.retry_after, back.param) == (
-        "too much waiting", "queue_full", 2.0, "model")
+        "too much waiting",
+        "queue_full",
+        2.0,
+        "model",
+    )
 
 
 def test_info_round_trips_to_the_same_class():

@@ -21,13 +21,16 @@ from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import BatchDone, ExecuteBatch, Progress, RequestResult, StageRequest
 from vllm_omni_like.params import GenerationParams
 
-FAULTS = (FaultRule("diffusion", "execute", "raise", match="@fail"),
-          FaultRule("diffusion", "step", "exit", match="@exit"))
+FAULTS = (
+    FaultRule("diffusion", "execute", "raise", match="@fail"),
+    FaultRule("diffusion", "step", "exit", match="@exit"),
+)
 
 
 def _req(rid: str, prompt: str = "a cat", steps: int = 2, delay: float = 0.0) -> StageRequest:
-    return StageRequest(rid, prompt, GenerationParams(seed=1, num_inference_steps=steps,
-                                                      step_delay=delay))
+    return StageRequest(
+        rid, prompt, GenerationParams(seed=1, num_inference_steps=steps, step_delay=delay)
+    )
 
 
 def _results(msgs) -> dict[str, object]:
@@ -64,14 +67,18 @@ def test_recoverable_fault_fails_only_its_own_request(executor):
     assert res["a"].error is None and res["c"].error is None
     assert res["b"].error.error_class == "EngineGenerateError"
     assert res["b"].error.message == (
-        "stage 'diffusion': InjectedFault: injected raise fault at execute for request b")
+        "stage 'diffusion': InjectedFault: injected raise fault at execute for request b"
+    )
     assert ex.alive and deaths == []
 
 
 def _kill_and_time(ex, sink, deaths, busy: bool):
     if busy:
-        ex.execute(ExecuteBatch(3, [_req("slow", steps=1000, delay=0.01), _req("slow2", steps=1000,
-                                                                              delay=0.01)]))
+        ex.execute(
+            ExecuteBatch(
+                3, [_req("slow", steps=1000, delay=0.01), _req("slow2", steps=1000, delay=0.01)]
+            )
+        )
         assert isinstance(sink.get(timeout=10), Progress)  # it is running
     pid = ex.pids[0]
     t0 = time.monotonic()
@@ -137,7 +144,9 @@ def test_fatal_device_error_makes_the_worker_exit(no_leaked_children):
 
 def test_abort_reaches_the_running_worker(executor):
     ex, sink, _ = executor
-    ex.execute(ExecuteBatch(6, [_req("a", steps=500, delay=0.01), _req("b", steps=500, delay=0.01)]))
+    ex.execute(
+        ExecuteBatch(6, [_req("a", steps=500, delay=0.01), _req("b", steps=500, delay=0.01)])
+    )
     assert isinstance(sink.get(timeout=10), Progress)
     ex.abort(["a", "b"])
     t0 = time.monotonic()
@@ -149,8 +158,9 @@ def test_abort_reaches_the_running_worker(executor):
 
 
 def test_shutdown_is_idempotent_and_leaves_no_process(no_leaked_children):
-    ex = MultiprocExecutor(StageConfig(name="s", kind="null", workers_per_replica=2), 0,
-                           lambda m: None)
+    ex = MultiprocExecutor(
+        StageConfig(name="s", kind="null", workers_per_replica=2), 0, lambda m: None
+    )
     ex.start()
     pids = ex.pids
     assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
@@ -166,14 +176,22 @@ def test_shutdown_is_idempotent_and_leaves_no_process(no_leaked_children):
 @pytest.mark.parametrize(
     ("cfg", "faults", "expected"),
     [
-        (StageConfig(name="diffusion", kind="diffusion", model="/nonexistent/model"), (),
-         "stage 'diffusion': replica 0: failed to load: FileNotFoundError: "
-         "model directory '/nonexistent/model' does not exist"),
-        (StageConfig(name="llm", kind="null"), (FaultRule("llm", "load", "raise"),),
-         "stage 'llm': replica 0: failed to load: InjectedFault: injected raise "
-         "fault at load"),
-        (StageConfig(name="llm", kind="null"), (FaultRule("llm", "load", "exit"),),
-         "stage 'llm': replica 0: worker 0 exited with code 86 while loading"),
+        (
+            StageConfig(name="diffusion", kind="diffusion", model="/nonexistent/model"),
+            (),
+            "stage 'diffusion': replica 0: failed to load: FileNotFoundError: "
+            "model directory '/nonexistent/model' does not exist",
+        ),
+        (
+            StageConfig(name="llm", kind="null"),
+            (FaultRule("llm", "load", "raise"),),
+            "stage 'llm': replica 0: failed to load: InjectedFault: injected raise fault at load",
+        ),
+        (
+            StageConfig(name="llm", kind="null"),
+            (FaultRule("llm", "load", "exit"),),
+            "stage 'llm': replica 0: worker 0 exited with code 86 while loading",
+        ),
     ],
 )
 def test_startup_failures_name_stage_and_cause(cfg, faults, expected, no_leaked_children):

@@ -30,7 +30,8 @@ def test_fraction_selector_is_stable_and_close_to_p():
     other = FaultRule("diffusion", "execute", "raise", p=0.1, seed=8)
     assert hits != [selects(other, _req(i)) for i in range(4000)]
     assert hash_fraction(7, "req-1", "diffusion", "execute") != hash_fraction(
-        7, "req-1", "diffusion", "step")
+        7, "req-1", "diffusion", "step"
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,10 @@ def _stage(cls=CountingStage):
 
 
 def _batch(prompts):
-    return [StageRequest(f"r{i}", p, GenerationParams(seed=i, num_inference_steps=2))
-            for i, p in enumerate(prompts)]
+    return [
+        StageRequest(f"r{i}", p, GenerationParams(seed=i, num_inference_steps=2))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _control(rules=()):
@@ -35,7 +37,9 @@ def test_bisection_fails_only_the_culprit_in_log_time():
     assert by_id["r5"].error is not None
     assert by_id["r5"].error.message == "stage 'diffusion': ValueError: bad input in batch"
     assert by_id["r5"].error.status == 500
-    assert all(by_id[f"r{i}"].error is None and by_id[f"r{i}"].images for i in (0, 1, 2, 3, 4, 6, 7))
+    assert all(
+        by_id[f"r{i}"].error is None and by_id[f"r{i}"].images for i in (0, 1, 2, 3, 4, 6, 7)
+    )
     # the full batch, then two halves per level: at most 1 + 2*log2(B) runs
     assert len(CountingStage.calls) <= 1 + 2 * math.log2(len(batch))
 

@@ -30,7 +30,9 @@ def test_output_is_deterministic_in_seed_and_prompt():
     two = stage.execute([r], _control())[0]
     assert [i.seed for i in one.images] == [3, 4]
     assert one.images[0].pixels.shape == (8, 16, 3)
-    assert all(np.array_equal(x.pixels, y.pixels) for x, y in zip(one.images, two.images, strict=True))
+    assert all(
+        np.array_equal(x.pixels, y.pixels) for x, y in zip(one.images, two.images, strict=True)
+    )
     other = stage.execute([StageRequest("b", "dog", GenerationParams(seed=3))], _control())[0]
     assert not np.array_equal(other.images[0].pixels[:8, :16], one.images[0].pixels)
 
@@ -39,7 +41,8 @@ def test_text_and_video_outputs():
     text = _stage("text").execute([StageRequest("a", "cat", GenerationParams(seed=1))], _control())
     assert text[0].text.startswith("cat (rewritten #")
     video = _stage("video").execute(
-        [StageRequest("a", "cat", GenerationParams(seed=1, num_frames=3, fps=4))], _control())
+        [StageRequest("a", "cat", GenerationParams(seed=1, num_frames=3, fps=4))], _control()
+    )
     assert video[0].video.frames.shape == (3, 64, 64, 3) and video[0].video.fps == 4
 
 
@@ -53,8 +56,10 @@ def test_progress_every_step_and_step_counts():
 
 def test_abort_between_steps_stops_when_no_peer_needs_the_batch():
     control = _control()
-    reqs = [StageRequest(r, "cat", GenerationParams(num_inference_steps=50, step_delay=0.01))
-            for r in ("a", "b")]
+    reqs = [
+        StageRequest(r, "cat", GenerationParams(num_inference_steps=50, step_delay=0.01))
+        for r in ("a", "b")
+    ]
     threading.Timer(0.1, control.abort, args=(["a"],)).start()
     threading.Timer(0.2, control.abort, args=(["b"],)).start()
     with pytest.raises(StageAborted):
