@@ -88,6 +88,7 @@ class BatchDone:
     batch_size: int
     model_batch_dim: int  # the largest batch dimension the model itself saw
     elapsed_s: float
+    steps_run: dict[str, int] = field(default_factory=dict)  # aborted requests included
 
 
 # ---- executor -> its owner (on the reader / monitor threads) -----------------------------------
@@ -101,6 +102,64 @@ class ReplicaDied:
     replica: int
     exit_desc: str
     in_flight: list[str] = field(default_factory=list)
+
+
+# ---- into the orchestrator's inbox ---------------------------------------------------------------
+
+
+@dataclass
+class OmniRequest:
+    """One request to the engine, as the API or the offline command builds it."""
+
+    request_id: str
+    prompt: str
+    pipeline: str
+    params: GenerationParams = field(default_factory=GenerationParams)
+    images: list[Any] = field(default_factory=list)
+    mask: Any | None = None
+    timeout: float | None = None  # seconds; the engine's default when None
+
+
+@dataclass
+class FromReplica:
+    """A worker message (or a ReplicaDied), tagged with where it came from."""
+
+    pipeline: str
+    stage: int
+    replica: int
+    msg: object
+
+
+@dataclass
+class Submit:
+    state: Any  # engine.request_state.RequestState
+
+
+@dataclass
+class Abort:
+    request_id: str
+    reason: str = "aborted"  # aborted | timeout
+
+
+@dataclass
+class ReplicaRestarted:
+    pipeline: str
+    stage: int
+    replica: int
+    executor: Any
+
+
+@dataclass
+class ReplicaRestartFailed:
+    pipeline: str
+    stage: int
+    replica: int
+    error: ErrorInfo
+
+
+@dataclass
+class StopOrchestrator:
+    pass
 
 
 WorkerMessage = WorkerReady | WorkerLoadFailed | Progress | RequestResult | BatchDone

@@ -45,6 +45,17 @@ class StageOutput:
 
 
 @dataclass
+class RequestProgress:
+    """A step of a stage finished for this request (previews: partial images, if asked)."""
+
+    request_id: str
+    stage: str
+    step: int
+    total: int
+    previews: Any = None
+
+
+@dataclass
 class OmniRequestOutput:
     """The final answer to one request: the last stage's output, or the error that ended it."""
 

@@ -134,7 +134,10 @@ class _Worker:
                 self._result(batch.batch_id, out)
         if self.reports:
             elapsed = time.monotonic() - started
-            self.send(BatchDone(batch.batch_id, len(ids), self.control.max_model_batch, elapsed))
+            steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
+            self.send(
+                BatchDone(batch.batch_id, len(ids), self.control.max_model_batch, elapsed, steps)
+            )
         self.control.forget(ids)
 
     def _result(self, batch_id: int, out: StageOutput) -> None:

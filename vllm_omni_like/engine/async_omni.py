@@ -1,0 +1,150 @@
+"""AsyncOmni, the one asyncio facade over the orchestrator; Omni, its thin synchronous wrapper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+from vllm_omni_like.config import EngineConfig
+from vllm_omni_like.engine.orchestrator import Orchestrator
+from vllm_omni_like.engine.stage_pool import ExecutorFactory
+from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.executor import MultiprocExecutor
+from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+
+
+class AsyncOmni:
+    """`generate` yields progress events, then the final OmniRequestOutput (result or error)."""
+
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory = MultiprocExecutor
+    ) -> None:
+        self.config = config
+        self.orchestrator = Orchestrator(config, executor_factory)
+        self._started = False
+
+    def start(self) -> None:
+        """Start every stage's workers; blocks until loaded; raises EngineDeadError on failure."""
+        self.orchestrator.start()
+        self._started = True
+
+    async def start_async(self) -> None:
+        await asyncio.to_thread(self.start)
+
+    @property
+    def errored(self) -> bool:
+        return self.orchestrator.errored
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def check_health(self) -> None:
+        if self.errored:
+            raise self.orchestrator.dead_error
+
+    def health(self) -> list[dict[str, object]]:
+        return self.orchestrator.health()
+
+    @property
+    def stats(self):
+        return self.orchestrator.stats
+
+    @property
+    def pipeline_names(self) -> list[str]:
+        return list(self.orchestrator.pipelines)
+
+    def pipeline_output(self, name: str) -> str:
+        return self.orchestrator.pipelines[name].config.output
+
+    async def generate(
+        self, request: OmniRequest
+    ) -> AsyncIterator[RequestProgress | OmniRequestOutput]:
+        """Admission errors raise before the first event; a closed or cancelled consumer aborts."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[RequestProgress | OmniRequestOutput] = asyncio.Queue()
+
+        def emit(event: object) -> None:
+            # a closed loop means nobody is listening any more
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self.orchestrator.submit(request, emit)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, OmniRequestOutput):
+                    finished = True
+                    yield event
+                    return
+                yield event
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    async def generate_final(self, request: OmniRequest) -> OmniRequestOutput:
+        async for event in self.generate(request):
+            if isinstance(event, OmniRequestOutput):
+                return event
+        raise EngineDeadError("the engine ended the request without an output")
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self.orchestrator.abort(request_id, reason)
+
+    def shutdown(self) -> None:
+        self.orchestrator.shutdown()
+
+
+class Omni:
+    """Offline, synchronous use: an event loop on a helper thread runs the same AsyncOmni path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = AsyncOmni(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="omni-loop"
+        )
+        self._thread.start()
+        try:
+            self.engine.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, requests: Iterable[OmniRequest]) -> list[OmniRequestOutput]:
+        """Run requests concurrently (the engine batches them); outputs in input order."""
+        futures = [
+            asyncio.run_coroutine_threadsafe(self.engine.generate_final(r), self._loop)
+            for r in requests
+        ]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # Ctrl+C: abort everything still running
+            for f in futures:
+                f.cancel()
+            raise
+
+    def submit(self, request: OmniRequest):
+        """One request as a concurrent.futures.Future of its OmniRequestOutput."""
+        return asyncio.run_coroutine_threadsafe(self.engine.generate_final(request), self._loop)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"

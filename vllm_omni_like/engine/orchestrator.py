@@ -1,0 +1,364 @@
+"""The orchestrator thread: routes each request stage by stage; owns errors, retries, aborts."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+from vllm_omni_like.config import EngineConfig
+from vllm_omni_like.engine.request_state import EngineStats, RequestState, final_status
+from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
+from vllm_omni_like.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    ErrorInfo,
+    NotFoundError,
+    OmniError,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from vllm_omni_like.executor import MultiprocExecutor
+from vllm_omni_like.messages import (
+    Abort,
+    BatchDone,
+    FromReplica,
+    OmniRequest,
+    Progress,
+    ReplicaDied,
+    ReplicaRestarted,
+    ReplicaRestartFailed,
+    RequestResult,
+    StopOrchestrator,
+    Submit,
+)
+from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.pipelines.base import Pipeline
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.02
+EARLY_ABORT_TTL_S = 120.0
+
+
+class Orchestrator:
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory = MultiprocExecutor
+    ) -> None:
+        self.config = config
+        self.inbox: queue.Queue[object] = queue.Queue()
+        self.pipelines = {p.name: Pipeline(p) for p in config.pipelines}
+        self.pools = {
+            p.name: [
+                StagePool(
+                    p.name, i, s, self.inbox, config.faults, config.max_restarts, executor_factory
+                )
+                for i, s in enumerate(p.stages)
+            ]
+            for p in config.pipelines
+        }
+        self.requests: dict[str, RequestState] = {}
+        self.early_aborts: dict[str, float] = {}
+        self.stats = EngineStats()
+        self.recent_steps: deque[tuple[str, str, int]] = deque(maxlen=4096)
+        self._admitted: Counter[str] = Counter()
+        self._admit_lock = threading.Lock()
+        self._batch_ids = itertools.count(1)
+        self._dead: ErrorInfo | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # ---- any thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        pools = [pool for pools in self.pools.values() for pool in pools]
+        try:
+            for pool in pools:
+                pool.start()
+        except BaseException:
+            for pool in pools:
+                pool.shutdown()
+            raise
+        self._thread = threading.Thread(target=self._run, name="orchestrator", daemon=True)
+        self._thread.start()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or (self._thread is not None and not self._thread.is_alive())
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        info = self._dead
+        return EngineDeadError(info.message if info else "the engine is not running")
+
+    def submit(self, request: OmniRequest, emit: Callable[[object], None]) -> None:
+        """Admit a request (or raise at once); its events and final output go to `emit`."""
+        if self.errored or self._stopped:
+            self.stats.reject(503)
+            raise self.dead_error
+        pipeline = self.pipelines.get(request.pipeline)
+        if pipeline is None:
+            self.stats.reject(404)
+            raise NotFoundError(
+                f"model {request.pipeline!r} is not served here; served: "
+                f"{', '.join(self.pipelines)}",
+                code="model_not_found",
+                param="model",
+            )
+        with self._admit_lock:
+            if self._admitted[pipeline.name] >= self.config.max_queue_size:
+                self.stats.reject(429)
+                raise QueueFullError(
+                    f"pipeline {pipeline.name!r} has {self.config.max_queue_size} requests "
+                    "waiting or running; retry later",
+                    retry_after=1.0,
+                )
+            self._admitted[pipeline.name] += 1
+        self.stats.admitted()
+        timeout = request.timeout or self.config.request_timeout
+        state = RequestState(request, emit, deadline=time.monotonic() + timeout)
+        self.inbox.put(Submit(state))
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self.inbox.put(Abort(request_id, reason))
+
+    def health(self) -> list[dict[str, object]]:
+        return [pool.health() for pools in self.pools.values() for pool in pools]
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.inbox.put(StopOrchestrator())
+        if self._thread is not None:
+            self._thread.join(30)
+        for pools in self.pools.values():
+            for pool in pools:
+                pool.shutdown()
+        for state in list(self.requests.values()):
+            self._finish(state, EngineDeadError("the engine shut down"))
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                # 1) wait for a message, or the next tick
+                try:
+                    msg: object | None = self.inbox.get(timeout=TICK_S)
+                except queue.Empty:
+                    msg = None
+                # 2) handle it and whatever else is queued
+                while msg is not None:
+                    if isinstance(msg, StopOrchestrator):
+                        return
+                    self._handle(msg)
+                    try:
+                        msg = self.inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                # 3) deadlines, stalls
+                now = time.monotonic()
+                self._check_deadlines(now)
+                for pools in self.pools.values():
+                    for pool in pools:
+                        pool.check_stalls(now)
+                # 4) hand queued work to idle replicas
+                self._dispatch()
+        except BaseException as exc:
+            logger.exception("orchestrator thread died")
+            self._die(EngineDeadError(f"the orchestrator thread died: {type(exc).__name__}: {exc}"))
+
+    def _handle(self, msg: object) -> None:
+        match msg:
+            case Submit(state=state):
+                self._on_submit(state)
+            case Abort(request_id=rid, reason=reason):
+                state = self.requests.get(rid)
+                if state is None:
+                    self.early_aborts[rid] = time.monotonic()  # remembered, not lost
+                else:
+                    self._abort(state, reason)
+            case FromReplica(pipeline=pipe, stage=stage, replica=replica, msg=inner):
+                self._on_replica_message(pipe, stage, replica, inner)
+            case ReplicaRestarted(pipeline=pipe, stage=stage, replica=replica, executor=ex):
+                self.pools[pipe][stage].on_restarted(replica, ex)
+                self.stats.restarts += 1
+            case ReplicaRestartFailed(pipeline=pipe, stage=stage, replica=replica, error=err):
+                logger.error("restart of %s replica %d failed: %s", pipe, replica, err.message)
+                pool = self.pools[pipe][stage]
+                pool.on_restart_failed(replica)
+                if pool.state == "dead":
+                    self._die(
+                        EngineDeadError(
+                            f"no live replica and no restart left; last "
+                            f"restart failed: {err.message}",
+                            stage=pool.name,
+                        )
+                    )
+
+    def _on_submit(self, state: RequestState) -> None:
+        rid = state.request_id
+        if self.early_aborts.pop(rid, None) is not None:
+            self._finish(
+                state,
+                EngineGenerateError("the request was aborted", code="aborted"),
+                status="aborted",
+            )
+            return
+        if self._dead is not None:
+            self._finish(state, self.dead_error)
+            return
+        self.requests[rid] = state
+        self._enter_stage(state, 0, None)
+
+    def _enter_stage(self, state: RequestState, index: int, previous) -> None:
+        pipeline = self.pipelines[state.request.pipeline]
+        state.stage_index, state.replica, state.isolate = index, None, False
+        state.stage_request = pipeline.stage_request(state.request, index, previous)
+        self.pools[pipeline.name][index].enqueue(state)
+
+    def _on_replica_message(self, pipe: str, stage: int, replica: int, msg: object) -> None:
+        pool = self.pools[pipe][stage]
+        match msg:
+            case RequestResult(output=out):
+                state = self.requests.get(out.request_id)
+                if state is None or state.stage_index != stage or state.replica != replica:
+                    return  # finished or aborted already
+                if out.error is not None and out.error.error_class == "EngineDeadError":
+                    return  # the replica died: handled once its ReplicaDied arrives
+                if out.error is not None:
+                    self._finish(state, out.error.to_exception())
+                    return
+                state.outputs[pool.name] = out
+                if stage + 1 < len(self.pools[pipe]):
+                    self._enter_stage(state, stage + 1, out)
+                else:
+                    self._finish(state, None)
+            case BatchDone(batch_id=bid, batch_size=size, steps_run=steps):
+                pool.batch_done(replica, bid)
+                self.stats.batch_sizes[size] += 1
+                self.recent_steps.extend((rid, pool.name, n) for rid, n in steps.items())
+            case Progress(request_ids=ids, step=step, total=total, previews=previews):
+                for rid in ids:
+                    state = self.requests.get(rid)
+                    if state is not None:
+                        state.emit(RequestProgress(rid, pool.name, step, total, previews.get(rid)))
+            case ReplicaDied() as event:
+                self._on_replica_death(pool, replica, event)
+
+    def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
+        self.stats.worker_deaths += 1
+        lost = pool.on_death(replica)
+        for state in lost:
+            if state.finished:
+                continue
+            state.deaths += 1
+            if state.deaths >= 2:
+                self._finish(
+                    state,
+                    EngineGenerateError(
+                        "request crashed the worker twice; it is not retried", stage=pool.name
+                    ),
+                )
+            elif state.retries < self.config.max_request_retries and pool.state != "dead":
+                state.retries += 1
+                state.replica, state.isolate = None, True
+                pool.enqueue(state, front=True)  # reuses earlier stages' outputs
+            elif pool.state == "dead":
+                self._finish(
+                    state,
+                    EngineDeadError(
+                        f"worker {event.exit_desc}; no live replica and no restart left",
+                        stage=pool.name,
+                    ),
+                )
+            else:
+                self._finish(
+                    state,
+                    EngineGenerateError(
+                        f"worker {event.exit_desc} while running this request; no retry left",
+                        stage=pool.name,
+                    ),
+                )
+        if pool.state == "dead":
+            self._die(
+                EngineDeadError(
+                    f"worker {event.exit_desc}; no live replica and no restart left",
+                    stage=pool.name,
+                )
+            )
+
+    def _die(self, error: EngineDeadError) -> None:
+        """A stage is dead: the engine is dead for good; every waiting request ends now."""
+        if self._dead is None:
+            self._dead = error.info()
+            logger.error("engine is dead: %s", error.message)
+        for state in list(self.requests.values()):
+            self._finish(state, EngineDeadError(self._dead.message))
+
+    def _abort(self, state: RequestState, reason: str) -> None:
+        pool = self.pools[state.request.pipeline][state.stage_index]
+        if not pool.remove(state):
+            pool.abort_running(state)
+        if reason == "timeout":
+            timeout = state.deadline - state.created
+            self._finish(
+                state,
+                RequestTimeoutError(
+                    f"the request's deadline of {timeout:.1f}s passed", stage=pool.name
+                ),
+            )
+        else:
+            self._finish(
+                state,
+                EngineGenerateError("the request was aborted", code="aborted", stage=pool.name),
+                status="aborted",
+            )
+
+    def _check_deadlines(self, now: float) -> None:
+        for state in [s for s in self.requests.values() if s.deadline <= now]:
+            self._abort(state, "timeout")
+        stale = [rid for rid, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]
+        for rid in stale:
+            del self.early_aborts[rid]
+
+    def _dispatch(self) -> None:
+        for pools in self.pools.values():
+            for i, pool in enumerate(pools):
+                downstream = pools[i + 1] if i + 1 < len(pools) else None
+                if downstream is not None and len(downstream.waiting) >= downstream.capacity:
+                    continue  # back-pressure: hold work here rather than refuse it later
+                for batch in pool.dispatch(lambda: next(self._batch_ids)):
+                    self.stats.stage_requests[pool.name] += len(batch)
+
+    def _finish(
+        self, state: RequestState, error: OmniError | None, status: str | None = None
+    ) -> None:
+        """End a request exactly once: its final output, its status, and no state left."""
+        if state.finished:
+            return
+        state.finished = True
+        rid = state.request_id
+        if self.requests.get(rid) is state:
+            del self.requests[rid]
+        pools = self.pools[state.request.pipeline]
+        pool = pools[state.stage_index]
+        pool.remove(state)
+        with self._admit_lock:
+            self._admitted[state.request.pipeline] -= 1
+        info = error.info() if error is not None else None
+        last = state.outputs.get(pools[-1].name) if info is None else None
+        output = OmniRequestOutput(
+            request_id=rid,
+            stage_id=pool.name,
+            output=last,
+            error=info,
+            revised_prompt=Pipeline.revised_prompt(state.outputs),
+            stage_outputs=state.outputs,
+        )
+        status = status or final_status(info)
+        self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
+        state.emit(output)

@@ -1,0 +1,92 @@
+"""Per-request state owned by the orchestrator thread, and the final-status bookkeeping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.messages import OmniRequest, StageRequest
+from vllm_omni_like.outputs import StageOutput
+
+FINAL_STATUSES = ("success", "invalid", "error", "dead", "aborted", "timeout")
+
+
+def final_status(error: ErrorInfo | None) -> str:
+    if error is None:
+        return "success"
+    return {
+        "InvalidRequestError": "invalid",
+        "EngineDeadError": "dead",
+        "RequestTimeoutError": "timeout",
+    }.get(error.error_class, "error")
+
+
+@dataclass
+class RequestState:
+    request: OmniRequest
+    emit: Callable[[object], None]
+    deadline: float
+    created: float = field(default_factory=time.monotonic)
+    stage_index: int = 0
+    stage_request: StageRequest | None = None
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+    retries: int = 0  # re-queues after a replica death
+    deaths: int = 0  # worker deaths this request was present at
+    isolate: bool = False  # run alone (it was present at a death)
+    replica: int | None = None  # where it runs now, if running
+    stage_started: float = 0.0
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class EngineStats:
+    """Counters every admitted request ends in exactly once; read from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests_total = 0
+        self.final: Counter[str] = Counter()
+        self.rejected: Counter[int] = Counter()  # refused before admission, by HTTP status
+        self.stage_requests: Counter[str] = Counter()  # requests dispatched, per stage
+        self.batch_sizes: Counter[int] = Counter()
+        self.worker_deaths = 0
+        self.restarts = 0
+        self.latency_s: dict[str, list[float]] = {s: [] for s in FINAL_STATUSES}
+        self.observers: list[Callable[[str, str, float], None]] = []
+
+    def admitted(self) -> None:
+        with self._lock:
+            self.requests_total += 1
+
+    def finished(self, pipeline: str, status: str, latency_s: float) -> None:
+        with self._lock:
+            self.final[status] += 1
+            samples = self.latency_s[status]
+            samples.append(latency_s)
+            if len(samples) > 10_000:
+                del samples[: len(samples) // 2]
+        for observe in self.observers:
+            observe(pipeline, status, latency_s)
+
+    def reject(self, status: int) -> None:
+        with self._lock:
+            self.rejected[status] += 1
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "requests_total": self.requests_total,
+                "final": {s: self.final[s] for s in FINAL_STATUSES},
+                "rejected": dict(self.rejected),
+                "stage_requests": dict(self.stage_requests),
+                "batch_sizes": dict(self.batch_sizes),
+                "worker_deaths": self.worker_deaths,
+                "restarts": self.restarts,
+            }

@@ -1,0 +1,269 @@
+"""The replicas of one stage: a waiting queue, dynamic batching, deaths and restarts.
+
+Only the orchestrator thread calls into a pool, except the restart threads, which report back
+through the orchestrator's inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.engine.request_state import RequestState
+from vllm_omni_like.errors import classify
+from vllm_omni_like.executor import Executor, MultiprocExecutor
+from vllm_omni_like.messages import (
+    ExecuteBatch,
+    FromReplica,
+    ReplicaRestarted,
+    ReplicaRestartFailed,
+)
+
+logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0)
+ExecutorFactory = Callable[..., Executor]
+
+
+@dataclass
+class Replica:
+    index: int
+    executor: Executor | None = None
+    batch_id: int | None = None
+    batch: list[RequestState] = field(default_factory=list)
+    busy_since: float = 0.0
+    restarts: int = 0
+    restarting: bool = False
+    last_dispatch: float = 0.0
+    stall_killed: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.executor is not None and self.executor.alive and not self.restarting
+
+
+class StagePool:
+    def __init__(
+        self,
+        pipeline: str,
+        index: int,
+        config: StageConfig,
+        inbox: queue.Queue,
+        faults: tuple[FaultRule, ...],
+        max_restarts: int,
+        executor_factory: ExecutorFactory = MultiprocExecutor,
+    ) -> None:
+        self.pipeline = pipeline
+        self.index = index
+        self.config = config
+        self.name = config.name
+        self.inbox = inbox
+        self.faults = faults
+        self.max_restarts = max_restarts
+        self.factory = executor_factory
+        self.replicas = [Replica(i) for i in range(config.replicas)]
+        self.waiting: deque[RequestState] = deque()
+        self.started = False
+        self._stopping = threading.Event()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def _make_executor(self, index: int) -> Executor:
+        def sink(msg: object) -> None:
+            self.inbox.put(FromReplica(self.pipeline, self.index, index, msg))
+
+        executor = self.factory(self.config, index, sink, self.faults)
+        executor.add_failure_callback(sink)  # a ReplicaDied reaches the orchestrator the same way
+        return executor
+
+    def start(self) -> None:
+        """Start every replica (in parallel); raise the first failure."""
+        errors: list[BaseException] = []
+
+        def start_one(replica: Replica) -> None:
+            try:
+                executor = self._make_executor(replica.index)
+                executor.start()
+                replica.executor = executor
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start_one, args=(r,)) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.shutdown()
+            raise errors[0]
+        self.started = True
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for r in self.replicas:
+            if r.executor is not None:
+                r.executor.shutdown()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def live_count(self) -> int:
+        return sum(r.live for r in self.replicas)
+
+    @property
+    def state(self) -> str:
+        if not self.started:
+            return "starting"
+        if self.live_count:
+            return "ready"
+        return "restarting" if any(r.restarting for r in self.replicas) else "dead"
+
+    def health(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "replicas_live": self.live_count,
+            "replicas_total": len(self.replicas),
+        }
+
+    @property
+    def capacity(self) -> int:
+        """How much may wait here before the stage before it holds back (back-pressure)."""
+        return 2 * self.config.max_batch_size * len(self.replicas)
+
+    # ---- queue and batching ------------------------------------------------------------------
+    def enqueue(self, state: RequestState, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(state)
+        else:
+            self.waiting.append(state)
+
+    def remove(self, state: RequestState) -> bool:
+        try:
+            self.waiting.remove(state)
+            return True
+        except ValueError:
+            return False
+
+    def _take_batch(self) -> list[RequestState]:
+        head = self.waiting.popleft()
+        if head.isolate:
+            return [head]  # re-queued after a death: runs alone
+        key = head.stage_request.batch_key()
+        batch, keep = [head], deque()
+        while self.waiting and len(batch) < self.config.max_batch_size:
+            s = self.waiting.popleft()
+            if not s.isolate and s.stage_request.batch_key() == key:
+                batch.append(s)
+            else:
+                keep.append(s)
+        keep.extend(self.waiting)
+        self.waiting = keep
+        return batch
+
+    def dispatch(self, next_batch_id: Callable[[], int]) -> list[list[RequestState]]:
+        """Give each idle live replica whatever compatible work is queued; no waiting."""
+        sent = []
+        idle = sorted(
+            (r for r in self.replicas if r.live and r.batch_id is None),
+            key=lambda r: r.last_dispatch,
+        )
+        for replica in idle:
+            if not self.waiting:
+                break
+            batch = self._take_batch()
+            batch_id = next_batch_id()
+            now = time.monotonic()
+            replica.batch_id, replica.batch = batch_id, batch
+            replica.busy_since = replica.last_dispatch = now
+            for s in batch:
+                s.replica, s.stage_started = replica.index, now
+            replica.executor.execute(ExecuteBatch(batch_id, [s.stage_request for s in batch]))
+            sent.append(batch)
+        return sent
+
+    def batch_done(self, replica_index: int, batch_id: int) -> None:
+        replica = self.replicas[replica_index]
+        if replica.batch_id == batch_id:
+            replica.batch_id, replica.batch = None, []
+
+    def abort_running(self, state: RequestState) -> None:
+        if state.replica is None:
+            return
+        replica = self.replicas[state.replica]
+        if replica.executor is not None and state in replica.batch:
+            replica.executor.abort([state.request_id])
+
+    # ---- failures -------------------------------------------------------------------------------
+    def on_death(self, replica_index: int) -> list[RequestState]:
+        """The replica's executor died: free it, schedule a restart if any is left."""
+        replica = self.replicas[replica_index]
+        lost, replica.batch, replica.batch_id = replica.batch, [], None
+        if replica.executor is not None:
+            replica.executor.shutdown()
+        replica.executor, replica.stall_killed = None, False
+        if replica.restarts < self.max_restarts and not self._stopping.is_set():
+            self._restart(replica)
+        return lost
+
+    def _restart(self, replica: Replica) -> None:
+        replica.restarting = True
+        delay = RESTART_BACKOFF_S[min(replica.restarts, len(RESTART_BACKOFF_S) - 1)]
+        replica.restarts += 1
+        logger.warning(
+            "stage %s: restarting replica %d in %.1fs (restart %d of %d)",
+            self.name,
+            replica.index,
+            delay,
+            replica.restarts,
+            self.max_restarts,
+        )
+
+        def run() -> None:
+            if self._stopping.wait(delay):
+                return
+            try:
+                executor = self._make_executor(replica.index)
+                executor.start()
+            except Exception as exc:
+                err = classify(exc, self.name).info()
+                self.inbox.put(ReplicaRestartFailed(self.pipeline, self.index, replica.index, err))
+                return
+            if self._stopping.is_set():
+                executor.shutdown()
+                return
+            self.inbox.put(ReplicaRestarted(self.pipeline, self.index, replica.index, executor))
+
+        threading.Thread(target=run, daemon=True, name=f"restart-{self.name}").start()
+
+    def on_restarted(self, replica_index: int, executor: Executor) -> None:
+        replica = self.replicas[replica_index]
+        replica.executor, replica.restarting = executor, False
+        if self._stopping.is_set():
+            executor.shutdown()
+
+    def on_restart_failed(self, replica_index: int) -> None:
+        replica = self.replicas[replica_index]
+        replica.restarting = False
+        if replica.restarts < self.max_restarts and not self._stopping.is_set():
+            self._restart(replica)
+
+    def check_stalls(self, now: float) -> None:
+        """Kill a busy replica that reports no progress for `stall_timeout`: a death follows."""
+        for r in self.replicas:
+            if r.batch_id is None or r.executor is None or r.stall_killed:
+                continue
+            quiet = now - max(r.busy_since, r.executor.last_activity)
+            if quiet > self.config.stall_timeout:
+                logger.error(
+                    "stage %s replica %d: no progress for %.1fs, killing it",
+                    self.name,
+                    r.index,
+                    quiet,
+                )
+                r.stall_killed = True
+                r.executor.kill(f"stalled: no progress for {quiet:.1f}s")

@@ -1,0 +1,110 @@
+"""The named pipelines: embedded defaults, null pipelines, local directories and YAML files."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from typing import Any
+
+import yaml
+
+from vllm_omni_like.config import PipelineConfig, StageConfig
+from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+
+VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
+
+
+def _llm(model: str = "tiny-llm", **kw: Any) -> StageConfig:
+    return StageConfig(name="llm", kind="llm", model=model, **kw)
+
+
+def _diffusion(model: str, **kw: Any) -> StageConfig:
+    return StageConfig(name="diffusion", kind="diffusion", model=model, **kw)
+
+
+def _null(name: str, output: str, **kw: Any) -> StageConfig:
+    options = {"output": output, **kw.pop("options", {})}
+    return StageConfig(name=name, kind="null", options=options, **kw)
+
+
+def builtin(name: str, **stage_kw: Any) -> PipelineConfig | None:
+    """The pipelines every install has; `stage_kw` overrides every stage's fields."""
+    table = {
+        "tiny-omni": lambda: ((_llm(**stage_kw), _diffusion("tiny-image", **stage_kw)), "image"),
+        "tiny-image": lambda: ((_diffusion("tiny-image", **stage_kw),), "image"),
+        "tiny-video": lambda: ((_diffusion("tiny-video", **stage_kw),), "video"),
+        "null-omni": lambda: (
+            (_null("llm", "text", **stage_kw), _null("diffusion", "image", **stage_kw)),
+            "image",
+        ),
+        "null-image": lambda: ((_null("diffusion", "image", **stage_kw),), "image"),
+        "null-video": lambda: ((_null("diffusion", "video", **stage_kw),), "video"),
+    }
+    if name not in table:
+        return None
+    stages, output = table[name]()
+    return PipelineConfig(name=name, stages=stages, output=output)
+
+
+BUILTIN_NAMES = ("tiny-omni", "tiny-image", "tiny-video", "null-omni", "null-image", "null-video")
+
+
+def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> PipelineConfig:
+    """A local diffusers directory, optionally with a local LLM directory as prompt stage."""
+    index_path = os.path.join(path, "model_index.json")
+    if not os.path.exists(index_path):
+        raise NotFoundError(
+            f"{path!r} is not a diffusers directory (no model_index.json)", code="model_not_found"
+        )
+    with open(index_path) as f:
+        cls_name = str(json.load(f).get("_class_name", ""))
+    output = "video" if any(h in cls_name for h in VIDEO_CLASS_HINTS) else "image"
+    stages = (_diffusion(path, **stage_kw),)
+    if llm:
+        stages = (_llm(llm, **stage_kw), *stages)
+    name = os.path.basename(os.path.normpath(path))
+    return PipelineConfig(name=name, stages=stages, output=output)
+
+
+def from_yaml(path: str) -> list[PipelineConfig]:
+    """Pipelines described in a YAML file (see examples/pipeline.yaml)."""
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    entries = doc.get("pipelines")
+    if not isinstance(entries, list) or not entries:
+        raise InvalidRequestError(f"{path}: expected a non-empty 'pipelines' list")
+    result = []
+    for entry in entries:
+        try:
+            stages = tuple(StageConfig(**stage) for stage in entry["stages"])
+            result.append(
+                PipelineConfig(
+                    name=entry["name"], stages=stages, output=entry.get("output", "image")
+                )
+            )
+        except (KeyError, TypeError) as exc:
+            raise InvalidRequestError(f"{path}: bad pipeline entry {entry!r}: {exc}") from exc
+    return result
+
+
+def resolve(spec: str, llm: str | None = None, **stage_kw: Any) -> list[PipelineConfig]:
+    """A built-in name, a YAML file or a diffusers directory -> pipeline configs."""
+    found = builtin(spec, **stage_kw)
+    if found is not None:
+        return [found]
+    if spec.endswith((".yaml", ".yml")) and os.path.isfile(spec):
+        return [_override(p, stage_kw) for p in from_yaml(spec)]
+    if os.path.isdir(spec):
+        return [from_directory(spec, llm, **stage_kw)]
+    raise NotFoundError(
+        f"unknown model {spec!r}: not a built-in pipeline ({', '.join(BUILTIN_NAMES)}), "
+        "a YAML file or a local diffusers directory",
+        code="model_not_found",
+    )
+
+
+def _override(pipeline: PipelineConfig, stage_kw: dict[str, Any]) -> PipelineConfig:
+    if not stage_kw:
+        return pipeline
+    return replace(pipeline, stages=tuple(replace(s, **stage_kw) for s in pipeline.stages))
