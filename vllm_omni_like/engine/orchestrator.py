@@ -251,9 +251,12 @@ class Orchestrator:
 
     def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
         self.stats.worker_deaths += 1
-        lost = pool.on_death(replica)
+        pool.on_death(replica)
+        lost = [self.requests.get(rid) for rid in event.in_flight]
         for state in lost:
-            if state.finished:
+            if state is None or state.finished or state.replica != replica:
+                continue
+            if self.pools[state.request.pipeline][state.stage_index] is not pool:
                 continue
             state.deaths += 1
             if state.deaths >= 2:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine.request_state import RequestState
-from vllm_omni_like.errors import classify
+from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.messages import (
     ExecuteBatch,
@@ -182,7 +182,14 @@ class StagePool:
             replica.busy_since = replica.last_dispatch = now
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
-            replica.executor.execute(ExecuteBatch(batch_id, [s.stage_request for s in batch]))
+            try:
+                replica.executor.execute(ExecuteBatch(batch_id, [s.stage_request for s in batch]))
+            except EngineDeadError:  # it died just now; its ReplicaDied is on the way
+                replica.batch_id, replica.batch = None, []
+                for s in reversed(batch):
+                    s.replica = None
+                    self.waiting.appendleft(s)
+                continue
             sent.append(batch)
         return sent
 
@@ -199,16 +206,15 @@ class StagePool:
             replica.executor.abort([state.request_id])
 
     # ---- failures -------------------------------------------------------------------------------
-    def on_death(self, replica_index: int) -> list[RequestState]:
+    def on_death(self, replica_index: int) -> None:
         """The replica's executor died: free it, schedule a restart if any is left."""
         replica = self.replicas[replica_index]
-        lost, replica.batch, replica.batch_id = replica.batch, [], None
+        replica.batch, replica.batch_id = [], None
         if replica.executor is not None:
             replica.executor.shutdown()
         replica.executor, replica.stall_killed = None, False
         if replica.restarts < self.max_restarts and not self._stopping.is_set():
             self._restart(replica)
-        return lost
 
     def _restart(self, replica: Replica) -> None:
         replica.restarting = True

@@ -1,0 +1,191 @@
+"""The orchestrator on null pipelines: chaining, batching, faults, aborts, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from tests.engine.helpers import assert_clean, collect, engine, final, gather, req, steps_of
+from vllm_omni_like.errors import EngineDeadError, NotFoundError, QueueFullError
+from vllm_omni_like.outputs import RequestProgress
+
+FAULTS = (
+    "stage=llm,point=execute,kind=raise,match=@llmfail;"
+    "stage=diffusion,point=step,kind=invalid,match=@invalid;"
+    "stage=diffusion,point=output,kind=oom,match=@oom"
+)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    with engine("null-omni", FAULTS, stage_kw={"max_batch_size": 8}) as e:
+        yield e
+
+
+def test_two_stages_chain_and_return_the_revised_prompt(eng):
+    events, out = asyncio.run(collect(eng, req("c1", "a red circle", steps=3)))
+    assert out.ok and out.error is None
+    assert out.revised_prompt.startswith("a red circle (rewritten #")
+    assert set(out.stage_outputs) == {"llm", "diffusion"}
+    assert out.output.images[0].pixels.shape == (64, 64, 3)
+    stages = [(e.stage, e.step, e.total) for e in events if isinstance(e, RequestProgress)]
+    assert stages == [
+        ("llm", 1, 3),
+        ("llm", 2, 3),
+        ("llm", 3, 3),
+        ("diffusion", 1, 3),
+        ("diffusion", 2, 3),
+        ("diffusion", 3, 3),
+    ]
+
+
+def test_concurrent_requests_are_batched_and_equal_single_runs(eng):
+    before = dict(eng.stats.batch_sizes)
+    reqs = [req(f"b{i}", f"prompt {i}", seed=i, steps=3, delay=0.01) for i in range(12)]
+    outs = asyncio.run(gather(eng, reqs))
+    assert all(o.ok for o in outs)
+    grown = {k: v - before.get(k, 0) for k, v in eng.stats.batch_sizes.items()}
+    assert max(k for k, v in grown.items() if v > 0) > 1
+    for i in (0, 7):
+        alone = asyncio.run(final(eng, req(f"s{i}", f"prompt {i}", seed=i, steps=3)))
+        assert np.array_equal(alone.output.images[0].pixels, outs[i].output.images[0].pixels)
+        assert alone.revised_prompt == outs[i].revised_prompt
+
+
+def test_faults_in_each_stage_fail_only_their_request(eng):
+    reqs = [
+        req("ok1"),
+        req("f1", "x @llmfail"),
+        req("f2", "y @invalid"),
+        req("f3", "z @oom"),
+        req("ok2"),
+    ]
+    outs = {o.request_id: o for o in asyncio.run(gather(eng, reqs))}
+    assert outs["ok1"].ok and outs["ok2"].ok
+    e1, e2, e3 = outs["f1"].error, outs["f2"].error, outs["f3"].error
+    assert (e1.status, e1.stage) == (500, "llm")
+    assert (
+        e1.message == "stage 'llm': InjectedFault: injected raise fault at execute for request f1"
+    )
+    assert (e2.status, e2.stage, e2.error_class) == (400, "diffusion", "InvalidRequestError")
+    assert (e3.status, e3.stage) == (500, "diffusion") and "out of memory" in e3.message
+    assert not eng.errored
+    assert [h["state"] for h in eng.health()] == ["ready", "ready"]
+
+
+def test_unknown_pipeline_and_admission(eng):
+    async def run():
+        with pytest.raises(NotFoundError, match="model 'nope' is not served here"):
+            await final(eng, req("u", pipeline="nope"))
+
+    asyncio.run(run())
+
+
+def test_abort_while_queued_in_llm_and_mid_denoising(eng):
+    async def run():
+        slow = [req(f"q{i}", steps=40, delay=0.02) for i in range(3)]
+        # occupy both stages, then abort: one in the LLM stage, one mid-denoising, one queued
+        tasks = [asyncio.create_task(collect(eng, r)) for r in slow]
+        await asyncio.sleep(0.4)
+        for r in slow:
+            eng.abort(r.request_id)
+        return await asyncio.gather(*tasks)
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    assert time.monotonic() - t0 < 5
+    for _, out in results:
+        assert out.error is not None and out.error.code == "aborted"
+    time.sleep(1.2)  # any step a worker still ran for them would show now
+    for i in range(3):
+        steps = steps_of(eng, f"q{i}", "llm") + steps_of(eng, f"q{i}", "diffusion")
+        assert all(n < 40 for n in steps)
+    assert eng.stats.final["aborted"] >= 3
+
+
+def test_closing_the_stream_aborts_the_request(eng):
+    async def run():
+        gen = eng.generate(req("gone", steps=200, delay=0.01))
+        first = await gen.__anext__()
+        assert isinstance(first, RequestProgress)
+        await gen.aclose()  # the client went away
+        await asyncio.sleep(0.6)
+
+    asyncio.run(run())
+    assert all(n < 200 for n in steps_of(eng, "gone", "llm"))
+    assert "gone" not in eng.orchestrator.requests
+
+
+def test_an_abort_before_registration_is_remembered(eng):
+    eng.abort("early")
+    out = asyncio.run(final(eng, req("early")))
+    assert out.error.code == "aborted"
+    assert eng.orchestrator.early_aborts == {}
+
+
+def test_deadline_ends_the_request_with_timeout(eng):
+    t0 = time.monotonic()
+    out = asyncio.run(final(eng, req("slow", steps=100, delay=0.02, timeout=0.3)))
+    assert time.monotonic() - t0 < 1.5
+    assert out.error.error_class == "RequestTimeoutError" and out.error.status == 504
+    assert out.error.message.startswith("stage 'llm': the request's deadline of 0.3s passed")
+
+
+def test_counters_balance(eng):
+    assert_clean_soon(eng)
+
+
+def assert_clean_soon(eng):
+    deadline = time.monotonic() + 5
+    while eng.orchestrator.requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_clean(eng)
+
+
+def test_admission_refuses_when_the_pipeline_is_full():
+    with engine("null-image", max_queue_size=2) as e:
+
+        async def run():
+            tasks = [
+                asyncio.create_task(
+                    final(e, req(f"a{i}", pipeline="null-image", steps=20, delay=0.02))
+                )
+                for i in range(2)
+            ]
+            await asyncio.sleep(0.05)
+            with pytest.raises(QueueFullError) as info:
+                await final(e, req("third", pipeline="null-image"))
+            assert info.value.retry_after == 1.0 and info.value.status == 429
+            return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(run())
+        assert all(o.ok for o in outs)
+        assert e.stats.rejected[429] == 1
+        assert e.stats.requests_total == 2
+
+
+def test_orchestrator_thread_death_fails_every_waiting_request(monkeypatch):
+    with engine("null-image") as e:
+
+        async def run():
+            task = asyncio.create_task(
+                final(e, req("w", pipeline="null-image", steps=50, delay=0.02))
+            )
+            await asyncio.sleep(0.2)
+
+            def boom(msg):
+                raise RuntimeError("bug in the loop")
+
+            monkeypatch.setattr(e.orchestrator, "_handle", boom)
+            e.abort("anything")  # the next message crashes the thread
+            return await asyncio.wait_for(task, 5)
+
+        out = asyncio.run(run())
+        assert out.error.error_class == "EngineDeadError"
+        assert "orchestrator thread died: RuntimeError: bug in the loop" in out.error.message
+        assert e.errored
+        with pytest.raises(EngineDeadError):
+            e.check_health()

@@ -1,0 +1,146 @@
+"""Replica deaths, re-routing, restarts, the poison rule and stall detection (null stages)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.engine.helpers import engine, final, kill_worker, req
+from vllm_omni_like.errors import EngineDeadError
+
+
+def _states(e):
+    return {h["name"]: h["state"] for h in e.health()}
+
+
+def test_death_reroutes_to_the_live_replica_without_rerunning_the_llm():
+    with engine("null-omni", stage_kw={"replicas": 2}, max_restarts=3) as e:
+
+        async def run():
+            reqs = [req(f"r{i}", f"p{i}", seed=i, steps=30, delay=0.02) for i in range(6)]
+            tasks = [asyncio.create_task(final(e, r)) for r in reqs]
+            pool = e.orchestrator.pools["null-omni"][1]
+            assert await asyncio.to_thread(
+                wait_until, lambda: pool.replicas[0].batch_id is not None, 5
+            )
+            kill_worker(e, "null-omni", 1, replica=0)
+            await asyncio.sleep(0.3)
+            assert _states(e)["diffusion"] == "ready"  # the other replica is live
+            return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(run())
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        snap = e.stats.snapshot()
+        assert snap["stage_requests"]["llm"] == 6  # earlier stage outputs reused, not recomputed
+        assert snap["stage_requests"]["diffusion"] > 6  # the lost ones ran again
+        assert snap["worker_deaths"] == 1
+        assert wait_until(
+            lambda: _states(e)["diffusion"] == "ready" and e.health()[1]["replicas_live"] == 2, 10
+        )
+
+
+def test_poison_request_kills_at_most_two_workers_then_fails():
+    faults = "stage=diffusion,point=step,kind=exit,match=@poison"
+    with engine("null-image", faults, stage_kw={"replicas": 2}, max_restarts=3) as e:
+
+        async def run():
+            poison = asyncio.create_task(final(e, req("p", "x @poison", pipeline="null-image")))
+            others = [
+                asyncio.create_task(
+                    final(e, req(f"o{i}", pipeline="null-image", steps=5, delay=0.01))
+                )
+                for i in range(4)
+            ]
+            return await asyncio.wait_for(poison, 20), await asyncio.gather(*others)
+
+        bad, good = asyncio.run(run())
+        assert bad.error.error_class == "EngineGenerateError" and bad.error.status == 500
+        assert bad.error.message == (
+            "stage 'diffusion': request crashed the worker twice; it is not retried"
+        )
+        assert all(o.ok for o in good)
+        assert e.stats.worker_deaths == 2
+        assert not e.errored
+
+
+def test_restart_after_death_reruns_in_flight_requests():
+    with engine("null-image", max_restarts=1) as e:
+
+        async def run():
+            tasks = [
+                asyncio.create_task(
+                    final(e, req(f"r{i}", pipeline="null-image", steps=20, delay=0.02, timeout=30))
+                )
+                for i in range(4)
+            ]
+            await asyncio.sleep(0.2)
+            kill_worker(e, "null-image", 0)
+            t0 = time.monotonic()
+            assert await asyncio.to_thread(
+                wait_until, lambda: _states(e)["diffusion"] == "restarting", 2
+            )
+            assert time.monotonic() - t0 < 2
+            return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(run())
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        assert _states(e)["diffusion"] == "ready"
+        assert e.stats.restarts == 1
+
+
+def test_no_restart_left_makes_the_engine_dead():
+    with engine("null-image", max_restarts=0) as e:
+
+        async def run():
+            tasks = [
+                asyncio.create_task(
+                    final(e, req(f"r{i}", pipeline="null-image", steps=50, delay=0.02))
+                )
+                for i in range(16)
+            ]
+            await asyncio.sleep(0.2)
+            kill_worker(e, "null-image", 0)
+            t0 = time.monotonic()
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), 2)
+            return outs, time.monotonic() - t0
+
+        outs, elapsed = asyncio.run(run())
+        assert elapsed < 2
+        for o in outs:
+            assert o.error.error_class == "EngineDeadError" and o.error.status == 503
+            assert (
+                "killed by signal SIGKILL; no live replica and no restart left" in o.error.message
+            )
+        assert _states(e)["diffusion"] == "dead" and e.errored
+
+        async def late():
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                await final(e, req("late", pipeline="null-image"))
+            return time.monotonic() - t0
+
+        assert asyncio.run(late()) < 0.1
+        assert e.stats.final["dead"] == 16
+
+
+def test_stalled_worker_is_killed_and_handled_as_a_death():
+    faults = "stage=diffusion,point=step,kind=hang,match=@hang"
+    with engine("null-image", faults, stage_kw={"stall_timeout": 0.5}, max_restarts=2) as e:
+
+        async def run():
+            t0 = time.monotonic()
+            out = await asyncio.wait_for(final(e, req("h", "x @hang", pipeline="null-image")), 20)
+            return out, time.monotonic() - t0
+
+        out, elapsed = asyncio.run(run())
+        # stalled once, re-queued, stalled again: the poison rule ends it
+        assert out.error.message == (
+            "stage 'diffusion': request crashed the worker twice; it is not retried"
+        )
+        assert e.stats.worker_deaths == 2
+        assert elapsed < 10
+        ok = asyncio.run(final(e, req("fine", pipeline="null-image")))
+        assert ok.ok
