@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_omni_like.errors import InvalidRequestError
@@ -112,6 +113,20 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Request limits of API.md: over one is 400 (413 for bytes)."""
+
+    max_steps: int = 200
+    max_side: int = 2048
+    max_pixels: int = 16 * 1024 * 1024  # n * width * height
+    max_frames: int = 129
+    max_upload_bytes: int = 20 * 1024 * 1024
+    max_upload_pixels: int = 4096 * 4096
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_prompt_chars: int = 32_000
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     pipelines: tuple[PipelineConfig, ...]
     max_restarts: int = 3
@@ -119,3 +134,61 @@ class EngineConfig:
     request_timeout: float = 600.0
     max_queue_size: int = 256
     faults: tuple[FaultRule, ...] = ()
+
+
+# ---- command-line flags: read here and nowhere else ----------------------------------------------
+
+STAGE_FLAGS = ("load_format", "dtype", "device", "replicas", "max_batch_size", "stall_timeout")
+API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="*",
+        default=[],
+        help="built-in pipeline name, YAML pipeline file or local diffusers "
+        "directory (repeatable; default: tiny-omni tiny-image tiny-video)",
+    )
+    parser.add_argument("--llm", help="local LLM directory to put in front as a prompt stage")
+    g = parser.add_argument_group("stages (override every stage)")
+    g.add_argument("--load-format", choices=("auto", "dummy"))
+    g.add_argument("--dtype", choices=("auto", "fp32", "fp16", "bf16"))
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--replicas", type=int)
+    g.add_argument("--max-batch-size", type=int)
+    g.add_argument("--stall-timeout", type=float)
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-restarts", type=int, default=3)
+    g.add_argument("--max-request-retries", type=int, default=1)
+    g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--max-queue-size", type=int, default=256)
+    g = parser.add_argument_group("limits")
+    for f in fields(Limits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+
+
+def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
+
+
+def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:
+    return EngineConfig(
+        pipelines=pipelines,
+        max_restarts=args.max_restarts,
+        max_request_retries=args.max_request_retries,
+        request_timeout=args.request_timeout,
+        max_queue_size=args.max_queue_size,
+        faults=faults_from_env(),
+    )
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    return Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(getattr(args, "api_key", None) or [])
+    if os.environ.get(API_KEY_ENV):
+        keys.extend(k for k in os.environ[API_KEY_ENV].split(",") if k)
+    return tuple(keys)

@@ -75,13 +75,23 @@ class Orchestrator:
     # ---- any thread --------------------------------------------------------------------------
     def start(self) -> None:
         pools = [pool for pools in self.pools.values() for pool in pools]
-        try:
-            for pool in pools:
+        errors: list[BaseException] = []
+
+        def start(pool: StagePool) -> None:
+            try:
                 pool.start()
-        except BaseException:
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(p,)) for p in pools]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
             for pool in pools:
                 pool.shutdown()
-            raise
+            raise errors[0]
         self._thread = threading.Thread(target=self._run, name="orchestrator", daemon=True)
         self._thread.start()
 

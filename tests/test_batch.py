@@ -1,0 +1,89 @@
+"""The offline batch command, end to end on null pipelines (real workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from PIL import Image
+
+from vllm_omni_like.batch import parse_line
+from vllm_omni_like.cli import main
+from vllm_omni_like.media import read_video
+
+LINES = [
+    {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/images/generations",
+        "body": {"prompt": "a red circle", "seed": 1, "n": 2, "size": "32x16"},
+    },
+    {"prompt": "a blue square", "seed": 2, "output_format": "jpeg"},
+    {"custom_id": "bad-size", "prompt": "x", "size": "99999x64"},
+    {"custom_id": "unknown-field", "prompt": "x", "colour": "red"},
+    {"custom_id": "fault", "prompt": "x @fail"},
+    {
+        "custom_id": "v",
+        "method": "POST",
+        "url": "/v1/videos",
+        "body": {"prompt": "a square moving left", "seed": 3, "num_frames": 6},
+    },
+]
+
+
+def _write(path, lines, extra=""):
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+        f.write(extra)
+
+
+def _results(out):
+    with open(os.path.join(out, "results.jsonl")) as f:
+        return {r["custom_id"]: r for r in map(json.loads, f)}
+
+
+def test_parse_line_variants():
+    line = parse_line(1, json.dumps(LINES[0]), "image")
+    assert (line.custom_id, line.kind, line.body["n"]) == ("a", "image", 2)
+    assert parse_line(2, "{nope", "image").error.message.startswith("invalid JSON")
+    wrong = parse_line(3, json.dumps({"url": "/v1/chat/completions", "body": {}}), "image")
+    assert "url must be POST one of" in wrong.error.message
+    assert parse_line(4, json.dumps({"prompt": "x"}), "video").kind == "video"
+
+
+def test_generate_writes_files_and_per_line_results(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        "VLLM_OMNI_LIKE_FAULTS", "stage=diffusion,point=execute,kind=raise,match=@fail"
+    )
+    src, out = tmp_path / "in.jsonl", str(tmp_path / "out")
+    _write(src, LINES, extra="not json\n\n")
+    args = ["generate", "null-omni", "null-video", "--input", str(src), "--output-dir", out]
+    assert main(args) == 1  # some lines failed
+    res = _results(out)
+    assert set(res) == {"a", "line-2", "bad-size", "unknown-field", "fault", "v", "line-7"}
+    ok = res["a"]["response"]
+    assert ok["status_code"] == 200 and ok["body"]["output_format"] == "png"
+    files = [d["file"] for d in ok["body"]["data"]]
+    assert [d["seed"] for d in ok["body"]["data"]] == [1, 2]
+    for f in files:
+        with Image.open(f) as image:
+            assert image.size == (32, 16)
+    assert res["line-2"]["response"]["body"]["data"][0]["file"].endswith(".jpeg")
+    assert read_video(res["v"]["response"]["body"]["file"]).shape[0] == 9  # rounded to 4k+1
+    bad = res["bad-size"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "size"
+    unknown = res["unknown-field"]["response"]["body"]["error"]
+    assert unknown["message"] == "colour: Extra inputs are not permitted"
+    fault = res["fault"]["response"]
+    assert fault["status_code"] == 500 and fault["body"]["error"]["stage"] == "diffusion"
+    assert res["line-7"]["response"]["body"]["error"]["message"].startswith("invalid JSON")
+
+    # --resume: successes are kept and not run again; failures run again
+    before = os.path.getmtime(files[0])
+    monkeypatch.delenv("VLLM_OMNI_LIKE_FAULTS")
+    assert main([*args, "--resume", "--allow-failures"]) == 0
+    again = _results(out)
+    assert again["a"] == res["a"] and os.path.getmtime(files[0]) == before
+    assert again["fault"]["response"]["status_code"] == 200
+    assert again["bad-size"]["response"]["status_code"] == 400

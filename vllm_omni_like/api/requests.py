@@ -1,0 +1,94 @@
+"""From validated schemas to engine requests, and from outputs to response items."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from vllm_omni_like.api.protocol import ImageRequest, VideoRequest, image_params, video_params
+from vllm_omni_like.config import Limits
+from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.media import encode_image
+from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput
+
+
+def pick_pipeline(engine: AsyncOmni, model: str | None, output: str) -> str:
+    """The named pipeline, or the first served one that makes `output` (image or video)."""
+    names = engine.pipeline_names
+    if model:
+        if model not in names:
+            raise NotFoundError(
+                f"model {model!r} is not served here; served: {', '.join(names)}",
+                param="model",
+                code="model_not_found",
+            )
+        if engine.pipeline_output(model) != output:
+            raise InvalidRequestError(
+                f"model {model!r} makes {engine.pipeline_output(model)}s, not {output}s",
+                param="model",
+            )
+        return model
+    for name in names:
+        if engine.pipeline_output(name) == output:
+            return name
+    raise NotFoundError(f"no served model makes {output}s", param="model", code="model_not_found")
+
+
+def image_request(
+    engine: AsyncOmni,
+    body: ImageRequest,
+    limits: Limits,
+    request_id: str,
+    images: list[Any] | None = None,
+    mask: Any | None = None,
+    timeout: float | None = None,
+) -> OmniRequest:
+    pipeline = pick_pipeline(engine, body.model, "image")
+    return OmniRequest(
+        request_id,
+        body.prompt,
+        pipeline,
+        image_params(body, limits),
+        images=images or [],
+        mask=mask,
+        timeout=timeout,
+    )
+
+
+def video_request(
+    engine: AsyncOmni,
+    body: VideoRequest,
+    limits: Limits,
+    request_id: str,
+    images: list[Any] | None = None,
+    timeout: float | None = None,
+) -> OmniRequest:
+    pipeline = pick_pipeline(engine, body.model, "video")
+    return OmniRequest(
+        request_id,
+        body.prompt,
+        pipeline,
+        video_params(body, limits),
+        images=images or [],
+        timeout=timeout,
+    )
+
+
+def image_items(
+    output: OmniRequestOutput, fmt: str, compression: int | None, as_b64: bool = True
+) -> list[dict[str, Any]]:
+    """Encode each image (CPU work: call it in a thread); b64 or raw bytes under 'bytes'."""
+    items = []
+    for image in output.output.images:
+        data = encode_image(image.pixels, fmt, compression)
+        item: dict[str, Any] = {"seed": image.seed}
+        if as_b64:
+            item["b64_json"] = base64.b64encode(data).decode()
+        else:
+            item["bytes"] = data
+        if output.revised_prompt is not None:
+            item["revised_prompt"] = output.revised_prompt
+        items.append(item)
+    return items

@@ -1,0 +1,213 @@
+"""Offline batch: JSONL in (OpenAI Batch lines or plain objects), files and results JSONL out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from vllm_omni_like.api.protocol import ImageRequest, VideoRequest
+from vllm_omni_like.api.requests import image_items, image_request, video_request
+from vllm_omni_like.config import Limits
+from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.errors import InvalidRequestError, OmniError
+from vllm_omni_like.media import write_video
+
+URLS = {"/v1/images/generations": "image", "/v1/videos": "video"}
+RESULTS_FILE = "results.jsonl"
+
+
+@dataclass
+class Line:
+    number: int
+    custom_id: str
+    kind: str | None = None  # image | video
+    body: dict[str, Any] | None = None
+    error: OmniError | None = None
+
+
+def parse_line(number: int, text: str, default_kind: str) -> Line:
+    """One input line -> a Line; a bad line carries its error instead of a body."""
+    custom_id = f"line-{number}"
+    try:
+        obj = json.loads(text)
+        if not isinstance(obj, dict):
+            raise InvalidRequestError("a line must be a JSON object")
+        custom_id = str(obj.get("custom_id", custom_id))
+        if "body" in obj or "url" in obj:
+            extra = set(obj) - {"custom_id", "method", "url", "body"}
+            if extra:
+                raise InvalidRequestError(f"unknown batch fields {sorted(extra)}")
+            if obj.get("method", "POST") != "POST" or obj.get("url") not in URLS:
+                raise InvalidRequestError(f"url must be POST one of {sorted(URLS)}", param="url")
+            return Line(number, custom_id, URLS[obj["url"]], dict(obj.get("body") or {}))
+        obj.pop("custom_id", None)
+        return Line(number, custom_id, default_kind, obj)
+    except json.JSONDecodeError as exc:
+        return Line(number, custom_id, error=InvalidRequestError(f"invalid JSON: {exc}"))
+    except OmniError as exc:
+        return Line(number, custom_id, error=exc)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100]
+
+
+def _result(line: Line, status: int, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+        "custom_id": line.custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def _error_body(exc: OmniError, request_id: str) -> dict[str, Any]:
+    info = exc.info()
+    return {
+        "error": {
+            "message": info.message,
+            "type": info.type,
+            "param": info.param,
+            "code": info.code,
+            "request_id": request_id,
+            "stage": info.stage,
+        }
+    }
+
+
+class BatchRunner:
+    def __init__(
+        self, engine: AsyncOmni, out_dir: str, limits: Limits, concurrency: int = 16
+    ) -> None:
+        self.engine = engine
+        self.out_dir = out_dir
+        self.limits = limits
+        self.concurrency = concurrency
+
+    async def run_line(self, line: Line) -> dict[str, Any]:
+        request_id = f"req-{uuid.uuid4().hex}"
+        try:
+            if line.error is not None:
+                raise line.error
+            output = await self._generate(line, request_id)
+            if output.error is not None:
+                raise output.error.to_exception()
+            body = await asyncio.to_thread(self._write, line, output)
+            return _result(line, 200, body, request_id)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            bad = InvalidRequestError(f"{where}: {err['msg']}", param=where)
+            return _result(line, 400, _error_body(bad, request_id), request_id)
+        except OmniError as exc:
+            return _result(line, exc.status, _error_body(exc, request_id), request_id)
+
+    async def _generate(self, line: Line, request_id: str):
+        if line.kind == "video":
+            req = video_request(self.engine, VideoRequest(**line.body), self.limits, request_id)
+        else:
+            body = ImageRequest(**line.body)
+            if body.stream:
+                raise InvalidRequestError("stream is not supported offline", param="stream")
+            req = image_request(self.engine, body, self.limits, request_id)
+        return await self.engine.generate_final(req)
+
+    def _write(self, line: Line, output) -> dict[str, Any]:
+        stem = os.path.join(self.out_dir, _safe(line.custom_id))
+        if output.output.video is not None:
+            path = stem + ".mp4"
+            write_video(output.output.video.frames, output.output.video.fps, path)
+            return {
+                "created": int(time.time()),
+                "file": path,
+                "seed": output.output.video.seed,
+                "revised_prompt": output.revised_prompt,
+            }
+        body = ImageRequest(**line.body)
+        items = image_items(output, body.output_format, body.output_compression, as_b64=False)
+        data = []
+        for i, item in enumerate(items):
+            path = f"{stem}-{i}.{body.output_format}"
+            with open(path, "wb") as f:
+                f.write(item.pop("bytes"))
+            data.append({"file": path, **item})
+        return {"created": int(time.time()), "data": data, "output_format": body.output_format}
+
+    async def run(self, lines: list[Line], results_path: str, progress: tqdm) -> int:
+        """Run every line; append each result as it ends; return how many failed."""
+        gate = asyncio.Semaphore(self.concurrency)
+        failed = 0
+
+        async def one(line: Line) -> None:
+            nonlocal failed
+            async with gate:
+                result = await self.run_line(line)
+            with open(results_path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+            failed += result["response"]["status_code"] != 200
+            progress.update(1)
+
+        await asyncio.gather(*(one(line) for line in lines))
+        return failed
+
+
+def load_done(results_path: str) -> dict[str, str]:
+    """custom_id -> its successful result line, from an earlier run (for --resume)."""
+    done: dict[str, str] = {}
+    if not os.path.exists(results_path):
+        return done
+    with open(results_path) as f:
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash: run it again
+            if obj.get("response", {}).get("status_code") == 200:
+                done[obj["custom_id"]] = raw if raw.endswith("\n") else raw + "\n"
+    return done
+
+
+def read_lines(path: str, default_kind: str) -> list[Line]:
+    lines, seen = [], set()
+    with open(path) as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            line = parse_line(number, text, default_kind)
+            if line.custom_id in seen and line.error is None:
+                line.error = InvalidRequestError(f"duplicate custom_id {line.custom_id!r}")
+            seen.add(line.custom_id)
+            lines.append(line)
+    return lines
+
+
+async def run_batch(
+    engine: AsyncOmni,
+    input_path: str,
+    out_dir: str,
+    limits: Limits,
+    resume: bool,
+    concurrency: int = 16,
+) -> tuple[int, int]:
+    """Returns (lines run, lines failed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    results_path = os.path.join(out_dir, RESULTS_FILE)
+    default_kind = engine.pipeline_output(engine.pipeline_names[0])
+    lines = read_lines(input_path, default_kind)
+    done = load_done(results_path) if resume else {}
+    with open(results_path, "w") as f:  # keep earlier successes; failures run again
+        f.writelines(done.values())
+    todo = [line for line in lines if line.custom_id not in done]
+    runner = BatchRunner(engine, out_dir, limits, concurrency)
+    with tqdm(total=len(lines), initial=len(lines) - len(todo), unit="req") as progress:
+        failed = await runner.run(todo, results_path, progress)
+    return len(todo), failed

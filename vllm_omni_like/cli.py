@@ -1,0 +1,79 @@
+"""`vllm-omni-like serve | generate`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from vllm_omni_like import config as cfg
+from vllm_omni_like.errors import OmniError
+from vllm_omni_like.pipelines.catalog import resolve
+
+DEFAULT_MODELS = ("tiny-omni", "tiny-image", "tiny-video")
+
+
+def _pipelines(args: argparse.Namespace) -> tuple:
+    overrides = cfg.stage_overrides(args)
+    found = []
+    for spec in args.model or DEFAULT_MODELS:
+        found.extend(resolve(spec, args.llm, **overrides))
+    return tuple(found)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from vllm_omni_like.batch import run_batch
+    from vllm_omni_like.engine import AsyncOmni
+
+    engine = AsyncOmni(cfg.engine_config(args, _pipelines(args)))
+    engine.start()
+    try:
+        ran, failed = asyncio.run(
+            run_batch(
+                engine, args.input, args.output_dir, cfg.limits(args), args.resume, args.concurrency
+            )
+        )
+    finally:
+        engine.shutdown()
+    print(
+        f"{ran - failed} of {ran} lines succeeded; results in {args.output_dir}/results.jsonl",
+        file=sys.stderr,
+    )
+    return 0 if failed == 0 or args.allow_failures else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-omni-like")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline batch over a JSONL file")
+    cfg.add_engine_args(gen)
+    gen.add_argument("--input", required=True, help="JSONL: OpenAI Batch lines or plain objects")
+    gen.add_argument("--output-dir", required=True)
+    gen.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip lines whose custom_id already succeeded in output-dir",
+    )
+    gen.add_argument("--allow-failures", action="store_true", help="exit 0 even if lines failed")
+    gen.add_argument("--concurrency", type=int, default=16)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OmniError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
