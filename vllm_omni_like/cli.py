@@ -43,9 +43,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if failed == 0 or args.allow_failures else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from vllm_omni_like.api.app import create_app
+    from vllm_omni_like.engine import AsyncOmni
+
+    settings = cfg.server_settings(args)
+    engine = AsyncOmni(cfg.engine_config(args, _pipelines(args)))
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        server.should_exit = True
+
+    app = create_app(engine, settings, on_fatal)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            timeout_graceful_shutdown=int(settings.drain_timeout),
+            access_log=False,
+        )
+    )
+    server.run()
+    if fatal:
+        print(f"error: the engine failed to start: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-omni-like")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    cfg.add_engine_args(serve)
+    cfg.add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="offline batch over a JSONL file")
     cfg.add_engine_args(gen)
     gen.add_argument("--input", required=True, help="JSONL: OpenAI Batch lines or plain objects")

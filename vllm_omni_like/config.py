@@ -127,6 +127,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    storage_dir: str = "./storage"
+    video_timeout: float = 1800.0
+    video_concurrency: int = 4
+    url_ttl: float = 3600.0  # image URLs expire after this
+    file_ttl: float = 24 * 3600.0  # finished video files expire after this
+    keepalive_s: float = 15.0
+    drain_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     pipelines: tuple[PipelineConfig, ...]
     max_restarts: int = 3
@@ -192,3 +207,35 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     if os.environ.get(API_KEY_ENV):
         keys.extend(k for k in os.environ[API_KEY_ENV].split(",") if k)
     return tuple(keys)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        action="append",
+        help=f"required as 'Authorization: Bearer KEY' (repeatable; or {API_KEY_ENV})",
+    )
+    g.add_argument("--storage-dir", default="./storage", help="video jobs (SQLite) and files")
+    g.add_argument("--video-timeout", type=float, default=1800.0)
+    g.add_argument("--video-concurrency", type=int, default=4)
+    g.add_argument("--url-ttl", type=float, default=3600.0, help="seconds image URLs live")
+    g.add_argument("--file-ttl", type=float, default=86400.0, help="seconds video files live")
+    g.add_argument("--drain-timeout", type=float, default=30.0)
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=api_keys(args),
+        storage_dir=args.storage_dir,
+        video_timeout=args.video_timeout,
+        video_concurrency=args.video_concurrency,
+        url_ttl=args.url_ttl,
+        file_ttl=args.file_ttl,
+        drain_timeout=args.drain_timeout,
+        limits=limits(args),
+    )

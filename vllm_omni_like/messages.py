@@ -26,7 +26,10 @@ class StageRequest:
     truncate_prompt: bool = False
 
     def batch_key(self) -> tuple:
-        return self.params.shape_key(self.mode)
+        if self.mode != "edit":
+            return self.params.shape_key(self.mode)
+        shape = tuple(self.images[0].shape[:2]) if self.images else None
+        return (*self.params.shape_key(self.mode), shape, self.mask is not None)
 
 
 # ---- parent -> worker ----------------------------------------------------------------------------

@@ -61,31 +61,22 @@ class AsyncOmni:
     def pipeline_output(self, name: str) -> str:
         return self.orchestrator.pipelines[name].config.output
 
+    def open(self, request: OmniRequest) -> RequestStream:
+        """Submit now (admission errors raise here, before any response starts)."""
+        stream = RequestStream(self, request.request_id)
+        self.orchestrator.submit(request, stream.emit)
+        return stream
+
     async def generate(
         self, request: OmniRequest
     ) -> AsyncIterator[RequestProgress | OmniRequestOutput]:
-        """Admission errors raise before the first event; a closed or cancelled consumer aborts."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[RequestProgress | OmniRequestOutput] = asyncio.Queue()
-
-        def emit(event: object) -> None:
-            # a closed loop means nobody is listening any more
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-        self.orchestrator.submit(request, emit)
-        finished = False
+        """Progress events, then the final output; a closed or cancelled consumer aborts."""
+        stream = self.open(request)
         try:
-            while True:
-                event = await events.get()
-                if isinstance(event, OmniRequestOutput):
-                    finished = True
-                    yield event
-                    return
+            while (event := await stream.next()) is not None:
                 yield event
         finally:
-            if not finished:
-                self.abort(request.request_id)
+            stream.close()
 
     async def generate_final(self, request: OmniRequest) -> OmniRequestOutput:
         async for event in self.generate(request):
@@ -98,6 +89,39 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
+
+
+class RequestStream:
+    """The events of one submitted request, on the event loop that opened it."""
+
+    def __init__(self, engine: AsyncOmni, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestProgress | OmniRequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def emit(self, event: object) -> None:
+        """Called on the orchestrator thread; a closed loop means nobody listens any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def next(
+        self, timeout: float | None = None
+    ) -> RequestProgress | OmniRequestOutput | None:
+        """The next event; None after the final output; TimeoutError if none came in time."""
+        if self.finished:
+            return None
+        event = await asyncio.wait_for(self.queue.get(), timeout)  # Queue.get is cancel-safe
+        if isinstance(event, OmniRequestOutput):
+            self.finished = True
+        return event
+
+    def close(self) -> None:
+        """Idempotent; aborts the request everywhere if it has not finished."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
 
 
 class Omni:

@@ -243,13 +243,14 @@ class Orchestrator:
                     self._finish(state, out.error.to_exception())
                     return
                 state.outputs[pool.name] = out
+                self.stats.stage_done(pool.name, time.monotonic() - state.stage_started)
                 if stage + 1 < len(self.pools[pipe]):
                     self._enter_stage(state, stage + 1, out)
                 else:
                     self._finish(state, None)
             case BatchDone(batch_id=bid, batch_size=size, steps_run=steps):
                 pool.batch_done(replica, bid)
-                self.stats.batch_sizes[size] += 1
+                self.stats.batch_done(pool.name, size)
                 self.recent_steps.extend((rid, pool.name, n) for rid, n in steps.items())
             case Progress(request_ids=ids, step=step, total=total, previews=previews):
                 for rid in ids:

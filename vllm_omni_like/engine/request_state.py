@@ -59,7 +59,19 @@ class EngineStats:
         self.worker_deaths = 0
         self.restarts = 0
         self.latency_s: dict[str, list[float]] = {s: [] for s in FINAL_STATUSES}
-        self.observers: list[Callable[[str, str, float], None]] = []
+        self.observers: list[Callable[[str, str, float], None]] = []  # pipeline, status, s
+        self.stage_observers: list[Callable[[str, float], None]] = []  # stage, seconds
+        self.batch_observers: list[Callable[[str, int], None]] = []  # stage, batch size
+
+    def stage_done(self, stage: str, seconds: float) -> None:
+        for observe in self.stage_observers:
+            observe(stage, seconds)
+
+    def batch_done(self, stage: str, size: int) -> None:
+        with self._lock:
+            self.batch_sizes[size] += 1
+        for observe in self.batch_observers:
+            observe(stage, size)
 
     def admitted(self) -> None:
         with self._lock:

@@ -198,7 +198,8 @@ class DiffusionStage(Stage):
         if first.mode == "edit":
             pipe = self._edit_inputs(batch, kwargs)
         size = self.default_size
-        kwargs.update(height=p.height or size, width=p.width or size)
+        kwargs.setdefault("height", p.height or size)
+        kwargs.setdefault("width", p.width or size)
         kwargs["callback_on_step_end"] = self._callback(batch, control)
         self.probe.reset()
         with torch.inference_mode():
@@ -220,12 +221,18 @@ class DiffusionStage(Stage):
         from PIL import Image
 
         images, masks = [], []
+        first = batch[0]
+        m = self.size_multiple
+        height = first.params.height or max(m, first.images[0].shape[0] // m * m)
+        width = first.params.width or max(m, first.images[0].shape[1] // m * m)
+        kwargs.update(height=height, width=width)
         for r in batch:
-            image = Image.fromarray(r.images[0]).convert("RGB")
+            image = Image.fromarray(r.images[0]).convert("RGB").resize((width, height))
             for _ in range(r.params.n):
                 images.append(image)
                 if r.mask is not None:
-                    masks.append(Image.fromarray(r.mask).convert("L"))
+                    mask = Image.fromarray(r.mask).convert("L").resize((width, height))
+                    masks.append(mask)
         kwargs["image"] = images
         kwargs["strength"] = (
             batch[0].params.strength if batch[0].params.strength is not None else 0.8

@@ -1,0 +1,48 @@
+import pytest
+
+from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.pipelines.base import Pipeline
+from vllm_omni_like.pipelines.catalog import builtin, from_yaml, resolve
+
+
+def test_example_yaml_describes_a_two_stage_pipeline():
+    (p,) = from_yaml("examples/pipeline.yaml")
+    assert p.name == "my-omni" and p.output == "image"
+    llm, diffusion = p.stages
+    assert (llm.kind, llm.model, llm.options) == ("llm", "tiny-llm", {"max_new_tokens": 24})
+    assert (diffusion.replicas, diffusion.max_batch_size, diffusion.stall_timeout) == (2, 8, 60)
+
+
+def test_overrides_apply_to_every_stage():
+    (p,) = resolve("examples/pipeline.yaml", replicas=3)
+    assert [s.replicas for s in p.stages] == [3, 3]
+    assert [s.max_batch_size for s in builtin("tiny-omni", max_batch_size=4).stages] == [4, 4]
+
+
+def test_unknown_specs(tmp_path):
+    with pytest.raises(NotFoundError, match="unknown model 'nope'"):
+        resolve("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipelines: [{name: x}]\n")
+    with pytest.raises(InvalidRequestError, match="bad pipeline entry"):
+        from_yaml(str(bad))
+    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    (d,) = resolve(str(tmp_path), llm="/models/llm")
+    assert d.output == "video" and [s.kind for s in d.stages] == ["llm", "diffusion"]
+
+
+def test_llm_text_becomes_the_next_prompt():
+    p = Pipeline(builtin("tiny-omni"))
+    req = OmniRequest("r", "red circle", "tiny-omni")
+    first = p.stage_request(req, 0, None)
+    assert (first.mode, first.prompt, first.truncate_prompt) == ("text", "red circle", False)
+    prev = StageOutput("r", "llm", text="a red circle at the top left")
+    second = p.stage_request(req, 1, prev)
+    assert (second.mode, second.prompt, second.truncate_prompt) == (
+        "text2img",
+        "a red circle at the top left",
+        True,
+    )
+    assert Pipeline.revised_prompt({"llm": prev}) == "a red circle at the top left"

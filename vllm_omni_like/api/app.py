@@ -1,0 +1,82 @@
+"""The FastAPI app: factory, lifespan (engine start, video jobs), routers, one error handler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from fastapi import FastAPI
+
+from vllm_omni_like import __version__
+from vllm_omni_like.api import errors, health, images, videos
+from vllm_omni_like.api.file_store import FileStore
+from vllm_omni_like.api.metrics import Metrics
+from vllm_omni_like.api.middleware import GatewayMiddleware
+from vllm_omni_like.api.serving import Server
+from vllm_omni_like.api.video_jobs import VideoService
+from vllm_omni_like.config import ServerSettings
+from vllm_omni_like.engine import AsyncOmni
+
+logger = logging.getLogger(__name__)
+SWEEP_S = 30.0
+
+
+def create_app(
+    engine: AsyncOmni, settings: ServerSettings, on_fatal: Callable[[str], None] | None = None
+) -> FastAPI:
+    """The server listens at once; /health says 503 'starting' until every stage has loaded.
+
+    If loading fails, `on_fatal` is called with the reason (the serve command exits non-zero).
+    """
+    os.makedirs(settings.storage_dir, exist_ok=True)
+    server = Server(
+        engine, settings, FileStore(os.path.join(settings.storage_dir, "images"), settings.url_ttl)
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.videos = VideoService(engine, settings)
+        await server.videos.start()
+        starter = asyncio.create_task(_start_engine(server, on_fatal))
+        sweeper = asyncio.create_task(_sweep_files(server))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            starter.cancel()
+            await server.videos.stop()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="vllm_omni_like", version=__version__, lifespan=lifespan)
+    app.state.server = server
+    app.state.engine = engine
+    app.state.metrics = Metrics(engine)
+    errors.install(app)
+    for module in (images, videos, health):
+        app.include_router(module.router)
+    app.add_middleware(
+        GatewayMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.limits.max_body_bytes
+    )
+    return app
+
+
+async def _start_engine(server: Server, on_fatal: Callable[[str], None] | None) -> None:
+    if server.engine.started:
+        return
+    try:
+        await server.engine.start_async()
+        logger.info("engine ready: %s", ", ".join(server.engine.pipeline_names))
+    except Exception as exc:
+        server.start_error = str(exc)
+        logger.error("engine failed to start: %s", exc)
+        if on_fatal is not None:
+            on_fatal(str(exc))
+
+
+async def _sweep_files(server: Server) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        await asyncio.to_thread(server.files.sweep)

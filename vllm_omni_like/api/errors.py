@@ -1,0 +1,107 @@
+"""The one place where errors become HTTP responses: the OpenAI envelope and retry headers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_omni_like.errors import (
+    EngineDeadError,
+    ErrorInfo,
+    InvalidRequestError,
+    NotFoundError,
+    OmniError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def envelope(info: ErrorInfo, request_id: str | None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": info.message,
+            "type": info.type,
+            "param": info.param,
+            "code": info.code,
+            "request_id": request_id,
+            "stage": info.stage,
+        }
+    }
+
+
+def headers_for(info: ErrorInfo, engine_errored: bool = False) -> dict[str, str]:
+    """Retry headers of API.md, so the SDK does not re-run work that will fail again."""
+    headers: dict[str, str] = {}
+    if info.status in (409, 500, 504):
+        headers["x-should-retry"] = "false"
+    if info.status == 429:
+        headers["Retry-After"] = str(max(1, round(info.retry_after or 1)))
+    if info.status == 503:
+        if info.code == "restarting":
+            headers["Retry-After"] = str(max(1, round(info.retry_after or 2)))
+        elif info.code == "engine_dead" or engine_errored:
+            headers["x-should-retry"] = "false"
+    return headers
+
+
+def error_response(
+    info: ErrorInfo, request_id: str | None, engine_errored: bool = False
+) -> JSONResponse:
+    return JSONResponse(
+        envelope(info, request_id),
+        status_code=info.status,
+        headers=headers_for(info, engine_errored),
+    )
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    """pydantic's 422 becomes a 400 naming the field path."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg") or "invalid request")
+    return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
+
+
+def install(app: FastAPI) -> None:
+    def request_id(request: Request) -> str | None:
+        return getattr(request.state, "request_id", None)
+
+    def errored(request: Request) -> bool:
+        engine = getattr(request.app.state, "engine", None)
+        return bool(engine is not None and engine.errored)
+
+    @app.exception_handler(Exception)
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RequestValidationError):
+            exc = validation_error(exc)
+        elif isinstance(exc, StarletteHTTPException):
+            if exc.status_code == 404:
+                exc = NotFoundError(
+                    f"no route {request.method} {request.url.path}", code="not_found"
+                )
+            else:
+                info = ErrorInfo(
+                    "HTTPException",
+                    str(exc.detail) or "bad request",
+                    "invalid_request_error",
+                    "invalid_request",
+                    exc.status_code,
+                    True,
+                )
+                return error_response(info, request_id(request))
+        elif not isinstance(exc, OmniError):
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            exc = OmniError(f"internal error: {type(exc).__name__}: {exc}")
+        if isinstance(exc, EngineDeadError) or exc.status >= 500:
+            logger.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        return error_response(exc.info(), request_id(request), errored(request))
+
+    app.add_exception_handler(RequestValidationError, handle)
+    app.add_exception_handler(StarletteHTTPException, handle)
+    app.add_exception_handler(OmniError, handle)

@@ -1,0 +1,68 @@
+"""/health, /v1/models, /version, /metrics, and the image file URLs."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from vllm_omni_like import __version__
+from vllm_omni_like.errors import NotFoundError
+from vllm_omni_like.media import MEDIA_TYPES
+
+router = APIRouter()
+STARTED_AT = int(time.time())
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 only while every stage is ready; otherwise 503 with the reason. No API key."""
+    server = request.app.state.server
+    stages = server.engine.health()
+    states = {s["state"] for s in stages}
+    if server.start_error is not None or "dead" in states or server.engine.errored:
+        status = "dead"
+    elif not server.engine.started or "starting" in states:
+        status = "starting"
+    elif "restarting" in states:
+        status = "restarting"
+    else:
+        status = "healthy"
+    body = {"status": status, "stages": stages}
+    if server.start_error is not None:
+        body["error"] = server.start_error
+    return JSONResponse(body, status_code=200 if status == "healthy" else 503)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    engine = request.app.state.server.engine
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": STARTED_AT, "owned_by": "vllm_omni_like"}
+            for name in engine.pipeline_names
+        ],
+    }
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(
+        request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
+
+
+@router.get("/v1/files/{name}")
+async def image_file(request: Request, name: str) -> FileResponse:
+    path = request.app.state.server.files.path(name)
+    if path is None:
+        raise NotFoundError("this file does not exist or has expired", code="file_not_found")
+    ext = name.rsplit(".", 1)[-1]
+    return FileResponse(path, media_type=MEDIA_TYPES.get(ext, "application/octet-stream"))

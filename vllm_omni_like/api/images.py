@@ -1,0 +1,110 @@
+"""POST /v1/images/generations (JSON) and /v1/images/edits (multipart)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from vllm_omni_like.api.protocol import ImageRequest
+from vllm_omni_like.api.requests import image_request
+from vllm_omni_like.api.serving import (
+    Server,
+    image_response,
+    raise_for_error,
+    run_to_output,
+    stream_images,
+)
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.media import decode_upload, openai_mask_to_diffusers
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def _respond(
+    request: Request,
+    body: ImageRequest,
+    images: list[Any] | None = None,
+    mask: Any | None = None,
+    prefix: str = "image_generation",
+):
+    server = _server(request)
+    omni = image_request(
+        server.engine, body, server.settings.limits, request.state.request_id, images, mask
+    )
+    if body.stream:
+        server.ensure_ready()
+        stream = server.engine.open(omni)  # admission errors still get their real status
+        return StreamingResponse(
+            stream_images(server, stream, body, prefix),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    output = await run_to_output(request, server, omni)
+    raise_for_error(output)
+    payload = await asyncio.to_thread(image_response, server, output, body, str(request.base_url))
+    return JSONResponse(payload)
+
+
+@router.post("/v1/images/generations")
+async def generations(request: Request, body: ImageRequest):
+    return await _respond(request, body)
+
+
+def validated(model: type, fields: dict[str, Any]):
+    """Build a schema from form fields; pydantic errors become a 400 naming the field."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from None
+
+
+async def read_upload(server: Server, upload: Any, param: str, mode: str = "RGB"):
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequestError(
+            f"{param} must be a file upload", param=param, code="invalid_image"
+        )
+    limits = server.settings.limits
+    data = await upload.read(limits.max_upload_bytes + 1)
+    return await asyncio.to_thread(
+        decode_upload, data, limits.max_upload_bytes, limits.max_upload_pixels, param, mode
+    )
+
+
+@router.post("/v1/images/edits")
+async def edits(request: Request):
+    server = _server(request)
+    form = await request.form(max_files=16, max_fields=64)
+    try:
+        uploads = form.getlist("image") + form.getlist("image[]")
+        if not uploads:
+            raise InvalidRequestError("an image file is required (image or image[])", param="image")
+        fields = {
+            k: v
+            for k, v in form.multi_items()
+            if k not in ("image", "image[]", "mask") and isinstance(v, str)
+        }
+        body = validated(ImageRequest, fields)
+        images = [await read_upload(server, u, "image") for u in uploads]
+        mask = None
+        if form.get("mask") is not None:
+            rgba = await read_upload(server, form.get("mask"), "mask", mode="RGBA")
+            if rgba.shape[:2] != images[0].shape[:2]:
+                raise InvalidRequestError(
+                    "mask must have the same size as the image", param="mask", code="invalid_image"
+                )
+            mask = openai_mask_to_diffusers(rgba)
+    finally:
+        await form.close()
+    return await _respond(request, body, images, mask, prefix="image_edit")

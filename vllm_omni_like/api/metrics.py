@@ -1,0 +1,94 @@
+"""Prometheus metrics: request final statuses, queues, latencies, batches, deaths, replicas."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.engine.request_state import FINAL_STATUSES
+
+PREFIX = "vllm_omni_like"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class _EngineCollector:
+    """Reads the engine's counters and pools at scrape time (no double bookkeeping)."""
+
+    def __init__(self, engine: AsyncOmni) -> None:
+        self.engine = engine
+
+    def collect(self):
+        snap = self.engine.stats.snapshot()
+        total = CounterMetricFamily(f"{PREFIX}_requests", "Requests admitted to the engine")
+        total.add_metric([], snap["requests_total"])
+        yield total
+        final = CounterMetricFamily(
+            f"{PREFIX}_requests_finished",
+            "Admitted requests by final status (sums to requests_total once none is in flight)",
+            labels=["status"],
+        )
+        for status in FINAL_STATUSES:
+            final.add_metric([status], snap["final"][status])
+        yield final
+        rejected = CounterMetricFamily(
+            f"{PREFIX}_requests_rejected", "Requests refused before admission", labels=["status"]
+        )
+        for status, count in sorted(snap["rejected"].items()):
+            rejected.add_metric([str(status)], count)
+        yield rejected
+        deaths = CounterMetricFamily(f"{PREFIX}_worker_deaths", "Worker processes that died")
+        deaths.add_metric([], snap["worker_deaths"])
+        yield deaths
+        restarts = CounterMetricFamily(f"{PREFIX}_replica_restarts", "Replicas restarted")
+        restarts.add_metric([], snap["restarts"])
+        yield restarts
+        labels = ["pipeline", "stage"]
+        waiting = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Queued per stage", labels=labels)
+        running = GaugeMetricFamily(
+            f"{PREFIX}_requests_running", "Running per stage", labels=labels
+        )
+        alive = GaugeMetricFamily(
+            f"{PREFIX}_replicas_alive", "Live replicas per stage", labels=labels
+        )
+        for name, pools in self.engine.orchestrator.pools.items():
+            for pool in pools:
+                key = [name, pool.name]
+                waiting.add_metric(key, len(pool.waiting))
+                running.add_metric(key, sum(len(r.batch) for r in pool.replicas))
+                alive.add_metric(key, pool.live_count)
+        yield from (waiting, running, alive)
+
+
+class Metrics:
+    def __init__(self, engine: AsyncOmni) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_latency_seconds",
+            "End-to-end latency by final status",
+            ["pipeline", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.stage = Histogram(
+            f"{PREFIX}_stage_latency_seconds",
+            "Time in a stage's worker",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch = Histogram(
+            f"{PREFIX}_batch_size",
+            "Requests per executed batch",
+            ["stage"],
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        stats = engine.stats
+        stats.observers.append(lambda p, s, t: self.e2e.labels(p, s).observe(t))
+        stats.stage_observers.append(lambda st, t: self.stage.labels(st).observe(t))
+        stats.batch_observers.append(lambda st, n: self.batch.labels(st).observe(n))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

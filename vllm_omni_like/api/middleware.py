@@ -1,0 +1,76 @@
+"""ASGI middleware: request ids on every response, API keys, and the request body limit."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from vllm_omni_like.api.errors import envelope, headers_for
+from vllm_omni_like.errors import AuthenticationError, OmniError, PayloadTooLargeError
+
+PUBLIC_PREFIXES = ("/health", "/metrics", "/version", "/v1/files/")
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class GatewayMiddleware:
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_keys = set(api_keys)
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or f"req_{secrets.token_hex(12)}"
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        # 1) API key, except on probes and the unguessable file URLs
+        if self.api_keys and not scope["path"].startswith(PUBLIC_PREFIXES):
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            if token not in self.api_keys:
+                err = AuthenticationError("missing API key" if not token else "invalid API key")
+                await _respond(send_with_id, err, request_id)
+                return
+        # 2) body size, declared and actual
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            await _respond(send_with_id, _too_large(self.max_body), request_id)
+            return
+        seen = 0
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _too_large(self.max_body)
+            return message
+
+        await self.app(scope, counting_receive, send_with_id)
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
+
+
+async def _respond(send: Send, err: OmniError, request_id: str) -> None:
+    info = err.info()
+    body = json.dumps(envelope(info, request_id)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in headers_for(info).items()]
+    await send({"type": "http.response.start", "status": info.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

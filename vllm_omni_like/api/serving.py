@@ -1,0 +1,152 @@
+"""The one request -> engine -> response path that images, edits and videos share."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from vllm_omni_like.api.errors import envelope
+from vllm_omni_like.api.file_store import FileStore
+from vllm_omni_like.api.protocol import ImageRequest
+from vllm_omni_like.api.requests import image_items
+from vllm_omni_like.config import ServerSettings
+from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.engine.async_omni import RequestStream
+from vllm_omni_like.errors import EngineDeadError, EngineGenerateError
+from vllm_omni_like.media import encode_image
+from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass
+class Server:
+    """What every route needs; lives in `app.state.server`."""
+
+    engine: AsyncOmni
+    settings: ServerSettings
+    files: FileStore
+    videos: Any = None  # api.video_jobs.VideoService
+    start_error: str | None = None
+
+    def ensure_ready(self) -> None:
+        if self.start_error is not None:
+            raise EngineDeadError(f"the engine failed to start: {self.start_error}")
+        if not self.engine.started:
+            raise EngineDeadError("the engine is starting; retry shortly", code="starting")
+        self.engine.check_health()
+
+
+async def run_to_output(
+    request: Request | None, server: Server, omni: OmniRequest
+) -> OmniRequestOutput:
+    """Run to the final output; a client that disconnects aborts its request in the engine."""
+    server.ensure_ready()
+    stream = server.engine.open(omni)
+    try:
+        while True:
+            try:
+                event = await stream.next(timeout=DISCONNECT_POLL_S)
+            except TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    raise EngineGenerateError("the client disconnected", code="aborted") from None
+                continue
+            if isinstance(event, OmniRequestOutput):
+                return event
+    finally:
+        stream.close()
+
+
+def raise_for_error(output: OmniRequestOutput) -> None:
+    if output.error is not None:
+        raise output.error.to_exception()
+
+
+def image_response(
+    server: Server, output: OmniRequestOutput, body: ImageRequest, base_url: str
+) -> dict[str, Any]:
+    """Encode and package the images (CPU work: runs in a thread)."""
+    as_url = body.response_format == "url"
+    items = image_items(output, body.output_format, body.output_compression, as_b64=not as_url)
+    if as_url:
+        for item in items:
+            name = server.files.put(item.pop("bytes"), body.output_format)
+            item["url"] = f"{base_url}v1/files/{name}"
+    first = output.output.images[0].pixels
+    return {
+        "created": int(time.time()),
+        "data": items,
+        "size": f"{first.shape[1]}x{first.shape[0]}",
+        "output_format": body.output_format,
+    }
+
+
+def _sse(event: str | None, data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+async def stream_images(
+    server: Server, stream: RequestStream, body: ImageRequest, prefix: str
+) -> AsyncIterator[str]:
+    """SSE: partial images from real intermediate steps, then completed, then [DONE]."""
+    index = 0
+    try:
+        while True:
+            try:
+                event = await stream.next(timeout=server.settings.keepalive_s)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            if isinstance(event, RequestProgress):
+                if event.previews is None:
+                    continue
+                data = await asyncio.to_thread(
+                    encode_image, event.previews, body.output_format, body.output_compression
+                )
+                h, w = event.previews.shape[:2]
+                yield _sse(
+                    f"{prefix}.partial_image",
+                    {
+                        "type": f"{prefix}.partial_image",
+                        "b64_json": base64.b64encode(data).decode(),
+                        "partial_image_index": index,
+                        "size": f"{w}x{h}",
+                        "output_format": body.output_format,
+                        "created_at": int(time.time()),
+                    },
+                )
+                index += 1
+                continue
+            if event.error is not None:
+                yield _sse("error", envelope(event.error, stream.request_id))
+            else:
+                items = await asyncio.to_thread(
+                    image_items, event, body.output_format, body.output_compression
+                )
+                h, w = event.output.images[0].pixels.shape[:2]
+                for item in items:
+                    yield _sse(
+                        f"{prefix}.completed",
+                        {
+                            "type": f"{prefix}.completed",
+                            "b64_json": item["b64_json"],
+                            "size": f"{w}x{h}",
+                            "output_format": body.output_format,
+                            "created_at": int(time.time()),
+                            "seed": item["seed"],
+                            "revised_prompt": item.get("revised_prompt"),
+                        },
+                    )
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        stream.close()  # the client went away before the end: abort everywhere

@@ -1,0 +1,127 @@
+"""/v1/videos: create (multipart or JSON), list, retrieve, delete, content."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from vllm_omni_like.api.errors import error_response
+from vllm_omni_like.api.images import validated
+from vllm_omni_like.api.protocol import VideoRequest
+from vllm_omni_like.api.video_jobs import POLL_AFTER_MS, VideoService, video_object
+from vllm_omni_like.errors import ConflictError, ErrorInfo, InvalidRequestError, NotFoundError
+
+router = APIRouter()
+FAILED_VIDEO = 422
+
+
+def _service(request: Request) -> VideoService:
+    return request.app.state.server.videos
+
+
+def _object_response(row: dict, status: int = 200) -> JSONResponse:
+    headers = {}
+    if row["status"] in ("queued", "in_progress"):
+        headers["openai-poll-after-ms"] = str(POLL_AFTER_MS)
+    return JSONResponse(video_object(row), status_code=status, headers=headers)
+
+
+async def _row(request: Request, video_id: str) -> dict:
+    row = await _service(request).get(video_id)
+    if row is None:
+        raise NotFoundError(f"no video {video_id!r}", code="video_not_found", param="video_id")
+    return row
+
+
+@router.post("/v1/videos")
+async def create(request: Request) -> JSONResponse:
+    server = request.app.state.server
+    server.ensure_ready()
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form(max_files=2, max_fields=64)
+        try:
+            if form.get("input_reference") is not None:
+                raise InvalidRequestError(
+                    "input_reference is not supported: the served video models are text-to-video",
+                    param="input_reference",
+                )
+            body = validated(
+                VideoRequest, {k: v for k, v in form.multi_items() if isinstance(v, str)}
+            )
+        finally:
+            await form.close()
+    else:
+        try:
+            fields = await request.json()
+        except ValueError:
+            raise InvalidRequestError("the body must be JSON or multipart/form-data") from None
+        if not isinstance(fields, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        if fields.get("input_reference") is not None:
+            raise InvalidRequestError(
+                "input_reference is not supported: the served video models are text-to-video",
+                param="input_reference",
+            )
+        body = validated(VideoRequest, fields)
+    row = await _service(request).create(body, request.headers.get("idempotency-key"))
+    return _object_response(row)
+
+
+@router.get("/v1/videos")
+async def list_videos(
+    request: Request,
+    after: str | None = None,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+) -> dict:
+    store = _service(request).store
+    rows, more = await asyncio.to_thread(store.list, after, limit, order)
+    data = [video_object(r) for r in rows]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
+@router.get("/v1/videos/{video_id}")
+async def retrieve(request: Request, video_id: str) -> JSONResponse:
+    return _object_response(await _row(request, video_id))
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete(request: Request, video_id: str) -> dict:
+    if not await _service(request).delete(video_id):
+        raise NotFoundError(f"no video {video_id!r}", code="video_not_found", param="video_id")
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def content(
+    request: Request, video_id: str, variant: Literal["video", "thumbnail"] = "video"
+) -> FileResponse:
+    row = await _row(request, video_id)
+    if row["status"] == "failed":
+        info = ErrorInfo(
+            "VideoFailed",
+            f"video {video_id} failed: {row['error_message']}",
+            "invalid_request_error",
+            "video_failed",
+            FAILED_VIDEO,
+            True,
+        )
+        response = error_response(info, request.state.request_id)
+        response.headers["x-should-retry"] = "false"
+        return response
+    if row["status"] != "completed":
+        raise ConflictError(
+            f"video {video_id} is {row['status']}; its content is not ready", code="video_not_ready"
+        )
+    path = row["file"] if variant == "video" else row["thumbnail"]
+    media = "video/mp4" if variant == "video" else "image/png"
+    return FileResponse(path, media_type=media)  # serves HTTP Range requests
