@@ -14,6 +14,11 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.faults import FaultInjector
 
 
+def preview_steps(total: int, k: int) -> set[int]:
+    """The steps (1-based, all before the last) after which k partial images are taken."""
+    return {max(1, round(total * (j + 1) / (k + 1))) for j in range(k)} - {total}
+
+
 class StageAborted(Exception):
     """Raised inside `execute` when every request of the batch was aborted."""
 
@@ -69,6 +74,11 @@ class StageControl:
         if self._on_progress is not None:
             ids = [r.request_id for r in live]
             self._on_progress(ids, step, total, previews or {})
+
+    def wants_preview(self, request: StageRequest, step: int, total: int) -> bool:
+        """Partial images come from real intermediate steps, spread before the last one."""
+        k = request.params.partial_images
+        return k > 0 and step in preview_steps(total, k) and not self.is_aborted(request.request_id)
 
     def saw_model_batch(self, size: int) -> None:
         self.max_model_batch = max(self.max_model_batch, size)

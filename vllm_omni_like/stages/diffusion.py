@@ -245,10 +245,30 @@ class DiffusionStage(Stage):
     def _callback(self, batch: list[StageRequest], control: StageControl):
         def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
             total = int(getattr(pipe, "_num_timesteps", 0) or 0) or i + 1
-            control.step(batch, i + 1, total)
+            want = [r for r in batch if control.wants_preview(r, i + 1, total)]
+            previews = self._previews(pipe, batch, want, callback_kwargs) if want else None
+            control.step(batch, i + 1, total, previews)
             return callback_kwargs
 
         return on_step_end
+
+    def _previews(
+        self, pipe: Any, batch: list[StageRequest], want: list[StageRequest], callback_kwargs: dict
+    ) -> dict[str, Any]:
+        """Decode the current latents of the first image of each request that asked."""
+        latents = callback_kwargs.get("latents")
+        if latents is None or self.is_video:
+            return {}
+        rows, k = {}, 0
+        for r in batch:
+            rows[r.request_id] = k
+            k += r.params.n
+        picked = latents[[rows[r.request_id] for r in want]]
+        vae = pipe.vae
+        with torch.inference_mode():
+            decoded = vae.decode(picked / vae.config.scaling_factor, return_dict=False)[0]
+        images = pipe.image_processor.postprocess(decoded, output_type="np")
+        return {r.request_id: img for r, img in zip(want, _to_uint8(images), strict=True)}
 
     def _split(self, batch: list[StageRequest], result: Any, seeds: list[int]) -> list[StageOutput]:
         outputs, k = [], 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
 import numpy as np
@@ -13,6 +14,12 @@ from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.base import Stage, StageControl
 
 MAX_SIDE = 2048
+
+
+def _prompt_delay(prompt: str) -> float:
+    """'@delay=0.05' in a prompt sets the per-step delay (for tests over HTTP)."""
+    match = re.search(r"@delay=([0-9.]+)", prompt)
+    return float(match.group(1)) if match else 0.0
 
 
 def _digest(seed: int | None, prompt: str, index: int) -> int:
@@ -40,13 +47,23 @@ class NullStage(Stage):
         control.faults.fire("execute", batch)
         control.saw_model_batch(len(batch))
         steps = batch[0].params.num_inference_steps or self.default_steps
-        delay = batch[0].params.step_delay
+        delay = max(batch[0].params.step_delay, max(_prompt_delay(r.prompt) for r in batch))
         for i in range(steps):
             if delay > 0:
                 time.sleep(delay)
-            control.step(batch, i + 1, steps)
+            previews = {
+                r.request_id: self._preview(r, i + 1, steps)
+                for r in batch
+                if self.output_kind == "image" and control.wants_preview(r, i + 1, steps)
+            }
+            control.step(batch, i + 1, steps, previews)
         live = control.live(batch)
         return [self._output(r, control.steps_run.get(r.request_id, 0)) for r in live]
+
+    def _preview(self, r: StageRequest, step: int, total: int) -> np.ndarray:
+        """What the final image looks like so far: a blend from grey towards it."""
+        final = self._output(r, 0).images[0].pixels.astype(np.float32)
+        return (128 + (final - 128) * step / total).astype(np.uint8)
 
     def _output(self, r: StageRequest, steps_run: int) -> StageOutput:
         out = StageOutput(request_id=r.request_id, stage=self.name, steps_run=steps_run)
