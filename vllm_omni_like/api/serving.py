@@ -24,8 +24,6 @@ from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 
-DISCONNECT_POLL_S = 0.1
-
 
 @dataclass
 class Server:
@@ -45,23 +43,33 @@ class Server:
         self.engine.check_health()
 
 
+async def _until_disconnect(request: Request) -> None:
+    # receive() also resumes reading the socket, which is how a closed connection is noticed
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def run_to_output(
     request: Request | None, server: Server, omni: OmniRequest
 ) -> OmniRequestOutput:
     """Run to the final output; a client that disconnects aborts its request in the engine."""
     server.ensure_ready()
     stream = server.engine.open(omni)
+    gone = asyncio.create_task(_until_disconnect(request)) if request is not None else None
     try:
         while True:
-            try:
-                event = await stream.next(timeout=DISCONNECT_POLL_S)
-            except TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise EngineGenerateError("the client disconnected", code="aborted") from None
-                continue
-            if isinstance(event, OmniRequestOutput):
-                return event
+            event = asyncio.ensure_future(stream.next())
+            if gone is not None:
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    raise EngineGenerateError("the client disconnected", code="aborted")
+            result = await event
+            if isinstance(result, OmniRequestOutput):
+                return result
     finally:
+        if gone is not None:
+            gone.cancel()
         stream.close()
 
 
@@ -98,17 +106,22 @@ async def stream_images(
     server: Server, stream: RequestStream, body: ImageRequest, prefix: str
 ) -> AsyncIterator[str]:
     """SSE: partial images from real intermediate steps, then completed, then [DONE]."""
-    index = 0
+    index, keepalive = 0, server.settings.keepalive_s
+    last_sent = time.monotonic()
     try:
         while True:
+            wait = max(0.0, keepalive - (time.monotonic() - last_sent))
             try:
-                event = await stream.next(timeout=server.settings.keepalive_s)
+                event = await stream.next(timeout=wait)
             except TimeoutError:
-                yield ": keep-alive\n\n"
+                event = None
+            if event is None or (isinstance(event, RequestProgress) and event.previews is None):
+                if time.monotonic() - last_sent >= keepalive:  # silence: a comment line
+                    last_sent = time.monotonic()
+                    yield ": keep-alive\n\n"
                 continue
+            last_sent = time.monotonic()
             if isinstance(event, RequestProgress):
-                if event.previews is None:
-                    continue
                 data = await asyncio.to_thread(
                     encode_image, event.previews, body.output_format, body.output_compression
                 )
