@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import subprocess
 import tempfile
 
 import numpy as np
@@ -107,11 +109,18 @@ def encode_video(frames: np.ndarray, fps: int) -> bytes:
 
 
 def read_video(path: str) -> np.ndarray:
-    import imageio.v2 as imageio
+    """Decode a video to FxHxWx3 uint8 with the bundled ffmpeg (for tests and checks)."""
+    import imageio_ffmpeg
 
-    reader = imageio.get_reader(path, format="FFMPEG")
-    try:
-        # the reader reports an infinite length: count the frames, then read each
-        return np.stack([reader.get_data(i) for i in range(reader.count_frames())])
-    finally:
-        reader.close()
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    info = subprocess.run([exe, "-hide_banner", "-i", path], capture_output=True, text=True)
+    size = re.search(r"Video:.*?, (\d+)x(\d+)", info.stderr)
+    if size is None:
+        raise ValueError(f"{path}: no video stream found")
+    w, h = int(size.group(1)), int(size.group(2))
+    raw = subprocess.run(
+        [exe, "-v", "error", "-i", path, "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    return np.frombuffer(raw, np.uint8).reshape(-1, h, w, 3)

@@ -58,7 +58,10 @@ def create_app(
     for module in (images, videos, health):
         app.include_router(module.router)
     app.add_middleware(
-        GatewayMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.limits.max_body_bytes
+        GatewayMiddleware,
+        api_keys=settings.api_keys,
+        max_body_bytes=settings.limits.max_body_bytes,
+        on_reject=engine.stats.reject,
     )
     return app
 

@@ -100,6 +100,8 @@ def install(app: FastAPI) -> None:
             exc = OmniError(f"internal error: {type(exc).__name__}: {exc}")
         if isinstance(exc, EngineDeadError) or exc.status >= 500:
             logger.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        if not getattr(request.state, "admitted", False):  # refused before admission
+            request.app.state.engine.stats.reject(exc.status)
         return error_response(exc.info(), request_id(request), errored(request))
 
     app.add_exception_handler(RequestValidationError, handle)

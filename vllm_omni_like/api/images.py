@@ -42,8 +42,7 @@ async def _respond(
         server.engine, body, server.settings.limits, request.state.request_id, images, mask
     )
     if body.stream:
-        server.ensure_ready()
-        stream = server.engine.open(omni)  # admission errors still get their real status
+        stream = server.open(request, omni)  # admission errors still get their real status
         return StreamingResponse(
             stream_images(server, stream, body, prefix),
             media_type="text/event-stream",

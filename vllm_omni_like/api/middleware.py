@@ -17,8 +17,11 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class GatewayMiddleware:
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
+    def __init__(
+        self, app, api_keys: tuple[str, ...], max_body_bytes: int, on_reject: Callable[[int], None]
+    ) -> None:
         self.app = app
+        self.on_reject = on_reject
         self.api_keys = set(api_keys)
         self.max_body = max_body_bytes
 
@@ -42,11 +45,13 @@ class GatewayMiddleware:
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if token not in self.api_keys:
                 err = AuthenticationError("missing API key" if not token else "invalid API key")
+                self.on_reject(err.status)
                 await _respond(send_with_id, err, request_id)
                 return
         # 2) body size, declared and actual
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            self.on_reject(413)
             await _respond(send_with_id, _too_large(self.max_body), request_id)
             return
         seen = 0

@@ -42,6 +42,14 @@ class Server:
             raise EngineDeadError("the engine is starting; retry shortly", code="starting")
         self.engine.check_health()
 
+    def open(self, request: Request | None, omni: OmniRequest) -> RequestStream:
+        """Submit to the engine; from here on a failure is the request's final status."""
+        self.ensure_ready()
+        stream = self.engine.open(omni)
+        if request is not None:
+            request.state.admitted = True
+        return stream
+
 
 async def _until_disconnect(request: Request) -> None:
     # receive() also resumes reading the socket, which is how a closed connection is noticed
@@ -53,8 +61,7 @@ async def run_to_output(
     request: Request | None, server: Server, omni: OmniRequest
 ) -> OmniRequestOutput:
     """Run to the final output; a client that disconnects aborts its request in the engine."""
-    server.ensure_ready()
-    stream = server.engine.open(omni)
+    stream = server.open(request, omni)
     gone = asyncio.create_task(_until_disconnect(request)) if request is not None else None
     try:
         while True:

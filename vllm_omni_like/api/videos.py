@@ -40,7 +40,8 @@ async def _row(request: Request, video_id: str) -> dict:
 async def create(request: Request) -> JSONResponse:
     server = request.app.state.server
     server.ensure_ready()
-    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         form = await request.form(max_files=2, max_fields=64)
         try:
             if form.get("input_reference") is not None:
@@ -57,7 +58,9 @@ async def create(request: Request) -> JSONResponse:
         try:
             fields = await request.json()
         except ValueError:
-            raise InvalidRequestError("the body must be JSON or multipart/form-data") from None
+            raise InvalidRequestError(
+                "the body must be JSON or a form (multipart or urlencoded)"
+            ) from None
         if not isinstance(fields, dict):
             raise InvalidRequestError("the body must be a JSON object")
         if fields.get("input_reference") is not None:

@@ -107,11 +107,9 @@ class Orchestrator:
     def submit(self, request: OmniRequest, emit: Callable[[object], None]) -> None:
         """Admit a request (or raise at once); its events and final output go to `emit`."""
         if self.errored or self._stopped:
-            self.stats.reject(503)
             raise self.dead_error
         pipeline = self.pipelines.get(request.pipeline)
         if pipeline is None:
-            self.stats.reject(404)
             raise NotFoundError(
                 f"model {request.pipeline!r} is not served here; served: "
                 f"{', '.join(self.pipelines)}",
@@ -120,7 +118,6 @@ class Orchestrator:
             )
         with self._admit_lock:
             if self._admitted[pipeline.name] >= self.config.max_queue_size:
-                self.stats.reject(429)
                 raise QueueFullError(
                     f"pipeline {pipeline.name!r} has {self.config.max_queue_size} requests "
                     "waiting or running; retry later",

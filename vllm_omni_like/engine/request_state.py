@@ -53,7 +53,7 @@ class EngineStats:
         self._lock = threading.Lock()
         self.requests_total = 0
         self.final: Counter[str] = Counter()
-        self.rejected: Counter[int] = Counter()  # refused before admission, by HTTP status
+        self.rejected: Counter[int] = Counter()  # refused before admission (the API counts)
         self.stage_requests: Counter[str] = Counter()  # requests dispatched, per stage
         self.batch_sizes: Counter[int] = Counter()
         self.worker_deaths = 0

@@ -124,6 +124,7 @@ class StagePool:
 
     def health(self) -> dict[str, object]:
         return {
+            "pipeline": self.pipeline,
             "name": self.name,
             "state": self.state,
             "replicas_live": self.live_count,

@@ -1,0 +1,143 @@
+"""/health, /metrics, /version, start-up and restart behaviour of the server."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import LiveServer, live_server
+from tests.conftest import wait_until
+from vllm_omni_like import __version__
+from vllm_omni_like.errors import EngineDeadError
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
+    assert match, f"{name}{labels} missing"
+    return float(match.group(1))
+
+
+def test_health_models_version(null_server):
+    with null_server.http() as http:
+        health = http.get("/health")
+        assert health.status_code == 200
+        body = health.json()
+        assert body["status"] == "healthy"
+        assert {
+            "pipeline": "null-omni",
+            "name": "llm",
+            "state": "ready",
+            "replicas_live": 1,
+            "replicas_total": 1,
+        } in body["stages"]
+        assert http.get("/version").json() == {"version": __version__}
+
+
+def test_metrics_balance_and_cover_the_engine(null_server):
+    client = null_server.client(max_retries=0)
+    client.images.generate(prompt="x", model="null-omni")
+    with pytest.raises(openai.InternalServerError):
+        client.images.generate(prompt="x @fail", model="null-image")
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(prompt="x", model="nope")
+    assert wait_until(lambda: not null_server.engine.orchestrator.requests, 5)
+    with null_server.http() as http:
+        text = http.get("/metrics").text
+    total = _metric(text, "vllm_omni_like_requests_total")
+    finals = sum(
+        _metric(text, "vllm_omni_like_requests_finished_total", f'{{status="{s}"}}')
+        for s in ("success", "invalid", "error", "dead", "aborted", "timeout")
+    )
+    assert total == finals and total >= 2
+    assert _metric(text, "vllm_omni_like_requests_finished_total", '{status="error"}') >= 1
+    assert _metric(text, "vllm_omni_like_requests_rejected_total", '{status="404"}') >= 1
+    for family in (
+        "vllm_omni_like_requests_waiting",
+        "vllm_omni_like_requests_running",
+        "vllm_omni_like_replicas_alive",
+        "vllm_omni_like_e2e_latency_seconds_bucket",
+        "vllm_omni_like_stage_latency_seconds_bucket",
+        "vllm_omni_like_batch_size_bucket",
+        "vllm_omni_like_worker_deaths_total",
+        "vllm_omni_like_replica_restarts_total",
+    ):
+        assert family in text
+    assert 'vllm_omni_like_e2e_latency_seconds_count{pipeline="null-image",status="error"}' in text
+
+
+def test_health_says_starting_until_the_models_load(tmp_path):
+    server = LiveServer(("tiny-image",), str(tmp_path)).start(ready=False)
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            first = http.get("/health")
+            if not server.engine.started:  # loading takes seconds on this CPU
+                assert first.status_code == 503 and first.json()["status"] == "starting"
+                r = http.post("/v1/images/generations", json={"prompt": "x"})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+            assert wait_until(lambda: http.get("/health").status_code == 200, 60)
+    finally:
+        server.stop()
+
+
+def test_a_stage_that_cannot_load_is_fatal(tmp_path):
+    server = LiveServer(
+        ("null-image",), str(tmp_path), faults="stage=diffusion,point=load,kind=raise"
+    ).start(ready=False)
+    try:
+        assert wait_until(lambda: bool(server.fatal), 30)
+        assert "stage 'diffusion'" in server.fatal[0] and "injected raise fault" in server.fatal[0]
+    finally:
+        server.stop()
+
+
+def test_one_server_per_storage_dir(tmp_path_factory):
+    with live_server(tmp_path_factory, "null-video") as first:
+        second = LiveServer(("null-video",), first.settings.storage_dir)
+        with pytest.raises(EngineDeadError, match="already uses the storage dir"):
+            from vllm_omni_like.api.video_jobs import VideoService
+
+            VideoService(second.engine, second.settings)
+
+
+def test_video_jobs_survive_a_restart(tmp_path_factory):
+    storage = str(tmp_path_factory.mktemp("storage"))
+    faults = "stage=diffusion,point=execute,kind=raise,match=@fail"
+    server = LiveServer(("null-video",), storage, faults=faults).start()
+    client = server.client()
+    done = client.videos.create_and_poll(prompt="done", seconds="1")
+    failed = client.videos.create_and_poll(prompt="x @fail", seconds="1")
+    server.stop()
+    with open(f"{storage}/videos/{done.id}.mp4", "rb") as f:
+        original = f.read()
+    # as if the server had been SIGKILLed: one job mid-run, one still queued
+    db = sqlite3.connect(f"{storage}/videos.db")
+    params = '{"prompt": "later", "seconds": "1"}'
+    for vid, status in (("video_running", "in_progress"), ("video_queued", "queued")):
+        db.execute(
+            "INSERT INTO videos (id, model, status, progress, created_at, seconds, size, "
+            "prompt, params) VALUES (?, 'null-video', ?, 40, ?, '1', 'auto', 'later', ?)",
+            (vid, status, int(time.time()), params),
+        )
+    db.commit()
+    db.close()
+    server = LiveServer(("null-video",), storage).start()
+    try:
+        client = server.client()
+        assert {v.id for v in client.videos.list()} >= {
+            done.id,
+            failed.id,
+            "video_running",
+            "video_queued",
+        }
+        assert client.videos.retrieve(failed.id).status == "failed"
+        running = client.videos.retrieve("video_running")
+        assert running.status == "failed" and running.error.code == "server_restarted"
+        assert client.videos.download_content(done.id).read() == original
+        assert client.videos.poll("video_queued").status == "completed"
+    finally:
+        server.stop()
