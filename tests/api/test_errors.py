@@ -13,6 +13,7 @@ import pytest
 
 from tests.api.conftest import live_server
 from tests.conftest import wait_until
+from vllm_omni_like.engine import stage_pool
 
 
 def _err(r: httpx.Response, status: int, code: str, etype: str = "invalid_request_error"):
@@ -219,7 +220,8 @@ def test_503_dead_health_and_requests_when_no_restart_is_left(tmp_path_factory):
         _err(late, 503, "engine_dead", "service_unavailable")
 
 
-def test_503_restarting_then_healthy_again(tmp_path_factory):
+def test_503_restarting_then_healthy_again(tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(stage_pool, "RESTART_BACKOFF_S", (1.5,))  # a window to look through
     with (
         live_server(tmp_path_factory, "null-image", engine_kw={"max_restarts": 1}) as server,
         server.http() as http,
@@ -228,5 +230,9 @@ def test_503_restarting_then_healthy_again(tmp_path_factory):
         assert wait_until(lambda: http.get("/health").json()["status"] == "restarting", 2)
         r = http.get("/health")
         assert r.status_code == 503 and r.json()["stages"][0]["state"] == "restarting"
+        refused = http.post("/v1/images/generations", json={"prompt": "x"})
+        body = _err(refused, 503, "restarting", "service_unavailable")
+        assert refused.headers["retry-after"] == "2" and body["stage"] == "diffusion"
+        assert "x-should-retry" not in refused.headers
         assert wait_until(lambda: http.get("/health").status_code == 200, 10)
         assert http.post("/v1/images/generations", json={"prompt": "x"}).status_code == 200

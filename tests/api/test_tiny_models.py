@@ -37,7 +37,9 @@ def test_edit_with_an_openai_mask_changes_only_the_transparent_region(tiny_serve
     res = tiny_server.client().images.edit(
         image=("base.png", _png_bytes(base, "RGB"), "image/png"),
         mask=("mask.png", _png_bytes(mask, "RGBA"), "image/png"),
-        prompt="a blue square", extra_body={"seed": 3, "num_inference_steps": 4, "strength": 1.0})
+        prompt="a blue square",
+        extra_body={"seed": 3, "num_inference_steps": 4, "strength": 1.0},
+    )
     out = _decode(res.data[0].b64_json)
     assert out.shape == (64, 64, 3)
     painted = np.abs(out[:, :24] - 200).mean()
@@ -48,19 +50,27 @@ def test_edit_with_an_openai_mask_changes_only_the_transparent_region(tiny_serve
 def test_edit_accepts_image_array_field(tiny_server):
     base = np.full((64, 64, 3), 100, dtype=np.uint8)
     with tiny_server.http() as http:
-        r = http.post("/v1/images/edits", data={"prompt": "a red circle", "seed": "1",
-                                                "num_inference_steps": "3"},
-                      files=[("image[]", ("a.png", _png_bytes(base, "RGB"), "image/png"))])
+        r = http.post(
+            "/v1/images/edits",
+            data={"prompt": "a red circle", "seed": "1", "num_inference_steps": "3"},
+            files=[("image[]", ("a.png", _png_bytes(base, "RGB"), "image/png"))],
+        )
     assert r.status_code == 200, r.text
     assert _decode(r.json()["data"][0]["b64_json"]).shape == (64, 64, 3)
 
 
 def test_partial_images_come_from_intermediate_denoising_steps(tiny_server):
-    events = list(tiny_server.client().images.generate(
-        prompt="a red circle", stream=True, partial_images=2,
-        extra_body={"seed": 2, "num_inference_steps": 6}))
+    events = list(
+        tiny_server.client().images.generate(
+            prompt="a red circle",
+            stream=True,
+            partial_images=2,
+            extra_body={"seed": 2, "num_inference_steps": 6},
+        )
+    )
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + [
-        "image_generation.completed"]
+        "image_generation.completed"
+    ]
     partials = [_decode(e.b64_json) for e in events[:2]]
     final = _decode(events[-1].b64_json)
     assert all(p.shape == final.shape for p in partials)

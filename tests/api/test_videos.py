@@ -129,3 +129,20 @@ def test_bad_video_requests(null_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "size"
         r = http.post("/v1/videos", json={"prompt": "x", "model": "null-image"})
         assert r.status_code == 400 and "makes images, not videos" in r.json()["error"]["message"]
+
+
+def test_finished_files_expire(null_server):
+    import asyncio
+    import os
+
+    service = null_server.app.state.server.videos
+    video = null_server.client().videos.create_and_poll(prompt="expiring", seconds="1")
+    row = service.store.get(video.id)
+    assert os.path.exists(row["file"]) and os.path.exists(row["thumbnail"])
+    service.store.update(video.id, expires_at=int(time.time()) - 1)
+    expired = service.store.expired(int(time.time()))
+    assert [r["id"] for r in expired] == [video.id]
+    asyncio.run(asyncio.to_thread(service._remove, expired[0]))
+    assert not os.path.exists(row["file"]) and not os.path.exists(row["thumbnail"])
+    with pytest.raises(openai.NotFoundError):
+        null_server.client().videos.retrieve(video.id)

@@ -188,3 +188,37 @@ def test_orchestrator_thread_death_fails_every_waiting_request(monkeypatch):
         assert e.errored
         with pytest.raises(EngineDeadError):
             e.check_health()
+
+
+def test_back_pressure_holds_work_in_the_earlier_stage():
+    with engine("null-omni", stage_kw={"max_batch_size": 1}) as e:
+        downstream = e.orchestrator.pools["null-omni"][1]
+        peak = []
+
+        async def run():
+            reqs = [req(f"bp{i}", "x @delay=0.01", steps=5) for i in range(12)]
+            tasks = [asyncio.create_task(final(e, r)) for r in reqs]
+            while not all(t.done() for t in tasks):
+                peak.append(len(downstream.waiting))
+                await asyncio.sleep(0.005)
+            return [t.result() for t in tasks]
+
+        outs = asyncio.run(run())
+        assert all(o.ok for o in outs)  # held back, never refused
+        assert max(peak) <= downstream.capacity + 1  # one LLM batch may land after the check
+        assert max(peak) >= 1
+
+
+def test_offline_omni_is_the_same_path():
+    from vllm_omni_like.config import EngineConfig
+    from vllm_omni_like.engine import Omni
+    from vllm_omni_like.pipelines.catalog import resolve
+
+    with Omni(EngineConfig(pipelines=tuple(resolve("null-image")))) as omni:
+        outs = omni.generate(
+            [req(f"o{i}", f"p{i}", pipeline="null-image", seed=i) for i in range(4)]
+        )
+        assert [o.request_id for o in outs] == ["o0", "o1", "o2", "o3"]
+        assert all(o.ok and o.output.images for o in outs)
+        future = omni.submit(req("bad", "x", pipeline="null-image", width=99999))
+        assert future.result(10).error.status == 400

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
 EARLY_ABORT_TTL_S = 120.0
+RESTART_RETRY_AFTER_S = 2.0
 
 
 class Orchestrator:
@@ -116,6 +117,14 @@ class Orchestrator:
                 code="model_not_found",
                 param="model",
             )
+        for pool in self.pools[pipeline.name]:
+            if pool.state == "restarting":  # nothing can run it now: say when to come back
+                raise EngineDeadError(
+                    "no live replica; a restart is under way",
+                    stage=pool.name,
+                    code="restarting",
+                    retry_after=RESTART_RETRY_AFTER_S,
+                )
         with self._admit_lock:
             if self._admitted[pipeline.name] >= self.config.max_queue_size:
                 raise QueueFullError(
