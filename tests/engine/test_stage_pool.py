@@ -142,5 +142,6 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
         )
         assert e.stats.worker_deaths == 2
         assert elapsed < 10
+        assert wait_until(lambda: _states(e)["diffusion"] == "ready", 10)
         ok = asyncio.run(final(e, req("fine", pipeline="null-image")))
         assert ok.ok
