@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -59,6 +60,9 @@ class LiveServer:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.server.started and (not ready or self.engine.started or self.fatal):
+                time.sleep(0.1)
+                loop = self.app.state.loop
+                self.idle_tasks = len([t for t in asyncio.all_tasks(loop) if not t.done()])
                 return self
             time.sleep(0.02)
         raise AssertionError("server did not start")

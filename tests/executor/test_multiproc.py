@@ -66,8 +66,8 @@ def test_recoverable_fault_fails_only_its_own_request(executor):
     res = _results(drain_batch(sink, 2))
     assert res["a"].error is None and res["c"].error is None
     assert res["b"].error.error_class == "EngineGenerateError"
-    assert res["b"].error.message == (
-        "stage 'diffusion': InjectedFault: injected raise fault at execute for request b"
+    assert res["b"].error.message.startswith(
+        "stage 'diffusion': InjectedFault: injected raise fault at execute for request b (t="
     )
     assert ex.alive and deaths == []
 
@@ -199,7 +199,7 @@ def test_startup_failures_name_stage_and_cause(cfg, faults, expected, no_leaked_
     t0 = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
         ex.start()
-    assert info.value.message == expected
+    assert info.value.message.startswith(expected)
     assert time.monotonic() - t0 < 30
 
 

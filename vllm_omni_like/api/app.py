@@ -38,6 +38,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()  # leak checks count its tasks
         server.videos = VideoService(engine, settings)
         await server.videos.start()
         starter = asyncio.create_task(_start_engine(server, on_fatal))

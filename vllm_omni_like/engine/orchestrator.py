@@ -65,7 +65,10 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}
         self.early_aborts: dict[str, float] = {}
         self.stats = EngineStats()
+        # bounded records for tests and drills: (request, stage, steps its worker ran) and
+        # (request, final status)
         self.recent_steps: deque[tuple[str, str, int]] = deque(maxlen=4096)
+        self.recent_final: deque[tuple[str, str]] = deque(maxlen=4096)
         self._admitted: Counter[str] = Counter()
         self._admit_lock = threading.Lock()
         self._batch_ids = itertools.count(1)
@@ -380,5 +383,6 @@ class Orchestrator:
             stage_outputs=state.outputs,
         )
         status = status or final_status(info)
+        self.recent_final.append((rid, status))
         self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
         state.emit(output)

@@ -65,8 +65,11 @@ class FaultInjector:
 
     def _act(self, rule: FaultRule, point: str, request_id: str | None) -> None:
         self.fired[rule.kind] = self.fired.get(rule.kind, 0) + 1
-        where = f"injected {rule.kind} fault at {point}" + (
-            f" for request {request_id}" if request_id else ""
+        # the monotonic clock is system-wide: a client on this host can time fault -> error
+        where = (
+            f"injected {rule.kind} fault at {point}"
+            + (f" for request {request_id}" if request_id else "")
+            + f" (t={time.monotonic():.3f})"
         )
         match rule.kind:
             case "raise":
