@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
 
 from vllm_omni_like import config as cfg
@@ -46,6 +48,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # SIGTERM/SIGINT: stop accepting, drain in-flight requests, then exit 0
+            # (uvicorn would re-raise the signal afterwards and die by it)
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     from vllm_omni_like.api.app import create_app
     from vllm_omni_like.engine import AsyncOmni
 
@@ -58,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(engine, settings, on_fatal)
-    server = uvicorn.Server(
+    server = Server(
         uvicorn.Config(
             app,
             host=settings.host,

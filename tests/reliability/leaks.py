@@ -49,7 +49,8 @@ def check_engine(server) -> None:
     loop = server.app.state.loop
     idle = server.idle_tasks + len(server.app.state.server.videos.running)
     assert wait_until(lambda: task_count(loop) <= idle, 5), (
-        f"asyncio tasks {task_count(loop)} > idle {idle}")
+        f"asyncio tasks {task_count(loop)} > idle {idle}"
+    )
 
 
 def task_count(loop) -> int:

@@ -1,0 +1,84 @@
+"""The server as a real process (`python -m vllm_omni_like.cli serve`), for kill/term tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import psutil
+
+from tests.api.conftest import free_port
+
+
+class ServeProcess:
+    def __init__(self, args: list[str], storage: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.marker = uuid.uuid4().hex  # finds this server's processes, orphans included
+        full_env = {**os.environ, "VLLM_OMNI_LIKE_TEST_MARKER": self.marker, **(env or {})}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm_omni_like.cli",
+                "serve",
+                *args,
+                "--port",
+                str(self.port),
+                "--storage-dir",
+                storage,
+            ],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("server never became healthy")
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        return out
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process carrying this server's marker (the server and its workers)."""
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if (
+                    p.environ().get("VLLM_OMNI_LIKE_TEST_MARKER") == self.marker
+                    and p.status() != psutil.STATUS_ZOMBIE
+                ):
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    def workers(self) -> list[psutil.Process]:
+        return [p for p in self.processes() if p.pid != self.proc.pid]
+
+    def cleanup(self) -> None:
+        for p in self.processes():
+            p.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if not self.proc.stdout.closed:
+            self.proc.stdout.close()

@@ -1,0 +1,94 @@
+"""R5: 300 clients on the tiny models, 30% of them disconnect at random points."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.api.conftest import live_server
+from tests.reliability.leaks import Baseline, check_engine, statuses
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+
+
+def _pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
+
+
+def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
+    base = Baseline()
+    rng = random.Random(5)
+    with live_server(
+        tmp_path_factory,
+        "tiny-omni",
+        stage_kw={"max_batch_size": 16},
+        engine_kw={"max_queue_size": 1000},
+    ) as server:
+        orch = server.engine.orchestrator
+        late_aborts: list[str] = []
+
+        async def client(http, i: int, leave_after: float | None):
+            rid = f"r5-{i}"
+            body = {"prompt": f"a red circle {i % 7}", "seed": i, "num_inference_steps": STEPS}
+            task = asyncio.create_task(
+                http.post("/v1/images/generations", json=body, headers={"x-request-id": rid})
+            )
+            if leave_after is None:
+                return rid, await task
+            await asyncio.sleep(leave_after)
+            task.cancel()  # the client goes away: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(1.0)
+            if rid in orch.requests:  # the abort must have reached the engine within 1 s
+                late_aborts.append(rid)
+            return rid, None
+
+        async def run():
+            limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+                plan = [rng.uniform(0.05, 6.0) if rng.random() < 0.3 else None for _ in range(300)]
+                return dict(await asyncio.gather(*(client(http, i, t) for i, t in enumerate(plan))))
+
+        t0 = time.monotonic()
+        results = asyncio.run(run())
+        assert time.monotonic() - t0 < 150
+        assert late_aborts == []
+        left = [rid for rid, r in results.items() if r is None]
+        assert 60 <= len(left) <= 120
+        final = statuses(server, results)
+        aborted = [rid for rid in left if final[rid] == "aborted"]
+        assert len(aborted) >= len(left) // 2  # most left before their image was done
+        steps = {}
+        for rid, stage, n in orch.recent_steps:
+            if stage == "diffusion":
+                steps[rid] = max(steps.get(rid, 0), n)
+        for rid in aborted:  # the worker's own count: no step after the abort
+            assert steps.get(rid, 0) < STEPS
+        stayed = [rid for rid, r in results.items() if r is not None]
+        assert all(results[rid].status_code == 200 for rid in stayed)
+        # the outputs of those who stayed equal a quiet run of the same seeds
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            for rid in stayed[:: len(stayed) // 8]:
+                i = int(rid.split("-")[1])
+                quiet = http.post(
+                    "/v1/images/generations",
+                    json={
+                        "prompt": f"a red circle {i % 7}",
+                        "seed": i,
+                        "num_inference_steps": STEPS,
+                    },
+                )
+                a = _pixels(quiet.json()["data"][0]["b64_json"])
+                b = _pixels(results[rid].json()["data"][0]["b64_json"])
+                assert np.abs(a - b).max() <= 2  # batch-size rounding of CPU kernels only
+        check_engine(server)
+    base.check(fd_slack=10)
