@@ -57,10 +57,12 @@ class FaultInjector:
                 self._act(rule, point, hit[0].request_id)
 
     def fire_load(self) -> None:
+        """Load has no request: a fraction selects this start (pid and clock), not a request."""
         for rule in self.rules:
             if rule.point != "load" or rule.match is not None:
                 continue
-            if rule.p is None or hash_fraction(rule.seed, "load", self.stage, "load") < rule.p:
+            start = f"load-{os.getpid()}-{time.monotonic_ns()}"
+            if rule.p is None or hash_fraction(rule.seed, start, self.stage, "load") < rule.p:
                 self._act(rule, "load", None)
 
     def _act(self, rule: FaultRule, point: str, request_id: str | None) -> None:
