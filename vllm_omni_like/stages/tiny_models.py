@@ -16,7 +16,7 @@ from importlib import resources
 from vllm_omni_like.config import cache_dir
 
 TINY_NAMES = ("tiny-llm", "tiny-image", "tiny-video")
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 MAX_TEXT_TOKENS = 32
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
@@ -130,8 +130,11 @@ def vocabulary() -> list[str]:
     return list(seen)
 
 
-def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
-    """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>)."""
+def build_tokenizer(max_length: int = MAX_TEXT_TOKENS, add_eos: bool = True):
+    """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>).
+
+    Text encoders get `<s> text </s>`; the causal LM gets `<s> text` (it writes the rest).
+    """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -141,9 +144,9 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
     )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])]
-    )
+    specials = [("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])]
+    single = "<s> $A </s>" if add_eos else "<s> $A"
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -156,21 +159,17 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
     )
 
 
-def _build_llm(out: str) -> None:
-    import torch
+def llm_model(tokenizer):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer(max_length=128)
-    tokenizer.padding_side = "left"
-    torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=128,
+        max_position_embeddings=64,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -181,10 +180,19 @@ def _build_llm(out: str) -> None:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
-        max_new_tokens=24,
+        max_new_tokens=20,
         do_sample=False,
     )
-    model.save_pretrained(out)
+    return model
+
+
+def _build_llm(out: str) -> None:
+    import torch
+
+    tokenizer = build_tokenizer(max_length=64, add_eos=False)
+    tokenizer.padding_side = "left"
+    torch.manual_seed(0)
+    llm_model(tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
@@ -194,8 +202,8 @@ def _clip_text_encoder(vocab_size: int, tokenizer):
     return CLIPTextModel(
         CLIPTextConfig(
             vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=64,
+            intermediate_size=128,
             num_hidden_layers=2,
             num_attention_heads=4,
             max_position_embeddings=MAX_TEXT_TOKENS,
@@ -206,8 +214,8 @@ def _clip_text_encoder(vocab_size: int, tokenizer):
     )
 
 
-def _build_image(out: str) -> None:
-    import torch
+def image_pipeline():
+    """The tiny text-to-image architecture: 64x64 images, 16x16x4 latents (random weights)."""
     from diffusers import (
         AutoencoderKL,
         DDIMScheduler,
@@ -216,27 +224,26 @@ def _build_image(out: str) -> None:
     )
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
     unet = UNet2DConditionModel(
-        sample_size=32,
+        sample_size=16,
         in_channels=4,
         out_channels=4,
         layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
+        block_out_channels=(64, 96),
+        down_block_types=("CrossAttnDownBlock2D",) * 2,
+        up_block_types=("CrossAttnUpBlock2D",) * 2,
+        cross_attention_dim=64,
         attention_head_dim=8,
-        norm_num_groups=8,
+        norm_num_groups=16,
     )
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
         latent_channels=4,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=8,
+        block_out_channels=(32, 64, 64),
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        norm_num_groups=16,
         sample_size=64,
     )
     scheduler = DDIMScheduler(
@@ -247,7 +254,7 @@ def _build_image(out: str) -> None:
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    pipe = StableDiffusionPipeline(
+    return StableDiffusionPipeline(
         vae=vae,
         text_encoder=_clip_text_encoder(len(tokenizer), tokenizer),
         tokenizer=tokenizer,
@@ -257,11 +264,17 @@ def _build_image(out: str) -> None:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(out)
 
 
-def _build_video(out: str) -> None:
+def _build_image(out: str) -> None:
     import torch
+
+    torch.manual_seed(0)
+    image_pipeline().save_pretrained(out)
+
+
+def video_pipeline():
+    """The tiny text-to-video architecture (Wan): 9x64x64 clips, 3x8x8x8 latents."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -271,24 +284,25 @@ def _build_video(out: str) -> None:
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
     vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
+        base_dim=16,
+        z_dim=8,
+        dim_mult=[1, 2, 2, 2],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 8,
+        latents_std=[1.0] * 8,
     )
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
+        num_attention_heads=4,
+        attention_head_dim=32,
+        in_channels=8,
+        out_channels=8,
+        text_dim=64,
+        freq_dim=64,
+        ffn_dim=256,
+        num_layers=4,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
@@ -296,9 +310,9 @@ def _build_video(out: str) -> None:
     text_encoder = UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
             num_layers=2,
             num_heads=4,
             relative_attention_num_buckets=8,
@@ -307,14 +321,20 @@ def _build_video(out: str) -> None:
             decoder_start_token_id=tokenizer.pad_token_id,
         )
     )
-    pipe = WanPipeline(
+    return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         transformer=transformer,
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
-    pipe.save_pretrained(out)
+
+
+def _build_video(out: str) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    video_pipeline().save_pretrained(out)
 
 
 _BUILDERS: dict[str, Callable[[str], None]] = {

@@ -1,0 +1,179 @@
+"""Train the tiny text-to-video model (Wan architecture) on clips of moving shapes.
+
+    python training/train_video.py --out vllm_omni_like/assets/tiny-video      # GPU: minutes
+
+The Wan VAE first (9 frames of 64x64 -> 3x8x8x8 latents), then the transformer and the
+text encoder with flow matching, the objective WanPipeline's scheduler integrates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from common import Log, clips, device, seed_all, write_report
+from train_image import cosine
+
+from vllm_omni_like.shapes import checker, world
+from vllm_omni_like.stages.tiny_models import MAX_TEXT_TOKENS, video_pipeline
+
+SHIFT = 3.0  # the FlowMatchEulerDiscreteScheduler's shift in the pipeline
+
+
+def batch_pixels(frames: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """uint8 [n,F,H,W,3] -> float [-1,1] [b,3,F,H,W]."""
+    return frames[idx].permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+
+
+def train_vae(vae, frames, steps: int, batch: int, log: Log) -> None:
+    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
+    vae.train()
+    for step in range(steps):
+        x = batch_pixels(frames, torch.randint(0, len(frames), (batch,), device=frames.device))
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
+            post = vae.encode(x).latent_dist
+            rec = vae.decode(post.sample()).sample
+        loss = F.mse_loss(rec.float(), x) + 1e-6 * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        log(step, vae_loss=loss.item())
+    vae.eval()
+
+
+def text_embeds(te, ids, mask):
+    """As WanPipeline does: the encoder's states, zero past each prompt's own length."""
+    return te(ids, attention_mask=mask).last_hidden_state * mask[..., None]
+
+
+def train_transformer(pipe, z, ids, mask, empty, steps: int, batch: int, log: Log) -> None:
+    model, te = pipe.transformer, pipe.text_encoder
+    params = list(model.parameters()) + list(te.parameters())
+    opt = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
+    model.train()
+    te.train()
+    dev = z.device
+    for step in range(steps):
+        idx = torch.randint(0, len(z), (batch,), device=dev)
+        x0, tok, m = z[idx], ids[idx].clone(), mask[idx].clone()
+        drop = torch.rand(batch, device=dev) < 0.1
+        tok[drop], m[drop] = empty[0], empty[1]
+        u = torch.rand(batch, device=dev)
+        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
+        noise = torch.randn_like(x0)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            cond = text_embeds(te, tok, m)
+            pred = model(
+                hidden_states=xt,
+                timestep=sigma * 1000,
+                encoder_hidden_states=cond,
+                return_dict=False,
+            )[0]
+        loss = F.mse_loss(pred.float(), noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        log(step, flow_loss=loss.item())
+    model.eval()
+    te.eval()
+
+
+@torch.no_grad()
+def evaluate(pipe, n: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    found = [world.sample_clip(rng) for _ in range(n)]
+    moved = coloured = 0
+    for i in range(0, n, 25):
+        part = found[i : i + 25]
+        gens = [torch.Generator(pipe.device).manual_seed(seed + i + j) for j in range(len(part))]
+        out = pipe(
+            [c.caption() for c in part],
+            num_frames=9,
+            height=64,
+            width=64,
+            num_inference_steps=20,
+            guidance_scale=5.0,
+            generator=gens,
+            output_type="np",
+            max_sequence_length=MAX_TEXT_TOKENS,
+        )
+        for clip, video in zip(part, out.frames, strict=True):
+            frames = (np.clip(video, 0, 1) * 255).round().astype(np.uint8)
+            moved += checker.motion(frames) == clip.direction
+            coloured += checker.read_image(frames[len(frames) // 2])["colour"] == clip.colour
+    return {"direction": moved / n, "shape_colour": coloured / n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--report", default=None)
+    ap.add_argument("--n", type=int, default=12_000)
+    ap.add_argument("--vae-steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=8000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--eval", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    seed_all(args.seed)
+    dev = device()
+    frames_np, captions, _ = clips(args.n, args.seed + 2)
+    frames = torch.from_numpy(frames_np).to(dev)
+    pipe = video_pipeline().to(dev)
+    log = Log()
+    train_vae(pipe.vae, frames, args.vae_steps, min(args.batch, 32), log)
+    with torch.no_grad():
+        z = torch.cat(
+            [
+                pipe.vae.encode(
+                    batch_pixels(frames, torch.arange(i, min(i + 64, len(frames)), device=dev))
+                ).latent_dist.mean
+                for i in range(0, len(frames), 64)
+            ]
+        )
+    mean = z.mean(dim=(0, 2, 3, 4))
+    std = z.std(dim=(0, 2, 3, 4))
+    pipe.vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    z = (z - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+    enc = pipe.tokenizer(
+        captions,
+        padding="max_length",
+        max_length=MAX_TEXT_TOKENS,
+        truncation=True,
+        return_tensors="pt",
+    )
+    ids, mask = enc.input_ids.to(dev), enc.attention_mask.to(dev)
+    e = pipe.tokenizer([""], padding="max_length", max_length=MAX_TEXT_TOKENS, return_tensors="pt")
+    empty = (e.input_ids[0].to(dev), e.attention_mask[0].to(dev))
+    train_transformer(pipe, z, ids, mask, empty, args.steps, args.batch, log)
+    pipe.set_progress_bar_config(disable=True)
+    report = evaluate(pipe, args.eval, 30_000 + args.seed)
+    pipe.to(torch.float16).save_pretrained(args.out)
+    write_report(
+        args.report or f"{args.out}/../tiny-video-report.json",
+        {
+            "model": "tiny-video",
+            "train_clips": args.n,
+            "vae_steps": args.vae_steps,
+            "steps": args.steps,
+            "batch": args.batch,
+            "seed": args.seed,
+            "eval_clips": args.eval,
+            **report,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The procedural shapes world the embedded models are trained on, and its checker."""
