@@ -24,7 +24,7 @@ def encode(tokenizer, shorts, captions):
     ids, labels = [], []
     for short, caption in zip(shorts, captions, strict=True):
         p = tokenizer(TEMPLATE.format(prompt=short)).input_ids
-        c = tokenizer(caption, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        c = [*tokenizer(caption, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
         seq = (p + c)[:MAX_LEN]
         lab = ([-100] * len(p) + c)[:MAX_LEN]
         pad = MAX_LEN - len(seq)
