@@ -34,7 +34,7 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.faults import selects
 
 STAGES, POINTS = ("llm", "diffusion"), ("execute", "step", "output")
-KIND_P = {"raise": 0.003, "invalid": 0.003, "oom": 0.003, "exit": 0.002, "hang": 0.002}
+KIND_P = {"raise": 0.003, "invalid": 0.003, "oom": 0.003, "exit": 0.003, "hang": 0.003}
 REQUEST_TIMEOUT = 10.0
 HUNG_AFTER = REQUEST_TIMEOUT + 10.0
 

@@ -11,7 +11,8 @@ def test_example_yaml_describes_a_two_stage_pipeline():
     (p,) = from_yaml("examples/pipeline.yaml")
     assert p.name == "my-omni" and p.output == "image"
     llm, diffusion = p.stages
-    assert (llm.kind, llm.model, llm.options) == ("llm", "tiny-llm", {"max_new_tokens": 24})
+    assert (llm.kind, llm.model) == ("llm", "tiny-llm")
+    assert llm.options == {"max_new_tokens": 24, "prompt_template": "{prompt} <sep>"}
     assert (diffusion.replicas, diffusion.max_batch_size, diffusion.stall_timeout) == (2, 8, 60)
 
 

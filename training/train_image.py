@@ -62,6 +62,7 @@ def train_denoiser(pipe, latents, ids, empty_ids, steps: int, batch: int, log: L
     opt = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
     ema = copy.deepcopy(unet).eval().requires_grad_(False)
+    ema_params, unet_params = list(ema.parameters()), list(unet.parameters())
     unet.train()
     te.train()
     dev = latents.device
@@ -83,8 +84,7 @@ def train_denoiser(pipe, latents, ids, empty_ids, steps: int, batch: int, log: L
         opt.step()
         sched.step()
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), unet.parameters(), strict=True):
-                e.lerp_(p, 1 - 0.999)
+            torch._foreach_lerp_(ema_params, unet_params, 1 - 0.999)
         log(step, unet_loss=loss.item())
     unet.load_state_dict(ema.state_dict())
     unet.eval()
@@ -125,9 +125,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--report", default=None)
     ap.add_argument("--n", type=int, default=60_000)
-    ap.add_argument("--vae-steps", type=int, default=3000)
-    ap.add_argument("--unet-steps", type=int, default=12_000)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--vae-steps", type=int, default=2000)
+    ap.add_argument("--unet-steps", type=int, default=5000)
+    ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--eval", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import numpy as np
 import torch
@@ -28,11 +29,14 @@ def batch_pixels(frames: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return frames[idx].permute(0, 4, 1, 2, 3).float() / 127.5 - 1
 
 
-def train_vae(vae, frames, steps: int, batch: int, log: Log) -> None:
+def train_vae(vae, frames, steps: int, batch: int, log: Log, deadline: float) -> None:
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
     vae.train()
     for step in range(steps):
+        if time.monotonic() > deadline:  # a time budget: keep what was learned so far
+            print(f"vae: time budget reached at step {step}", flush=True)
+            break
         x = batch_pixels(frames, torch.randint(0, len(frames), (batch,), device=frames.device))
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
             post = vae.encode(x).latent_dist
@@ -51,7 +55,9 @@ def text_embeds(te, ids, mask):
     return te(ids, attention_mask=mask).last_hidden_state * mask[..., None]
 
 
-def train_transformer(pipe, z, ids, mask, empty, steps: int, batch: int, log: Log) -> None:
+def train_transformer(
+    pipe, z, ids, mask, empty, steps: int, batch: int, log: Log, deadline: float
+) -> None:
     model, te = pipe.transformer, pipe.text_encoder
     params = list(model.parameters()) + list(te.parameters())
     opt = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.01)
@@ -60,6 +66,9 @@ def train_transformer(pipe, z, ids, mask, empty, steps: int, batch: int, log: Lo
     te.train()
     dev = z.device
     for step in range(steps):
+        if time.monotonic() > deadline:
+            print(f"transformer: time budget reached at step {step}", flush=True)
+            break
         idx = torch.randint(0, len(z), (batch,), device=dev)
         x0, tok, m = z[idx], ids[idx].clone(), mask[idx].clone()
         drop = torch.rand(batch, device=dev) < 0.1
@@ -124,14 +133,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--eval", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minutes", type=float, default=60.0, help="time budget for training")
+    ap.add_argument("--vae-share", type=float, default=0.35, help="share of the budget")
+    ap.add_argument("--init", default=None, help="a saved tiny-video directory to continue")
     args = ap.parse_args()
+    start = time.monotonic()
     seed_all(args.seed)
+    torch.backends.cudnn.benchmark = True
     dev = device()
     frames_np, captions, _ = clips(args.n, args.seed + 2)
     frames = torch.from_numpy(frames_np).to(dev)
-    pipe = video_pipeline().to(dev)
+    if args.init:  # continue from an earlier run's weights
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline.from_pretrained(args.init, dtype=torch.float32).to(dev)
+    else:
+        pipe = video_pipeline().to(dev)
     log = Log()
-    train_vae(pipe.vae, frames, args.vae_steps, min(args.batch, 32), log)
+    budget = args.minutes * 60
+    train_vae(
+        pipe.vae, frames, args.vae_steps, min(args.batch, 32), log, start + args.vae_share * budget
+    )
     with torch.no_grad():
         z = torch.cat(
             [
@@ -155,7 +177,7 @@ def main() -> None:
     ids, mask = enc.input_ids.to(dev), enc.attention_mask.to(dev)
     e = pipe.tokenizer([""], padding="max_length", max_length=MAX_TEXT_TOKENS, return_tensors="pt")
     empty = (e.input_ids[0].to(dev), e.attention_mask[0].to(dev))
-    train_transformer(pipe, z, ids, mask, empty, args.steps, args.batch, log)
+    train_transformer(pipe, z, ids, mask, empty, args.steps, args.batch, log, start + budget)
     pipe.set_progress_bar_config(disable=True)
     report = evaluate(pipe, args.eval, 30_000 + args.seed)
     pipe.to(torch.float16).save_pretrained(args.out)

@@ -28,6 +28,7 @@ from vllm_omni_like.messages import (
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0)
+STABLE_RUN_S = 30.0  # a replica that lived this long starts its back-off from the beginning
 ExecutorFactory = Callable[..., Executor]
 
 
@@ -42,6 +43,8 @@ class Replica:
     restarting: bool = False
     last_dispatch: float = 0.0
     stall_killed: bool = False
+    started_at: float = 0.0
+    backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
 
     @property
     def live(self) -> bool:
@@ -90,6 +93,7 @@ class StagePool:
                 executor = self._make_executor(replica.index)
                 executor.start()
                 replica.executor = executor
+                replica.started_at = time.monotonic()
             except BaseException as exc:
                 errors.append(exc)
 
@@ -211,6 +215,8 @@ class StagePool:
         """The replica's executor died: free it, schedule a restart if any is left."""
         replica = self.replicas[replica_index]
         replica.batch, replica.batch_id = [], None
+        if time.monotonic() - replica.started_at > STABLE_RUN_S:
+            replica.backoff = 0
         if replica.executor is not None:
             replica.executor.shutdown()
         replica.executor, replica.stall_killed = None, False
@@ -219,8 +225,9 @@ class StagePool:
 
     def _restart(self, replica: Replica) -> None:
         replica.restarting = True
-        delay = RESTART_BACKOFF_S[min(replica.restarts, len(RESTART_BACKOFF_S) - 1)]
+        delay = RESTART_BACKOFF_S[min(replica.backoff, len(RESTART_BACKOFF_S) - 1)]
         replica.restarts += 1
+        replica.backoff += 1
         logger.warning(
             "stage %s: restarting replica %d in %.1fs (restart %d of %d)",
             self.name,
@@ -250,6 +257,7 @@ class StagePool:
     def on_restarted(self, replica_index: int, executor: Executor) -> None:
         replica = self.replicas[replica_index]
         replica.executor, replica.restarting = executor, False
+        replica.started_at = time.monotonic()
         if self._stopping.is_set():
             executor.shutdown()
 

@@ -15,12 +15,25 @@ from vllm_omni_like.errors import InvalidRequestError, NotFoundError
 VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
 
 
+# how the embedded models were trained (training/): the rewriter reads "<short prompt> <sep>"
+TINY_OPTIONS: dict[str, dict[str, Any]] = {
+    "tiny-llm": {"prompt_template": "{prompt} <sep>", "max_new_tokens": 24},
+    "tiny-image": {"default_guidance": 5.0},
+    "tiny-video": {"default_guidance": 5.0, "default_steps": 20},
+}
+
+
+def _stage(name: str, kind: str, model: str, kw: dict[str, Any]) -> StageConfig:
+    options = {**TINY_OPTIONS.get(model, {}), **kw.pop("options", {})}
+    return StageConfig(name=name, kind=kind, model=model, options=options, **kw)
+
+
 def _llm(model: str = "tiny-llm", **kw: Any) -> StageConfig:
-    return StageConfig(name="llm", kind="llm", model=model, **kw)
+    return _stage("llm", "llm", model, kw)
 
 
 def _diffusion(model: str, **kw: Any) -> StageConfig:
-    return StageConfig(name="diffusion", kind="diffusion", model=model, **kw)
+    return _stage("diffusion", "diffusion", model, kw)
 
 
 def _null(name: str, output: str, **kw: Any) -> StageConfig:

@@ -274,7 +274,7 @@ def _build_image(out: str) -> None:
 
 
 def video_pipeline():
-    """The tiny text-to-video architecture (Wan): 9x64x64 clips, 3x8x8x8 latents."""
+    """The tiny text-to-video architecture (Wan): 9x64x64 clips -> 8x5x16x16 latents."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -287,9 +287,11 @@ def video_pipeline():
     vae = AutoencoderKLWan(
         base_dim=16,
         z_dim=8,
-        dim_mult=[1, 2, 2, 2],
+        dim_mult=[1, 2, 2],
         num_res_blocks=1,
-        temperal_downsample=[False, True, True],
+        temperal_downsample=[False, True],
+        scale_factor_spatial=4,
+        scale_factor_temporal=2,
         latents_mean=[0.0] * 8,
         latents_std=[1.0] * 8,
     )
