@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing import Pool
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -70,3 +73,34 @@ def write_report(path: str, report: dict) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2), flush=True)
+
+
+def cosine(step: int, total: int, warmup: int = 200) -> float:
+    """Learning-rate factor: linear warm-up, then cosine decay to zero at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def train_vae(
+    vae, sample: Callable[[], torch.Tensor], steps: int, log: Log, deadline: float = math.inf
+) -> None:
+    """Reconstruction + a small KL term; `sample()` gives a batch in [-1, 1]; stops at deadline."""
+    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
+    vae.train()
+    for step in range(steps):
+        if time.monotonic() > deadline:  # a time budget: keep what was learned so far
+            print(f"vae: time budget reached at step {step}", flush=True)
+            break
+        x = sample()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
+            post = vae.encode(x).latent_dist
+            rec = vae.decode(post.sample()).sample
+        loss = F.mse_loss(rec.float(), x) + 1e-6 * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        log(step, vae_loss=loss.item())
+    vae.eval()

@@ -10,40 +10,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import Log, device, scenes, seed_all, write_report
+from common import Log, cosine, device, scenes, seed_all, train_vae, write_report
 
 from vllm_omni_like.shapes import checker
 from vllm_omni_like.stages.tiny_models import MAX_TEXT_TOKENS, image_pipeline
-
-
-def cosine(step: int, total: int, warmup: int = 200) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-def train_vae(vae, pixels: torch.Tensor, steps: int, batch: int, log: Log) -> None:
-    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
-    vae.train()
-    for step in range(steps):
-        x = pixels[torch.randint(0, len(pixels), (batch,), device=pixels.device)]
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
-            post = vae.encode(x).latent_dist
-            rec = vae.decode(post.sample()).sample
-        loss = F.mse_loss(rec.float(), x) + 1e-6 * post.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        log(step, vae_loss=loss.item())
-    vae.eval()
 
 
 @torch.no_grad()
@@ -137,7 +112,13 @@ def main() -> None:
     pixels = torch.from_numpy(images).to(dev).permute(0, 3, 1, 2).float() / 127.5 - 1
     pipe = image_pipeline().to(dev)
     log = Log()
-    train_vae(pipe.vae, pixels, args.vae_steps, min(args.batch, 128), log)
+    vae_batch = min(args.batch, 128)
+    train_vae(
+        pipe.vae,
+        lambda: pixels[torch.randint(0, len(pixels), (vae_batch,), device=dev)],
+        args.vae_steps,
+        log,
+    )
     with torch.no_grad():
         latents = encode_all(pipe.vae, pixels)
     scale = float(1.0 / latents.std())

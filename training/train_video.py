@@ -15,8 +15,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import Log, clips, device, seed_all, write_report
-from train_image import cosine
+from common import Log, clips, cosine, device, seed_all, train_vae, write_report
 
 from vllm_omni_like.shapes import checker, world
 from vllm_omni_like.stages.tiny_models import MAX_TEXT_TOKENS, video_pipeline
@@ -27,27 +26,6 @@ SHIFT = 3.0  # the FlowMatchEulerDiscreteScheduler's shift in the pipeline
 def batch_pixels(frames: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """uint8 [n,F,H,W,3] -> float [-1,1] [b,3,F,H,W]."""
     return frames[idx].permute(0, 4, 1, 2, 3).float() / 127.5 - 1
-
-
-def train_vae(vae, frames, steps: int, batch: int, log: Log, deadline: float) -> None:
-    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
-    vae.train()
-    for step in range(steps):
-        if time.monotonic() > deadline:  # a time budget: keep what was learned so far
-            print(f"vae: time budget reached at step {step}", flush=True)
-            break
-        x = batch_pixels(frames, torch.randint(0, len(frames), (batch,), device=frames.device))
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
-            post = vae.encode(x).latent_dist
-            rec = vae.decode(post.sample()).sample
-        loss = F.mse_loss(rec.float(), x) + 1e-6 * post.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        log(step, vae_loss=loss.item())
-    vae.eval()
 
 
 def text_embeds(te, ids, mask):
@@ -151,8 +129,13 @@ def main() -> None:
         pipe = video_pipeline().to(dev)
     log = Log()
     budget = args.minutes * 60
+    vae_batch = min(args.batch, 32)
     train_vae(
-        pipe.vae, frames, args.vae_steps, min(args.batch, 32), log, start + args.vae_share * budget
+        pipe.vae,
+        lambda: batch_pixels(frames, torch.randint(0, len(frames), (vae_batch,), device=dev)),
+        args.vae_steps,
+        log,
+        start + args.vae_share * budget,
     )
     with torch.no_grad():
         z = torch.cat(

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from vllm_omni_like.api.errors import envelope
 from vllm_omni_like.api.protocol import ImageRequest, VideoRequest
 from vllm_omni_like.api.requests import image_items, image_request, video_request
 from vllm_omni_like.config import Limits
@@ -71,17 +72,7 @@ def _result(line: Line, status: int, body: dict[str, Any], request_id: str) -> d
 
 
 def _error_body(exc: OmniError, request_id: str) -> dict[str, Any]:
-    info = exc.info()
-    return {
-        "error": {
-            "message": info.message,
-            "type": info.type,
-            "param": info.param,
-            "code": info.code,
-            "request_id": request_id,
-            "stage": info.stage,
-        }
-    }
+    return envelope(exc.info(), request_id)
 
 
 class BatchRunner:

@@ -16,7 +16,7 @@ from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
-from vllm_omni_like.errors import EngineDeadError, OmniError, QueueFullError
+from vllm_omni_like.errors import OmniError, QueueFullError
 from vllm_omni_like.media import encode_image, encode_video
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 
@@ -189,18 +189,7 @@ class VideoService:
 
     async def _finish(self, video_id: str, output: OmniRequestOutput) -> None:
         if output.error is not None:
-            info = output.error
-            if info.error_class == "EngineDeadError" and not self.engine.errored:
-                info = EngineDeadError(info.message).info()
-            await asyncio.to_thread(
-                self.store.update,
-                video_id,
-                status="failed",
-                error_code=info.code,
-                error_message=info.message,
-                completed_at=int(time.time()),
-            )
-            return
+            raise output.error.to_exception()  # recorded as the job's failure by _run
         await asyncio.to_thread(self._write_files, video_id, output)
 
     def _write_files(self, video_id: str, output: OmniRequestOutput) -> None:
