@@ -2,7 +2,7 @@
 
     python bench/chaos.py --minutes 10 --seed 1
 
-Starts the real server (null pipelines, two replicas a stage) as its own process, drives
+Starts the real server (null pipelines, three replicas a stage) as its own process, drives
 closed-loop clients over HTTP, and at random moments SIGKILLs or SIGSTOPs a worker and drops
 client connections, while VLLM_OMNI_LIKE_FAULTS injects every fault kind at every point. It
 reports requests, faults by kind and point, final statuses, hung requests (must be 0), the time
@@ -34,7 +34,7 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.faults import selects
 
 STAGES, POINTS = ("llm", "diffusion"), ("execute", "step", "output")
-KIND_P = {"raise": 0.003, "invalid": 0.003, "oom": 0.003, "exit": 0.003, "hang": 0.003}
+KIND_P = {"raise": 0.006, "invalid": 0.006, "oom": 0.006, "exit": 0.004, "hang": 0.004}
 REQUEST_TIMEOUT = 10.0
 HUNG_AFTER = REQUEST_TIMEOUT + 10.0
 
@@ -47,7 +47,7 @@ def fault_rules() -> str:
                 seed += 1
                 rules.append(f"stage={stage},point={point},kind={kind},p={p},seed={seed}")
         for kind in ("raise", "exit"):
-            rules.append(f"stage={stage},point=load,kind={kind},p=0.15,seed={seed + 50}")
+            rules.append(f"stage={stage},point=load,kind={kind},p=0.05,seed={seed + 50}")
     return ";".join(rules)
 
 
@@ -98,11 +98,11 @@ class Chaos:
             "serve",
             "null-omni",
             "--replicas",
-            "2",
+            "3",
             "--max-restarts",
             "100000",
             "--stall-timeout",
-            "1.0",
+            "0.5",
             "--request-timeout",
             str(REQUEST_TIMEOUT),
             "--max-queue-size",
