@@ -47,7 +47,7 @@ def fault_rules() -> str:
                 seed += 1
                 rules.append(f"stage={stage},point={point},kind={kind},p={p},seed={seed}")
         for kind in ("raise", "exit"):
-            rules.append(f"stage={stage},point=load,kind={kind},p=0.05,seed={seed + 50}")
+            rules.append(f"stage={stage},point=load,kind={kind},p=0.08,seed={seed + 50}")
     return ";".join(rules)
 
 
@@ -246,6 +246,8 @@ class Chaos:
         for p in leaked:
             p.kill()
         samples = sorted(self.fault_to_error)
+        with open(os.path.join(storage, "server.log")) as f:  # load faults: seen by the server
+            loads = Counter(re.findall(r"injected (\w+) fault at load", f.read()))
 
         def pct(q: float) -> float | None:
             return (
@@ -259,6 +261,7 @@ class Chaos:
             "clients": self.args.clients,
             "requests": self.requests,
             "faults_predicted": dict(sorted(self.predicted.items())),
+            "load_faults": dict(loads),
             "faults_by_kind": {
                 k: sum(v for f, v in self.predicted.items() if f.startswith(k + "@"))
                 for k in KIND_P
