@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import psutil
 
@@ -60,7 +59,3 @@ def task_count(loop) -> int:
 def statuses(server, ids) -> dict[str, str]:
     final = dict(server.engine.orchestrator.recent_final)
     return {rid: final.get(rid) for rid in ids}
-
-
-def elapsed_since(t0: float) -> float:
-    return time.monotonic() - t0
