@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from collections import Counter
 
 import httpx
 import psutil
+from server_proc import free_port, serve_command, wait_healthy
 
 from vllm_omni_like.config import parse_faults
 from vllm_omni_like.messages import StageRequest
@@ -61,12 +61,6 @@ def first_fault(rules, rid: str, prompt: str):
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Chaos:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -91,11 +85,7 @@ class Chaos:
             "VLLM_OMNI_LIKE_FAULTS": self.faults,
             "VLLM_OMNI_LIKE_TEST_MARKER": self.marker,
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm_omni_like.cli",
-            "serve",
+        args = [
             "null-omni",
             "--replicas",
             "3",
@@ -107,22 +97,13 @@ class Chaos:
             str(REQUEST_TIMEOUT),
             "--max-queue-size",
             "1000",
-            "--port",
-            str(self.port),
-            "--storage-dir",
-            storage,
         ]
+        cmd = serve_command(args, self.port, storage)
         for _ in range(30):  # load faults may fail a start: the server then exits non-zero
-            log = open(os.path.join(storage, "server.log"), "a")  # noqa: SIM115
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                        return proc
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            with open(os.path.join(storage, "server.log"), "a") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if wait_healthy(proc, self.port):
+                return proc
             proc.kill()
             proc.wait(10)
             self.events["startup_failed"] += 1

@@ -14,48 +14,24 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_proc import free_port, serve_command, wait_healthy
 
 
 def start(port: int, storage: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_omni_like.cli",
-        "serve",
-        "null-image",
-        "--port",
-        str(port),
-        "--storage-dir",
-        storage,
-        "--max-batch-size",
-        "64",
-        "--max-queue-size",
-        "10000",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    args = ["null-image", "--max-batch-size", "64", "--max-queue-size", "10000"]
+    proc = subprocess.Popen(
+        serve_command(args, port, storage), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    if not wait_healthy(proc, port):
+        proc.kill()
+        raise RuntimeError("server did not start")
+    return proc
 
 
 async def drive(url: str, total: int, concurrency: int) -> tuple[list[float], float]:
