@@ -92,6 +92,8 @@ class BatchDone:
     model_batch_dim: int  # the largest batch dimension the model itself saw
     elapsed_s: float
     steps_run: dict[str, int] = field(default_factory=dict)  # aborted requests included
+    # for requests aborted while in this batch: steps the worker ran after the abort reached it
+    steps_after_abort: dict[str, int] = field(default_factory=dict)
 
 
 # ---- executor -> its owner (on the reader / monitor threads) -----------------------------------

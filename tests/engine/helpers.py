@@ -79,4 +79,4 @@ def kill_worker(eng: AsyncOmni, pipeline: str, stage: int, replica: int = 0) -> 
 
 
 def steps_of(eng: AsyncOmni, rid: str, stage: str) -> list[int]:
-    return [n for r, s, n in eng.orchestrator.recent_steps if r == rid and s == stage]
+    return [n for r, s, n, _ in eng.orchestrator.recent_steps if r == rid and s == stage]

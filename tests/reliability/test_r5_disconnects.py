@@ -67,12 +67,16 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         final = statuses(server, results)
         aborted = [rid for rid in left if final[rid] == "aborted"]
         assert len(aborted) >= len(left) // 2  # most left before their image was done
-        steps = {}
-        for rid, stage, n in orch.recent_steps:
+        ran: dict[str, tuple[int, int | None]] = {}  # diffusion steps run, and after the abort
+        for rid, stage, n, after in orch.recent_steps:
             if stage == "diffusion":
-                steps[rid] = max(steps.get(rid, 0), n)
-        for rid in aborted:  # the worker's own count: no step after the abort
-            assert steps.get(rid, 0) < STEPS
+                ran[rid] = (n, after)
+        for rid in aborted:  # the worker's own count: no step after the abort reached it
+            n, after = ran.get(rid, (0, None))
+            assert after in (None, 0), (rid, n, after)
+        # disconnects landed at every point: before the diffusion stage, and mid-denoising
+        assert any(rid not in ran for rid in aborted)
+        assert any(ran[rid][1] == 0 and ran[rid][0] < STEPS for rid in aborted if rid in ran)
         stayed = [rid for rid, r in results.items() if r is not None]
         assert all(results[rid].status_code == 200 for rid in stayed)
         # the outputs of those who stayed equal a quiet run of the same seeds

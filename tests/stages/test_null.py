@@ -65,6 +65,9 @@ def test_abort_between_steps_stops_when_no_peer_needs_the_batch():
     with pytest.raises(StageAborted):
         _stage().execute(reqs, control)
     assert control.steps_run["a"] < control.steps_run["b"] < 50
+    # the worker's own count: no step ran for either after its abort arrived
+    assert control.steps_after_abort(["a", "b", "c"]) == {"a": 0, "b": 0}
+    assert control.steps_at_abort["a"] == control.steps_run["a"] > 0
 
 
 def test_validate_refuses_absurd_sizes():

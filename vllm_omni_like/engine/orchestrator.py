@@ -67,7 +67,8 @@ class Orchestrator:
         self.stats = EngineStats()
         # bounded records for tests and drills: (request, stage, steps its worker ran) and
         # (request, final status)
-        self.recent_steps: deque[tuple[str, str, int]] = deque(maxlen=4096)
+        # (request, stage, steps the worker ran, steps it ran after the abort reached it or None)
+        self.recent_steps: deque[tuple[str, str, int, int | None]] = deque(maxlen=4096)
         self.recent_final: deque[tuple[str, str]] = deque(maxlen=4096)
         self._admitted: Counter[str] = Counter()
         self._admit_lock = threading.Lock()
@@ -257,10 +258,13 @@ class Orchestrator:
                     self._enter_stage(state, stage + 1, out)
                 else:
                     self._finish(state, None)
-            case BatchDone(batch_id=bid, batch_size=size, steps_run=steps):
+            case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
                 pool.batch_done(replica, bid)
                 self.stats.batch_done(pool.name, size)
-                self.recent_steps.extend((rid, pool.name, n) for rid, n in steps.items())
+                after = done.steps_after_abort
+                self.recent_steps.extend(
+                    (rid, pool.name, n, after.get(rid)) for rid, n in steps.items()
+                )
             case Progress(request_ids=ids, step=step, total=total, previews=previews):
                 for rid in ids:
                     state = self.requests.get(rid)

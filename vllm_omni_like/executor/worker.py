@@ -135,8 +135,11 @@ class _Worker:
         if self.reports:
             elapsed = time.monotonic() - started
             steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
+            after = self.control.steps_after_abort(ids)
             self.send(
-                BatchDone(batch.batch_id, len(ids), self.control.max_model_batch, elapsed, steps)
+                BatchDone(
+                    batch.batch_id, len(ids), self.control.max_model_batch, elapsed, steps, after
+                )
             )
         self.control.forget(ids)
 

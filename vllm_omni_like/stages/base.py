@@ -36,11 +36,15 @@ class StageControl:
         self._aborted: set[str] = set()
         self._lock = threading.Lock()
         self.steps_run: dict[str, int] = {}
+        self.steps_at_abort: dict[str, int] = {}  # the step count when the abort arrived
         self.max_model_batch = 0
 
     # -- aborts: written by the worker's receiver thread, read between steps ---------------------
     def abort(self, request_ids: list[str]) -> None:
         with self._lock:
+            for rid in request_ids:
+                if rid not in self._aborted:
+                    self.steps_at_abort[rid] = self.steps_run.get(rid, 0)
             self._aborted.update(request_ids)
 
     def forget(self, request_ids: list[str]) -> None:
@@ -48,6 +52,16 @@ class StageControl:
             self._aborted.difference_update(request_ids)
             for rid in request_ids:
                 self.steps_run.pop(rid, None)
+                self.steps_at_abort.pop(rid, None)
+
+    def steps_after_abort(self, request_ids: list[str]) -> dict[str, int]:
+        """For the aborted ones of `request_ids`: how many steps ran after their abort arrived."""
+        with self._lock:
+            return {
+                rid: self.steps_run.get(rid, 0) - self.steps_at_abort.get(rid, 0)
+                for rid in request_ids
+                if rid in self._aborted
+            }
 
     def is_aborted(self, request_id: str) -> bool:
         with self._lock:
@@ -66,11 +80,12 @@ class StageControl:
     ) -> None:
         """Call after each denoising/decoding step; raises StageAborted once nobody needs it."""
         self.faults.fire("step", batch)
-        live = self.live(batch)
+        with self._lock:  # the abort check and the count together: no abort slips between them
+            live = [r for r in batch if r.request_id not in self._aborted]
+            for r in live:
+                self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
         if not live:
             raise StageAborted()
-        for r in live:
-            self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
         if self._on_progress is not None:
             ids = [r.request_id for r in live]
             self._on_progress(ids, step, total, previews or {})
