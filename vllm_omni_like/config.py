@@ -15,6 +15,8 @@ CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 FAULT_POINTS = ("load", "execute", "step", "output")
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang")
 STAGE_KINDS = ("llm", "diffusion", "null")
+ATTENTION_BACKENDS = ("sdpa", "xformers")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,12 @@ class StageConfig:
     max_batch_size: int = 8
     stall_timeout: float = 60.0
     load_timeout: float = 600.0
+    # speed options of the diffusion stages (the denoiser): see stages/acceleration.py
+    compile: bool = False
+    compile_mode: str = "default"
+    attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning)
+    channels_last: str = "auto"  # auto (on for a conv UNet on CUDA) | on | off
+    warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,6 +109,28 @@ class StageConfig:
             raise InvalidRequestError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"stage {self.name!r}: load_format must be auto or dummy")
+        for key, value, allowed in (
+            ("compile_mode", self.compile_mode, COMPILE_MODES),
+            ("attention", self.attention, ATTENTION_BACKENDS),
+            ("channels_last", self.channels_last, ("auto", "on", "off")),
+        ):
+            if value not in allowed:
+                raise InvalidRequestError(
+                    f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
+                )
+        for size in self.warmup_sizes:
+            try:
+                parse_size(size)
+            except ValueError as exc:
+                raise InvalidRequestError(f"stage {self.name!r}: warmup {exc}") from None
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'WxH' -> (width, height); ValueError otherwise."""
+    w, sep, h = str(text).lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
+        raise ValueError(f"size must be 'WIDTHxHEIGHT', not {text!r}")
+    return int(w), int(h)
 
 
 @dataclass(frozen=True)
@@ -153,7 +183,19 @@ class EngineConfig:
 
 # ---- command-line flags: read here and nowhere else ----------------------------------------------
 
-STAGE_FLAGS = ("load_format", "dtype", "device", "replicas", "max_batch_size", "stall_timeout")
+STAGE_FLAGS = (
+    "load_format",
+    "dtype",
+    "device",
+    "replicas",
+    "max_batch_size",
+    "stall_timeout",
+    "compile",
+    "compile_mode",
+    "attention",
+    "channels_last",
+    "warmup_sizes",
+)
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 
 
@@ -173,6 +215,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int)
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--stall-timeout", type=float)
+    g = parser.add_argument_group("speed (diffusion stages)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile the denoiser, warmed up at start-up for --warmup-size and a few "
+        "batch-size buckets (batches are padded up to their bucket)",
+    )
+    g.add_argument("--compile-mode", choices=COMPILE_MODES)
+    g.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels (default sdpa); xformers falls back to sdpa with a warning "
+        "when its kernels do not run here",
+    )
+    g.add_argument("--channels-last", choices=("auto", "on", "off"))
+    g.add_argument(
+        "--warmup-size",
+        dest="warmup_sizes",
+        action="append",
+        metavar="WxH",
+        help="image/video size to compile and warm up for (repeatable; default: the model's)",
+    )
     g = parser.add_argument_group("engine")
     g.add_argument("--max-restarts", type=int, default=3)
     g.add_argument("--max-request-retries", type=int, default=1)
@@ -184,7 +249,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
-    return {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
+    found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
+    if "warmup_sizes" in found:
+        found["warmup_sizes"] = tuple(found["warmup_sizes"])
+    return found
 
 
 def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vllm_omni_like import config
 from vllm_omni_like.config import Limits
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
@@ -97,10 +98,10 @@ def parse_size(size: str) -> tuple[int, int] | None:
     """'WxH' -> (width, height); 'auto' -> None (the model's native size)."""
     if size == "auto":
         return None
-    w, sep, h = size.lower().partition("x")
-    if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-        raise ValueError(f"size must be 'WIDTHxHEIGHT' or 'auto', not {size!r}")
-    return int(w), int(h)
+    try:
+        return config.parse_size(size)
+    except ValueError:
+        raise ValueError(f"size must be 'WIDTHxHEIGHT' or 'auto', not {size!r}") from None
 
 
 def check_limits(params: GenerationParams, limits: Limits, prompt: str) -> None:

@@ -6,15 +6,19 @@ import inspect
 import logging
 import math
 import random
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.base import Stage, StageControl
+from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -33,6 +37,16 @@ MAX_STEPS = 200
 
 def _to_uint8(images: Any) -> np.ndarray:
     return (np.clip(np.asarray(images, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def _tensor_to_uint8(media: torch.Tensor) -> np.ndarray:
+    """[0, 1] (B, C, H, W) or (B, F, C, H, W) on the device -> channels-last uint8 on the host.
+
+    The same float32 maths as diffusers' numpy path (x * 255, round), done on the device, so
+    only the uint8 bytes cross to the host, in one copy.
+    """
+    pixels = (media.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.movedim(-3, -1).contiguous().cpu().numpy()
 
 
 class DiffusionStage(Stage):
@@ -60,18 +74,71 @@ class DiffusionStage(Stage):
         self.pipe = pipe.to(self.device)
         self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters
         self.denoiser = getattr(pipe, "unet", None) or pipe.transformer
-        self.probe = BatchDimProbe()
-        self.probe.attach(self.denoiser)
-        self.edit_pipes = self._edit_pipelines()
         self.tokenizer = getattr(pipe, "tokenizer", None)
+        self.embed_shape = self._random_embeddings_shape(pipe)
         self.size_multiple = int(opts.get("size_multiple", self._size_multiple()))
         self.max_side = int(opts.get("max_side", 2048))
-        self.default_size = int(opts.get("default_size", self._native_size()))
+        size = int(opts.get("default_size", self._native_size()))
+        self.default_width = int(opts.get("default_width", size))
+        self.default_height = int(opts.get("default_height", size))
         self.default_steps = int(opts.get("default_steps", DEFAULT_STEPS))
         self.default_guidance = float(
             opts.get("default_guidance", 7.5 if not self.is_video else 5.0)
         )
+        self.default_frames = int(opts.get("default_frames", 9))
         self.max_frames = int(opts.get("max_frames", 129))
+        # speed: kernels, memory format, compilation (none of them changes the maths)
+        cfg = self.config
+        self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
+        self.channels_last = accel.use_channels_last(pipe, cfg.channels_last, self.device)
+        self.buckets: tuple[int, ...] = ()
+        if cfg.compile:
+            accel.compile_denoiser(pipe, cfg.compile_mode, opts.get("compile_backend", "inductor"))
+            self.buckets = accel.buckets_for(cfg.max_batch_size, opts.get("batch_buckets"))
+        self.probe = BatchDimProbe()
+        self.probe.attach(getattr(pipe, accel.denoiser_name(pipe)))
+        self.edit_pipes = self._edit_pipelines()
+        if cfg.compile:
+            self._warm_up()
+
+    def _random_embeddings_shape(self, pipe: Any) -> tuple[int, int] | None:
+        """A dummy model without its text encoder gets seeded random prompt embeddings."""
+        if "text_encoder" not in pipe.components or pipe.text_encoder is not None:
+            return None
+        if self.config.load_format != "dummy":
+            raise FileNotFoundError(
+                f"{self.config.model!r} has no text encoder; only --load-format dummy "
+                "runs it (on seeded random prompt embeddings)"
+            )
+        dim = int(getattr(self.denoiser.config, "text_dim", 0) or 0) or int(
+            self.denoiser.config.cross_attention_dim
+        )
+        return int(self.config.options.get("max_sequence_length", 512)), dim
+
+    def _warm_up(self) -> None:
+        """Compile now, for every warm-up size and batch bucket, so no request pays for it."""
+        sizes = [parse_size(s) for s in self.config.warmup_sizes] or [
+            (self.default_width, self.default_height)
+        ]
+        started = time.monotonic()
+        for width, height in sizes:
+            for rows in self.buckets:
+                gens = [torch.Generator(device=self.device).manual_seed(0) for _ in range(rows)]
+                kwargs = self._call_kwargs(
+                    ["warm-up"] * rows, [""] * rows, gens, 2, self.default_guidance
+                )
+                kwargs.update(width=width, height=height)
+                if self.is_video:
+                    kwargs["num_frames"] = self.default_frames
+                with torch.inference_mode():
+                    self.pipe(**kwargs)
+                logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
+        logger.info(
+            "stage %s: compiled and warmed up %d shapes in %.1fs",
+            self.name,
+            len(sizes) * len(self.buckets),
+            time.monotonic() - started,
+        )
 
     def _edit_pipelines(self) -> dict[str, Any]:
         if self.is_video:
@@ -165,14 +232,6 @@ class DiffusionStage(Stage):
         control.faults.fire("execute", batch)
         first = batch[0]
         p = first.params
-        pipe = self.pipe
-        kwargs: dict[str, Any] = {
-            "num_inference_steps": p.num_inference_steps or self.default_steps,
-            "guidance_scale": self.default_guidance
-            if p.guidance_scale is None
-            else p.guidance_scale,
-            "output_type": "np",
-        }
         prompts, negatives, generators, seeds = [], [], [], []
         for r in batch:
             count = 1 if self.is_video else r.params.n
@@ -182,30 +241,65 @@ class DiffusionStage(Stage):
                 negatives.append(r.params.negative_prompt or "")
                 seeds.append(base + i)
                 generators.append(torch.Generator(device=self.device).manual_seed(base + i))
-        kwargs.update(prompt=prompts, generator=generators)
-        if any(negatives) or not self.is_video:
-            kwargs["negative_prompt"] = negatives
         if self.tokenizer is not None and any(r.truncate_prompt for r in batch):
             limit = self.tokenizer.model_max_length
-            kwargs["prompt"] = [self._truncate(t, limit) for t in prompts]
+            prompts = [self._truncate(t, limit) for t in prompts]
+        rows = len(prompts)
+        # a compiled denoiser runs only the shapes it was warmed up for: pad to the bucket
+        for _ in range(accel.bucket_for(rows, self.buckets) - rows if self.buckets else 0):
+            prompts.append(prompts[-1])
+            negatives.append(negatives[-1])
+            generators.append(torch.Generator(device=self.device).manual_seed(0))
+        guidance = self.default_guidance if p.guidance_scale is None else p.guidance_scale
+        steps = p.num_inference_steps or self.default_steps
+        kwargs = self._call_kwargs(prompts, negatives, generators, steps, guidance)
         if self.is_video:
-            kwargs.update(
-                num_frames=p.num_frames or 9,
-                max_sequence_length=self.tokenizer.model_max_length
-                if self.tokenizer is not None
-                else 512,
-            )
+            kwargs["num_frames"] = p.num_frames or self.default_frames
+        pipe = self.pipe
         if first.mode == "edit":
-            pipe = self._edit_inputs(batch, kwargs)
-        size = self.default_size
-        kwargs.setdefault("height", p.height or size)
-        kwargs.setdefault("width", p.width or size)
+            pipe = self._edit_inputs(batch, kwargs, len(prompts) - rows)
+        kwargs.setdefault("height", p.height or self.default_height)
+        kwargs.setdefault("width", p.width or self.default_width)
         kwargs["callback_on_step_end"] = self._callback(batch, control)
         self.probe.reset()
         with torch.inference_mode():
             result = pipe(**kwargs)
+            media = result.frames if self.is_video else result.images
+            pixels = _tensor_to_uint8(media[:rows])
         control.saw_model_batch(self.probe.max_seen)
-        return self._split(batch, result, seeds)
+        return self._split(batch, pixels, seeds)
+
+    def _call_kwargs(
+        self,
+        prompts: list[str],
+        negatives: list[str],
+        generators: list[torch.Generator],
+        steps: int,
+        guidance: float,
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": steps,
+            "guidance_scale": guidance,
+            "output_type": "pt",
+            "generator": generators,
+        }
+        if self.embed_shape is not None:  # no text encoder: seeded random embeddings
+            seq_len, dim = self.embed_shape
+            dtype, device = self.denoiser.dtype, self.device
+            kwargs["prompt_embeds"] = random_prompt_embeds(prompts, seq_len, dim, dtype, device)
+            kwargs["negative_prompt_embeds"] = random_prompt_embeds(
+                negatives, seq_len, dim, dtype, device
+            )
+            kwargs["max_sequence_length"] = seq_len
+            return kwargs
+        kwargs["prompt"] = prompts
+        if any(negatives) or not self.is_video:
+            kwargs["negative_prompt"] = negatives
+        if self.is_video:
+            kwargs["max_sequence_length"] = (
+                self.tokenizer.model_max_length if self.tokenizer is not None else 512
+            )
+        return kwargs
 
     def _truncate(self, text: str, limit: int) -> str:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
@@ -217,7 +311,7 @@ class DiffusionStage(Stage):
         )
         return self.tokenizer.decode(ids[: limit - special])
 
-    def _edit_inputs(self, batch: list[StageRequest], kwargs: dict[str, Any]) -> Any:
+    def _edit_inputs(self, batch: list[StageRequest], kwargs: dict[str, Any], pad: int) -> Any:
         from PIL import Image
 
         images, masks = [], []
@@ -233,6 +327,8 @@ class DiffusionStage(Stage):
                 if r.mask is not None:
                     mask = Image.fromarray(r.mask).convert("L").resize((width, height))
                     masks.append(mask)
+        images += images[-1:] * pad  # filler rows of a padded (compiled) batch
+        masks += masks[-1:] * pad
         kwargs["image"] = images
         kwargs["strength"] = (
             batch[0].params.strength if batch[0].params.strength is not None else 0.8
@@ -270,10 +366,10 @@ class DiffusionStage(Stage):
         images = pipe.image_processor.postprocess(decoded, output_type="np")
         return {r.request_id: img for r, img in zip(want, _to_uint8(images), strict=True)}
 
-    def _split(self, batch: list[StageRequest], result: Any, seeds: list[int]) -> list[StageOutput]:
+    def _split(
+        self, batch: list[StageRequest], pixels: np.ndarray, seeds: list[int]
+    ) -> list[StageOutput]:
         outputs, k = [], 0
-        media = result.frames if self.is_video else result.images
-        pixels = _to_uint8(media)
         for r in batch:
             out = StageOutput(request_id=r.request_id, stage=self.name)
             if self.is_video:

@@ -1,0 +1,148 @@
+"""Write the architecture configs shipped in vllm_omni_like/assets/archs/ (no weights).
+
+    python tools/make_arch_configs.py
+
+SD1.5 (UNet 860M, KL VAE, CLIP ViT-L/14 text encoder, DDIM) and Wan2.1-T2V-1.3B (1.42B
+transformer, Wan VAE, UniPC flow scheduler). They load with `--load-format dummy`: the same
+architecture, random weights, which cost the same compute as trained ones. Models are built on
+the meta device here, so writing the configs takes no memory. The tokenizer is the package's
+word-level one (ids < 49408, 77 tokens); Wan's UMT5 encoder is left out: the stage feeds it
+seeded random prompt embeddings instead (vllm_omni_like/stages/prompt_embeds.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "vllm_omni_like", "assets", "archs")
+
+
+def sd15(out: str) -> None:
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig
+
+    from vllm_omni_like.stages.tiny_models import build_tokenizer
+
+    with torch.device("meta"):
+        UNet2DConditionModel(
+            sample_size=64,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=2,
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+        ).save_config(os.path.join(out, "unet"))
+        AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            layers_per_block=2,
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            sample_size=512,
+        ).save_config(os.path.join(out, "vae"))
+    tokenizer = build_tokenizer(max_length=77)
+    CLIPTextConfig(
+        vocab_size=49408,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=77,
+        hidden_act="quick_gelu",
+        projection_dim=768,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["CLIPTextModel"],
+    ).save_pretrained(os.path.join(out, "text_encoder"))
+    tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    ).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "StableDiffusionPipeline",
+        unet=["diffusers", "UNet2DConditionModel"],
+        vae=["diffusers", "AutoencoderKL"],
+        text_encoder=["transformers", "CLIPTextModel"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "DDIMScheduler"],
+        safety_checker=[None, None],
+        feature_extractor=[None, None],
+        image_encoder=[None, None],
+        requires_safety_checker=False,
+    )
+
+
+def wan_1_3b(out: str) -> None:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    with torch.device("meta"):
+        WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        ).save_config(os.path.join(out, "transformer"))
+        AutoencoderKLWan(base_dim=96, z_dim=16).save_config(os.path.join(out, "vae"))
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,  # Wan's value for 480p
+        num_train_timesteps=1000,
+    ).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "WanPipeline",
+        transformer=["diffusers", "WanTransformer3DModel"],
+        vae=["diffusers", "AutoencoderKLWan"],
+        scheduler=["diffusers", "UniPCMultistepScheduler"],
+        text_encoder=[None, None],
+        tokenizer=[None, None],
+        transformer_2=[None, None],
+    )
+
+
+def _index(out: str, cls: str, **entries: object) -> None:
+    import diffusers
+
+    index = {"_class_name": cls, "_diffusers_version": diffusers.__version__, **entries}
+    with open(os.path.join(out, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def main() -> None:
+    for name, build in (("sd15", sd15), ("wan2.1-t2v-1.3b", wan_1_3b)):
+        out = os.path.join(OUT, name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        build(out)
+        print("wrote", os.path.normpath(out), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

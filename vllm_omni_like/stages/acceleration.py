@@ -1,0 +1,104 @@
+"""Speed options of a diffusion stage: attention kernels, channels_last, torch.compile.
+
+None of them changes the maths: the same weights, scheduler, steps and guidance as plain
+diffusers; only which kernels run and how batches are shaped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+
+
+# ---- attention ----------------------------------------------------------------------
+def xformers_problem(device: torch.device) -> str | None:
+    """None when xformers' kernels really run on `device`; otherwise why they do not.
+
+    Importing is not enough: the PyPI wheel imports on torch builds it was not built for and
+    then fails inside its kernels, so a tiny attention is actually run and checked here.
+    """
+    if device.type != "cuda":
+        return f"xformers needs a CUDA device, this stage runs on {device.type}"
+    try:
+        import xformers.ops
+
+        q = torch.randn(1, 64, 2, 64, device=device, dtype=torch.float16)
+        out = xformers.ops.memory_efficient_attention(q, q, q)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2)
+        ).transpose(1, 2)
+        if not torch.allclose(out, want, atol=1e-2, rtol=1e-2):
+            return "xformers' attention kernel gives wrong results here"
+    except Exception as exc:  # ImportError, missing kernels, CUDA errors of a mismatched build
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
+    return None
+
+
+def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> str:
+    """Select the attention kernels; returns the backend that really runs."""
+    if backend == "sdpa":  # diffusers' default processors call scaled_dot_product_attention
+        return "sdpa"
+    problem = xformers_problem(device)
+    if problem is None:
+        try:
+            pipe.enable_xformers_memory_efficient_attention()
+            return "xformers"
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    logger.warning(
+        "stage %s: --attention xformers is not usable (%s); falling back to PyTorch SDPA",
+        stage,
+        problem,
+    )
+    return "sdpa"
+
+
+# ---- memory format -------------------------------------------------------------------
+def use_channels_last(pipe: Any, mode: str, device: torch.device) -> bool:
+    """NHWC for the conv nets (UNet, image VAE) where the tensor cores prefer it."""
+    unet = getattr(pipe, "unet", None)
+    on = mode == "on" or (mode == "auto" and device.type == "cuda" and unet is not None)
+    if not on:
+        return False
+    for module in (unet, getattr(pipe, "vae", None)):
+        if module is not None and (module is unet or type(module).__name__ == "AutoencoderKL"):
+            module.to(memory_format=torch.channels_last)
+    return True
+
+
+# ---- torch.compile ----------------------------------------------------------------------
+def denoiser_name(pipe: Any) -> str:
+    return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+
+
+def compile_denoiser(pipe: Any, mode: str, backend: str) -> None:
+    """Compile the denoiser in place (shapes are static: batches are padded to buckets)."""
+    import torch._dynamo
+
+    # every (size, bucket) pair is one graph; let all of them stay compiled
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    name = denoiser_name(pipe)
+    model = getattr(pipe, name)
+    kwargs: dict[str, Any] = {"backend": backend, "dynamic": False}
+    if backend == "inductor" and mode != "default":
+        kwargs["mode"] = mode
+    setattr(pipe, name, torch.compile(model, **kwargs))
+
+
+def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:
+    """Batch sizes (images per model call, before CFG doubling) to compile and pad up to."""
+    if configured:
+        return tuple(sorted({int(b) for b in configured}))
+    found = tuple(b for b in DEFAULT_BUCKETS if b < max_rows)
+    return (*found, max_rows)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds `rows`; past the largest, `rows` itself."""
+    return next((b for b in buckets if b >= rows), rows)
