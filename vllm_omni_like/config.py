@@ -98,6 +98,7 @@ class StageConfig:
     attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning)
     channels_last: str = "auto"  # auto (on for a conv UNet on CUDA) | on | off
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
+    batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,6 +119,8 @@ class StageConfig:
                 raise InvalidRequestError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
+        if any(int(b) < 1 for b in self.batch_buckets):
+            raise InvalidRequestError(f"stage {self.name!r}: batch buckets must be >= 1")
         for size in self.warmup_sizes:
             try:
                 parse_size(size)
@@ -195,6 +198,7 @@ STAGE_FLAGS = (
     "attention",
     "channels_last",
     "warmup_sizes",
+    "batch_buckets",
 )
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 
@@ -232,6 +236,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--channels-last", choices=("auto", "on", "off"))
     g.add_argument(
+        "--batch-buckets",
+        type=_int_list,
+        metavar="1,2,4,...",
+        help="with --compile: the batch sizes (images per model call) compiled at start-up; "
+        "a batch is padded up to the next one (default: powers of two up to --max-batch-size)",
+    )
+    g.add_argument(
         "--warmup-size",
         dest="warmup_sizes",
         action="append",
@@ -246,6 +257,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("limits")
     for f in fields(Limits):
         g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,32, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, not {text!r}")
+    return values
 
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, object]:

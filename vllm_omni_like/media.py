@@ -73,12 +73,21 @@ def openai_mask_to_diffusers(rgba: np.ndarray) -> np.ndarray:
 
 
 def write_video(frames: np.ndarray, fps: int, path: str) -> None:
-    """H.264 MP4 with the moov atom first (faststart), written to `path`."""
-    import imageio.v2 as imageio
+    """H.264 MP4 with the moov atom first (faststart), written to `path`.
 
+    Encoded by imageio's bundled ffmpeg; where imageio-ffmpeg is missing, by PyAV's libx264
+    (the same codec, pixel format and container flags).
+    """
     h, w = frames.shape[1:3]
     if h % 2 or w % 2:  # yuv420p needs even sides
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    try:
+        import imageio_ffmpeg  # noqa: F401 - only asks whether the plugin can run
+    except ImportError:
+        _write_video_pyav(frames, fps, path)
+        return
+    import imageio.v2 as imageio
+
     writer = imageio.get_writer(
         path,
         format="FFMPEG",
@@ -97,6 +106,18 @@ def write_video(frames: np.ndarray, fps: int, path: str) -> None:
         writer.close()
 
 
+def _write_video_pyav(frames: np.ndarray, fps: int, path: str) -> None:
+    import av
+
+    with av.open(path, "w", format="mp4", options={"movflags": "+faststart"}) as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
 def encode_video(frames: np.ndarray, fps: int) -> bytes:
     fd, path = tempfile.mkstemp(suffix=".mp4")
     os.close(fd)
@@ -109,9 +130,14 @@ def encode_video(frames: np.ndarray, fps: int) -> bytes:
 
 
 def read_video(path: str) -> np.ndarray:
-    """Decode a video to FxHxWx3 uint8 with the bundled ffmpeg (for tests and checks)."""
-    import imageio_ffmpeg
+    """Decode a video to FxHxWx3 uint8 with the bundled ffmpeg (or PyAV) - for tests and checks."""
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        import av
 
+        with av.open(path) as container:
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
     exe = imageio_ffmpeg.get_ffmpeg_exe()
     info = subprocess.run([exe, "-hide_banner", "-i", path], capture_output=True, text=True)
     size = re.search(r"Video:.*?, (\d+)x(\d+)", info.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from importlib import resources
 from typing import Any
 
 import yaml
@@ -21,6 +22,24 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "tiny-image": {"default_guidance": 5.0},
     "tiny-video": {"default_guidance": 5.0, "default_steps": 20},
 }
+
+
+# architecture configs shipped without weights (vllm_omni_like/assets/archs, for benchmarks)
+ARCH_OPTIONS: dict[str, dict[str, Any]] = {
+    "sd15": {"default_steps": 30, "default_guidance": 7.5},
+    "wan2.1-t2v-1.3b": {
+        "default_width": 832,
+        "default_height": 480,
+        "default_frames": 33,
+        "default_steps": 20,
+        "default_guidance": 5.0,
+        "max_sequence_length": 512,
+    },
+}
+
+
+def arch_path(name: str) -> str:
+    return str(resources.files("vllm_omni_like") / "assets" / "archs" / name)
 
 
 def _stage(name: str, kind: str, model: str, kw: dict[str, Any]) -> StageConfig:
@@ -80,6 +99,18 @@ def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> Pipeli
     return PipelineConfig(name=name, stages=stages, output=output)
 
 
+def from_architecture(name: str, llm: str | None = None, **stage_kw: Any) -> PipelineConfig:
+    """A shipped architecture config: the real model's shapes, random weights."""
+    if stage_kw.get("load_format") != "dummy":
+        raise InvalidRequestError(
+            f"{name!r} ships as an architecture config without weights: "
+            "serve it with --load-format dummy (random weights)"
+        )
+    options = {**ARCH_OPTIONS[name], **stage_kw.pop("options", {})}
+    pipeline = from_directory(arch_path(name), llm, options=options, **stage_kw)
+    return replace(pipeline, name=name)
+
+
 def from_yaml(path: str) -> list[PipelineConfig]:
     """Pipelines described in a YAML file (see examples/pipeline.yaml)."""
     with open(path) as f:
@@ -106,13 +137,15 @@ def resolve(spec: str, llm: str | None = None, **stage_kw: Any) -> list[Pipeline
     found = builtin(spec, **stage_kw)
     if found is not None:
         return [found]
+    if spec in ARCH_OPTIONS:
+        return [from_architecture(spec, llm, **stage_kw)]
     if spec.endswith((".yaml", ".yml")) and os.path.isfile(spec):
         return [_override(p, stage_kw) for p in from_yaml(spec)]
     if os.path.isdir(spec):
         return [from_directory(spec, llm, **stage_kw)]
     raise NotFoundError(
         f"unknown model {spec!r}: not a built-in pipeline ({', '.join(BUILTIN_NAMES)}), "
-        "a YAML file or a local diffusers directory",
+        f"an architecture ({', '.join(ARCH_OPTIONS)}), a YAML file or a local diffusers directory",
         code="model_not_found",
     )
 

@@ -59,6 +59,23 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
     return "sdpa"
 
 
+# ---- kernels that keep the maths ------------------------------------------------------
+def tune_kernels(pipe: Any, device: torch.device, fuse_qkv: bool) -> list[str]:
+    """cuDNN's autotuned convolutions and fused QKV projections, on CUDA; returns what is on.
+
+    The fused projections use diffusers' SDPA processors, so they are left out under xformers.
+    """
+    if device.type != "cuda":
+        return []
+    torch.backends.cudnn.benchmark = True  # the fastest conv algorithm per shape, found once
+    done = ["cudnn_benchmark"]
+    unet = getattr(pipe, "unet", None)
+    if fuse_qkv and unet is not None and hasattr(pipe, "fuse_qkv_projections"):
+        pipe.fuse_qkv_projections()  # one GEMM instead of three for each self-attention
+        done.append("fused_qkv")
+    return done
+
+
 # ---- memory format -------------------------------------------------------------------
 def use_channels_last(pipe: Any, mode: str, device: torch.device) -> bool:
     """NHWC for the conv nets (UNet, image VAE) where the tensor cores prefer it."""

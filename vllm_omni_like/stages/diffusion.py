@@ -91,10 +91,19 @@ class DiffusionStage(Stage):
         cfg = self.config
         self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
         self.channels_last = accel.use_channels_last(pipe, cfg.channels_last, self.device)
+        self.tuned = accel.tune_kernels(pipe, self.device, fuse_qkv=self.attention == "sdpa")
+        logger.info(
+            "stage %s: attention %s, channels_last %s, %s",
+            self.name,
+            self.attention,
+            self.channels_last,
+            ", ".join(self.tuned) or "default kernels",
+        )
         self.buckets: tuple[int, ...] = ()
         if cfg.compile:
             accel.compile_denoiser(pipe, cfg.compile_mode, opts.get("compile_backend", "inductor"))
-            self.buckets = accel.buckets_for(cfg.max_batch_size, opts.get("batch_buckets"))
+            configured = cfg.batch_buckets or opts.get("batch_buckets")
+            self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
         self.probe = BatchDimProbe()
         self.probe.attach(getattr(pipe, accel.denoiser_name(pipe)))
         self.edit_pipes = self._edit_pipelines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -54,7 +55,12 @@ def check_model_dir(path: str, marker: str) -> None:
 def random_diffusers_components(
     path: str, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
-    """`--load-format dummy`: every model of a diffusers directory built from its config alone."""
+    """`--load-format dummy`: every model of a diffusers directory built from its config alone.
+
+    Each is initialised from a seed of its own (the CRC-32 of its name) on `device`, so two
+    processes that build the same directory get the same weights: a benchmark's reference
+    and the server compute the same images.
+    """
     import diffusers
     import transformers
 
@@ -66,6 +72,7 @@ def random_diffusers_components(
             continue
         library, cls_name = spec
         sub = os.path.join(path, name)
+        torch.manual_seed(zlib.crc32(name.encode()))
         if (
             library == "diffusers"
             and hasattr(getattr(diffusers, cls_name), "from_config")

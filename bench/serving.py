@@ -1,0 +1,315 @@
+"""The server against plain diffusers, in the same run (../shared/BENCHMARKS.md).
+
+    python bench/serving.py --compile both --video          # on a GPU machine
+
+Images (SD1.5 architecture, random weights, 512x512, 30 DDIM steps, CFG 7.5): the plain-diffusers
+reference runs first in this process (batch-1 latency and the best img/s over batch sizes), then
+`vllm-omni-like serve sd15 --load-format dummy` starts as its own process and closed-loop HTTP
+clients drive it at concurrency 1, 8 and 32. Both sides produce PNG bytes; the server's images
+must equal the reference's at the same seed (PSNR >= 35 dB). The same for each compile setting.
+Video (Wan2.1-T2V-1.3B architecture, 832x480, 33 frames, 20 steps, CFG 5): the reference's MP4
+against `/v1/videos` create -> poll at 50 ms -> content.
+Results: bench/results/serving-<device>.json and video-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import raw_diffusers as ref
+from PIL import Image
+from server_proc import free_port, serve_command, wait_healthy
+
+from vllm_omni_like.media import read_video
+from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
+
+PSNR_MIN_DB = 35.0
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def db(value: float) -> float | str:
+    return "inf" if value == math.inf else round(value, 2)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Server:
+    """`vllm-omni-like serve ...` as its own process; its log kept for the report."""
+
+    def __init__(self, args: list[str], log_path: str, timeout: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.log.write(f"\n==== serve {' '.join(args)}\n")
+        self.log.flush()
+        cmd = serve_command(args, self.port, tempfile.mkdtemp(prefix="bench-"))
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        if not wait_healthy(self.proc, self.port, timeout):
+            self.stop()
+            raise RuntimeError(f"server did not become healthy; see {log_path}")
+        self.start_s = time.monotonic() - t0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ---- images ---------------------------------------------------------------------------------
+def image_body(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    return {
+        "prompt": ref.PROMPT,
+        "size": f"{args.size}x{args.size}",
+        "seed": seed,
+        "num_inference_steps": args.steps,
+        "guidance_scale": args.guidance,
+        "response_format": "b64_json",
+        "output_format": "png",
+    }
+
+
+async def closed_loop(
+    url: str, args: argparse.Namespace, concurrency: int, total: int, keep: int
+) -> tuple[list[float], float, dict[int, np.ndarray]]:
+    """`concurrency` clients, each sending its next request when the last one came back."""
+    latencies: list[float] = []
+    kept: dict[int, np.ndarray] = {}
+    counter = iter(range(total))
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for seed in counter:
+            t0 = time.perf_counter()
+            r = await http.post("/v1/images/generations", json=image_body(args, seed))
+            latencies.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            if seed < keep:
+                png = base64.b64decode(r.json()["data"][0]["b64_json"])
+                kept[seed] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return latencies, time.perf_counter() - t0, kept
+
+
+def serve_images(args: argparse.Namespace, compiled: bool, log: str) -> dict[str, Any]:
+    flags = [
+        "sd15",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        args.dtype,
+        "--max-batch-size",
+        str(max(args.concurrency)),
+        "--max-queue-size",
+        "4096",
+        "--stall-timeout",
+        "600",
+        "--warmup-size",
+        f"{args.size}x{args.size}",
+    ]
+    if compiled:
+        flags += ["--compile", "--batch-buckets", args.batch_buckets]
+    server = Server(flags, log, timeout=1800)
+    out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
+    try:
+        # warm-up: every concurrency level once (cudnn autotuning, allocator, batch shapes)
+        for c in args.concurrency:
+            asyncio.run(closed_loop(server.url, args, c, c, 0))
+        for c in args.concurrency:
+            total = args.latency_runs if c == 1 else c * args.rounds
+            lat, wall, kept = asyncio.run(closed_loop(server.url, args, c, total, args.keep))
+            out[f"c{c}"] = {
+                "requests": total,
+                "img_s": round(total / wall, 3),
+                "latency_p50_s": round(pct(lat, 0.5), 4),
+                "latency_p99_s": round(pct(lat, 0.99), 4),
+                "images": kept,
+            }
+            print(
+                f"server {'compile' if compiled else 'eager'} c{c}: {out[f'c{c}']['img_s']} "
+                f"img/s, p50 {out[f'c{c}']['latency_p50_s']} s",
+                file=sys.stderr,
+            )
+    finally:
+        server.stop()
+    return out
+
+
+def image_setting(args: argparse.Namespace, compiled: bool, log: str) -> dict[str, Any]:
+    label = "compile" if compiled else "eager"
+    device = "cuda" if ref.torch.cuda.is_available() else "cpu"
+    pipe = ref.build("sd15", args.dtype, device, compile_unet=compiled)
+    sizes = args.ref_compile_batch_sizes if compiled else args.ref_batch_sizes
+    reference = ref.image_reference(pipe, args, [int(b) for b in sizes.split(",")], label)
+    del pipe
+    ref.free()
+    served = serve_images(args, compiled, log)
+    psnrs = []
+    for c in args.concurrency:
+        images = served[f"c{c}"].pop("images")
+        values = [psnr(img, reference["images"][s]) for s, img in images.items()]
+        served[f"c{c}"]["psnr_min_db"] = db(min(values)) if values else None
+        psnrs += values
+    reference.pop("images")
+    return {
+        "reference": reference,
+        "server": served,
+        "latency_ratio": round(served["c1"]["latency_p50_s"] / reference["bs1_latency_s"], 4),
+        "psnr_min_db": db(min(psnrs)),
+        "images_equal": min(psnrs) >= PSNR_MIN_DB,
+        "label": label,
+    }
+
+
+# ---- video ----------------------------------------------------------------------------------
+def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float]:
+    opts = ARCH_OPTIONS["wan2.1-t2v-1.3b"]
+    server = Server(
+        ["wan2.1-t2v-1.3b", "--load-format", "dummy", "--dtype", args.video_dtype], log, 1800
+    )
+    body = {
+        "prompt": ref.PROMPT,
+        "size": f"{opts['default_width']}x{opts['default_height']}",
+        "num_frames": opts["default_frames"],
+        "fps": 16,
+        "seed": 0,
+        "num_inference_steps": opts["default_steps"],
+        "guidance_scale": opts["default_guidance"],
+    }
+    times, mp4 = [], b""
+    try:
+        with httpx.Client(base_url=server.url, timeout=900) as http:
+            for run in range(1 + args.video_runs):  # the first one warms up
+                t0 = time.perf_counter()
+                job = http.post("/v1/videos", json=body).json()
+                while job["status"] in ("queued", "in_progress"):
+                    time.sleep(0.05)
+                    job = http.get(f"/v1/videos/{job['id']}").json()
+                if job["status"] != "completed":
+                    raise RuntimeError(f"video failed: {job}")
+                mp4 = http.get(f"/v1/videos/{job['id']}/content").content
+                if run:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        server.stop()
+    return float(np.median(times)), mp4, server.start_s
+
+
+def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
+    reference = ref.video_reference(args.video_dtype, args.video_runs, 16)
+    server_s, mp4, _ = serve_video(args, log)
+    paths = []
+    for data in (reference["mp4"], mp4):
+        fd, path = tempfile.mkstemp(suffix=".mp4")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        paths.append(path)
+    a, b = (read_video(p) for p in paths)
+    value = psnr(a, b) if a.shape == b.shape else -math.inf
+    return {
+        "device": ref.device_name(),
+        "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
+        "settings": {**reference["settings"], "dtype": args.video_dtype, "fps": 16},
+        "reference_s": round(reference["seconds"], 3),
+        "server_s": round(server_s, 3),
+        "ratio": round(server_s / reference["seconds"], 4),
+        "psnr_db": db(value),
+        "videos_equal": value >= PSNR_MIN_DB,
+        "frames": list(a.shape),
+    }
+
+
+# ---- report ---------------------------------------------------------------------------------
+def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
+    eager = settings.get("eager") or next(iter(settings.values()))
+    best_ref = max(max(s["reference"]["img_s"].values()) for s in settings.values())
+    best_c32 = max(settings.values(), key=lambda s: s["server"].get("c32", {}).get("img_s", 0))
+    return {
+        "device": device,
+        "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
+        "reference_bs1_latency_s": round(eager["reference"]["bs1_latency_s"], 4),
+        "server_c1_latency_p50_s": eager["server"]["c1"]["latency_p50_s"],
+        "latency_ratio_same_compile_setting": {k: s["latency_ratio"] for k, s in settings.items()},
+        "reference_best_img_s": best_ref,
+        "server_c32_img_s": best_c32["server"].get("c32", {}).get("img_s"),
+        "server_c32_setting": best_c32["label"],
+        "throughput_ratio": round(best_c32["server"].get("c32", {}).get("img_s", 0) / best_ref, 3),
+        "images_equal": all(s["images_equal"] for s in settings.values()),
+        **settings,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ref.add_image_args(ap)
+    ap.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3, help="requests per client at c > 1")
+    ap.add_argument("--keep", type=int, default=8, help="seeds whose images are compared")
+    ap.add_argument("--ref-batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--ref-compile-batch-sizes", default="1,8,32")
+    ap.add_argument("--batch-buckets", default="1,8,32", help="the server's compiled buckets")
+    ap.add_argument("--images", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--video", action="store_true")
+    ap.add_argument("--video-dtype", default="bf16")
+    ap.add_argument("--video-runs", type=int, default=2)
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.keep = min(args.keep, args.latency_runs)
+    os.makedirs(args.out_dir, exist_ok=True)
+    device = ref.device_name()
+    log = os.path.join(args.out_dir, f"serving-{device}.log")
+    if args.images:
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+        path = os.path.join(args.out_dir, f"serving-{device}.json")
+        settings = {}
+        if os.path.exists(path):  # keep the other compile setting of an earlier run
+            with open(path) as f:
+                earlier = json.load(f)
+            settings = {k: earlier[k] for k in ("eager", "compile") if k in earlier}
+        for compiled in modes:
+            found = image_setting(args, compiled, log)
+            settings[found["label"]] = found
+        report = headline(settings, device)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps({k: v for k, v in report.items() if k not in settings}, indent=2))
+    if args.video:
+        report = video_bench(args, log)
+        with open(os.path.join(args.out_dir, f"video-{device}.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
