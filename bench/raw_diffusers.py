@@ -28,7 +28,7 @@ from PIL import Image
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL, encode_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
-from vllm_omni_like.stages.torch_utils import random_diffusers_components
+from vllm_omni_like.stages.torch_utils import dummy_pipeline
 
 PROMPT = "a red circle at the top left on a blue background"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -55,11 +55,7 @@ def build(arch: str, dtype: str, device: str, compile_unet: bool = False) -> Any
     import diffusers
 
     diffusers.utils.logging.disable_progress_bar()
-    path = arch_path(arch)
-    components = random_diffusers_components(path, torch.device(device), DTYPES[dtype])
-    pipe = diffusers.DiffusionPipeline.from_pretrained(
-        path, local_files_only=True, dtype=DTYPES[dtype], **components
-    ).to(device)
+    pipe = dummy_pipeline(arch_path(arch), torch.device(device), DTYPES[dtype]).to(device)
     pipe.set_progress_bar_config(disable=True)
     if compile_unet:  # what diffusers' docs tell a user to do
         pipe.unet = torch.compile(pipe.unet)
@@ -140,10 +136,12 @@ def video(pipe: Any, seed: int, opts: dict[str, Any], fps: int) -> tuple[bytes, 
     return mp4, time.perf_counter() - t0
 
 
-def video_reference(dtype: str, runs: int, fps: int) -> dict[str, Any]:
+def video_reference(
+    dtype: str, runs: int, fps: int, opts: dict[str, Any] | None = None
+) -> dict[str, Any]:
     arch = "wan2.1-t2v-1.3b"
     pipe = build(arch, dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    opts = ARCH_OPTIONS[arch]
+    opts = opts or ARCH_OPTIONS[arch]
     video(pipe, 0, opts, fps)  # warm-up
     times, mp4 = [], b""
     for _ in range(runs):

@@ -190,11 +190,22 @@ def image_setting(args: argparse.Namespace, compiled: bool, log: str) -> dict[st
 
 
 # ---- video ----------------------------------------------------------------------------------
+def video_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Wan's benchmark settings; smaller ones only for a smoke run on a CPU."""
+    opts = dict(ARCH_OPTIONS["wan2.1-t2v-1.3b"])
+    if args.video_size:
+        opts["default_width"], opts["default_height"] = map(int, args.video_size.split("x"))
+    if args.video_frames:
+        opts["default_frames"] = args.video_frames
+    if args.video_steps:
+        opts["default_steps"] = args.video_steps
+    return opts
+
+
 def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float]:
-    opts = ARCH_OPTIONS["wan2.1-t2v-1.3b"]
-    server = Server(
-        ["wan2.1-t2v-1.3b", "--load-format", "dummy", "--dtype", args.video_dtype], log, 1800
-    )
+    opts = video_options(args)
+    flags = ["wan2.1-t2v-1.3b", "--load-format", "dummy", "--dtype", args.video_dtype]
+    server = Server(flags, log, 1800)
     body = {
         "prompt": ref.PROMPT,
         "size": f"{opts['default_width']}x{opts['default_height']}",
@@ -224,7 +235,7 @@ def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float
 
 
 def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
-    reference = ref.video_reference(args.video_dtype, args.video_runs, 16)
+    reference = ref.video_reference(args.video_dtype, args.video_runs, 16, video_options(args))
     server_s, mp4, _ = serve_video(args, log)
     paths = []
     for data in (reference["mp4"], mp4):
@@ -281,6 +292,9 @@ def main() -> int:
     ap.add_argument("--video", action="store_true")
     ap.add_argument("--video-dtype", default="bf16")
     ap.add_argument("--video-runs", type=int, default=2)
+    ap.add_argument("--video-size", help="WxH (default 832x480); smaller only for smoke runs")
+    ap.add_argument("--video-frames", type=int)
+    ap.add_argument("--video-steps", type=int)
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

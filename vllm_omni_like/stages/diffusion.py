@@ -23,8 +23,8 @@ from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
+    dummy_pipeline,
     quiet_loading,
-    random_diffusers_components,
     resolve_device,
     resolve_dtype,
 )
@@ -64,12 +64,12 @@ class DiffusionStage(Stage):
         check_model_dir(path, "model_index.json")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
-        components = {}
         if self.config.load_format == "dummy":
-            components = random_diffusers_components(path, self.device, self.dtype)
-        pipe = diffusers.DiffusionPipeline.from_pretrained(
-            path, local_files_only=True, dtype=self.dtype, **components
-        )
+            pipe = dummy_pipeline(path, self.device, self.dtype)
+        else:
+            pipe = diffusers.DiffusionPipeline.from_pretrained(
+                path, local_files_only=True, dtype=self.dtype
+            )
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
         self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters

@@ -107,3 +107,36 @@ class BatchDimProbe:
 
     def attach(self, module: torch.nn.Module) -> None:
         module.register_forward_pre_hook(self, with_kwargs=True)
+
+
+def dummy_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """The pipeline of a diffusers directory with random models (`--load-format dummy`).
+
+    Built by calling the pipeline class itself: `from_pretrained` would still look for weight
+    files of the components a pipeline marks optional (Wan's transformer, for one). Schedulers
+    and tokenizers load from their folders; config values of model_index.json are passed on.
+    """
+    import inspect
+
+    import diffusers
+    import transformers
+
+    with open(os.path.join(path, "model_index.json")) as f:
+        index = json.load(f)
+    cls = getattr(diffusers, index["_class_name"])
+    accepted = inspect.signature(cls.__init__).parameters
+    models = random_diffusers_components(path, device, dtype)
+    kwargs: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or name not in accepted:
+            continue
+        if not isinstance(spec, list):  # a config value, e.g. requires_safety_checker
+            kwargs[name] = spec
+        elif spec[0] is None:
+            kwargs[name] = None
+        elif name in models:
+            kwargs[name] = models[name]
+        else:
+            owner = diffusers if spec[0] == "diffusers" else transformers
+            kwargs[name] = getattr(owner, spec[1]).from_pretrained(os.path.join(path, name))
+    return cls(**kwargs)
