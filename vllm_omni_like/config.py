@@ -90,6 +90,8 @@ class StageConfig:
     replicas: int = 1
     workers_per_replica: int = 1
     max_batch_size: int = 8
+    # after a batch, an idle replica may wait this share of its run time for a full batch
+    batch_wait: float = 0.1
     stall_timeout: float = 60.0
     load_timeout: float = 600.0
     # speed options of the diffusion stages (the denoiser): see stages/acceleration.py
@@ -119,6 +121,8 @@ class StageConfig:
                 raise InvalidRequestError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
+        if not 0.0 <= self.batch_wait <= 1.0:
+            raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
         if any(int(b) < 1 for b in self.batch_buckets):
             raise InvalidRequestError(f"stage {self.name!r}: batch buckets must be >= 1")
         for size in self.warmup_sizes:
@@ -192,6 +196,7 @@ STAGE_FLAGS = (
     "device",
     "replicas",
     "max_batch_size",
+    "batch_wait",
     "stall_timeout",
     "compile",
     "compile_mode",
@@ -218,6 +223,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--replicas", type=int)
     g.add_argument("--max-batch-size", type=int)
+    g.add_argument(
+        "--batch-wait",
+        type=float,
+        metavar="SHARE",
+        help="after a batch of N, a replica waits up to SHARE x that batch's run time for N "
+        "requests to queue (closed-loop clients coming back), so batches stay whole "
+        "(default 0.1; 0 = never wait)",
+    )
     g.add_argument("--stall-timeout", type=float)
     g = parser.add_argument_group("speed (diffusion stages)")
     g.add_argument(

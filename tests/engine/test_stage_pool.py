@@ -145,3 +145,49 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
         assert wait_until(lambda: _states(e)["diffusion"] == "ready", 10)
         ok = asyncio.run(final(e, req("fine", pipeline="null-image")))
         assert ok.ok
+
+
+@pytest.mark.parametrize("wait, want", [(0.0, {7: 1, 1: 1}), (0.5, {8: 1})])
+def test_after_a_batch_the_replica_waits_briefly_for_its_clients_to_come_back(wait, want):
+    """Closed-loop clients return one by one; --batch-wait keeps their next batch whole."""
+    with engine("null-image", stage_kw={"max_batch_size": 8, "batch_wait": wait}) as e:
+
+        def image(rid):
+            return req(rid, pipeline="null-image", steps=4, delay=0.1)
+
+        async def batches(count):  # a batch is counted once its worker says it is done
+            done = lambda: sum(e.stats.snapshot()["batch_sizes"].values()) >= count  # noqa: E731
+            assert await asyncio.to_thread(wait_until, done, 5)
+            return dict(e.stats.snapshot()["batch_sizes"])
+
+        async def run():
+            first = asyncio.create_task(final(e, image("r0")))
+            await asyncio.sleep(0.05)  # r0 runs alone; the next 8 queue behind it
+            await asyncio.gather(first, *(final(e, image(f"r{i}")) for i in range(1, 9)))
+            before = await batches(2)
+            assert before == {1: 1, 8: 1}
+            # the 8 clients come back: 7 at once, the last 50 ms later (window: 0.5 x 0.4 s)
+            seven = [asyncio.create_task(final(e, image(f"s{i}"))) for i in range(7)]
+            await asyncio.sleep(0.05)
+            outs = await asyncio.gather(final(e, image("s7")), *seven)
+            assert all(o.ok for o in outs)
+            after = await batches(2 + len(want))
+            return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k)}
+
+        t0 = time.monotonic()
+        assert asyncio.run(run()) == want
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_stage_that_was_idle_takes_a_request_at_once():
+    with engine("null-image", stage_kw={"batch_wait": 1.0}) as e:
+
+        async def run():
+            await final(e, req("warm", pipeline="null-image", steps=2, delay=0.2))
+            await asyncio.sleep(0.5)  # longer than any refill window (1.0 x 0.4 s)
+            t0 = time.monotonic()
+            out = await final(e, req("solo", pipeline="null-image", steps=1))
+            return out, time.monotonic() - t0
+
+        out, took = asyncio.run(run())
+        assert out.ok and took < 0.1

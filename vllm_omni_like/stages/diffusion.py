@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
+import os
 import random
 import time
 from typing import Any
@@ -27,6 +29,7 @@ from vllm_omni_like.stages.torch_utils import (
     quiet_loading,
     resolve_device,
     resolve_dtype,
+    tensor_to_uint8,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,16 +40,6 @@ MAX_STEPS = 200
 
 def _to_uint8(images: Any) -> np.ndarray:
     return (np.clip(np.asarray(images, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
-
-
-def _tensor_to_uint8(media: torch.Tensor) -> np.ndarray:
-    """[0, 1] (B, C, H, W) or (B, F, C, H, W) on the device -> channels-last uint8 on the host.
-
-    The same float32 maths as diffusers' numpy path (x * 255, round), done on the device, so
-    only the uint8 bytes cross to the host, in one copy.
-    """
-    pixels = (media.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return pixels.movedim(-3, -1).contiguous().cpu().numpy()
 
 
 class DiffusionStage(Stage):
@@ -64,6 +57,7 @@ class DiffusionStage(Stage):
         check_model_dir(path, "model_index.json")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
+        self._check_text_encoder(path)
         if self.config.load_format == "dummy":
             pipe = dummy_pipeline(path, self.device, self.dtype)
         else:
@@ -110,15 +104,19 @@ class DiffusionStage(Stage):
         if cfg.compile:
             self._warm_up()
 
-    def _random_embeddings_shape(self, pipe: Any) -> tuple[int, int] | None:
-        """A dummy model without its text encoder gets seeded random prompt embeddings."""
-        if "text_encoder" not in pipe.components or pipe.text_encoder is not None:
-            return None
-        if self.config.load_format != "dummy":
+    def _check_text_encoder(self, path: str) -> None:
+        with open(os.path.join(path, "model_index.json")) as f:
+            entry = json.load(f).get("text_encoder", ["present"])
+        if entry[0] is None and self.config.load_format != "dummy":
             raise FileNotFoundError(
                 f"{self.config.model!r} has no text encoder; only --load-format dummy "
                 "runs it (on seeded random prompt embeddings)"
             )
+
+    def _random_embeddings_shape(self, pipe: Any) -> tuple[int, int] | None:
+        """A dummy model without its text encoder gets seeded random prompt embeddings."""
+        if "text_encoder" not in pipe.components or pipe.text_encoder is not None:
+            return None
         dim = int(getattr(self.denoiser.config, "text_dim", 0) or 0) or int(
             self.denoiser.config.cross_attention_dim
         )
@@ -274,7 +272,7 @@ class DiffusionStage(Stage):
         with torch.inference_mode():
             result = pipe(**kwargs)
             media = result.frames if self.is_video else result.images
-            pixels = _tensor_to_uint8(media[:rows])
+            pixels = tensor_to_uint8(media[:rows])
         control.saw_model_batch(self.probe.max_seen)
         return self._split(batch, pixels, seeds)
 

@@ -7,6 +7,7 @@ import os
 import zlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_omni_like.errors import InvalidRequestError
@@ -89,6 +90,16 @@ def random_diffusers_components(
             with torch.device(device):
                 components[name] = cls(config).to(dtype)
     return components
+
+
+def tensor_to_uint8(media: torch.Tensor) -> np.ndarray:
+    """[0, 1] (B, C, H, W) or (B, F, C, H, W) on the device -> channels-last uint8 on the host.
+
+    The same float32 maths as diffusers' numpy path (x * 255, round), done on the device, so
+    only the uint8 bytes cross to the host, in one copy.
+    """
+    pixels = (media.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.movedim(-3, -1).contiguous().cpu().numpy()
 
 
 class BatchDimProbe:

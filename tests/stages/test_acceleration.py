@@ -1,0 +1,279 @@
+"""Speed options of the diffusion stage, on the CPU: flags, fallbacks, compiled padded batches,
+the shipped architecture configs and the random prompt embeddings of a dummy Wan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_like import config as cfg
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.pipelines import catalog
+from vllm_omni_like.stages import acceleration as accel
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.tiny_models import ensure_tiny_model
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cfg.add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def _control() -> StageControl:
+    return StageControl(FaultInjector((), "diffusion"))
+
+
+# ---- flags and configs -------------------------------------------------------------------
+def test_speed_flags_reach_every_stage_of_the_pipeline():
+    args = _args(
+        "sd15",
+        "--load-format=dummy",
+        "--compile",
+        "--compile-mode=max-autotune",
+        "--attention=xformers",
+        "--channels-last=off",
+        "--warmup-size=512x512",
+        "--warmup-size=768x512",
+        "--batch-buckets=1,8,32",
+        "--batch-wait=0.2",
+    )
+    overrides = cfg.stage_overrides(args)
+    (pipeline,) = catalog.resolve("sd15", **overrides)
+    stage = pipeline.stages[0]
+    assert (stage.compile, stage.compile_mode) == (True, "max-autotune")
+    assert stage.attention == "xformers"
+    assert stage.channels_last == "off" and stage.batch_wait == 0.2
+    assert stage.warmup_sizes == ("512x512", "768x512") and stage.batch_buckets == (1, 8, 32)
+    assert stage.options["default_steps"] == 30  # the architecture's own defaults stay
+
+
+def test_without_speed_flags_nothing_is_overridden():
+    assert cfg.stage_overrides(_args()) == {}
+    stage = StageConfig(name="d", kind="diffusion")
+    assert (stage.compile, stage.attention, stage.channels_last) == (False, "sdpa", "auto")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--attention=flash"],
+        ["--compile-mode=fast"],
+        ["--batch-buckets=0,4"],
+        ["--batch-buckets=a,b"],
+        ["--channels-last=maybe"],
+    ],
+)
+def test_bad_speed_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        _args(*argv)
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"attention": "flash"}, "attention must be one of sdpa, xformers"),
+        ({"compile_mode": "fast"}, "compile_mode must be one of"),
+        ({"warmup_sizes": ("512",)}, "warmup size must be 'WIDTHxHEIGHT'"),
+        ({"batch_wait": 2.0}, r"batch_wait must be within \[0, 1\]"),
+        ({"batch_buckets": (0,)}, "batch buckets must be >= 1"),
+    ],
+)
+def test_stage_config_refuses_bad_speed_options(kw, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        StageConfig(name="d", kind="diffusion", **kw)
+
+
+def test_batch_buckets():
+    assert accel.buckets_for(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert accel.buckets_for(6) == (1, 2, 4, 6)
+    assert accel.buckets_for(8, [8, 1, 8]) == (1, 8)
+    assert accel.bucket_for(5, (1, 2, 4, 8)) == 8
+    assert accel.bucket_for(4, (1, 2, 4, 8)) == 4
+    assert accel.bucket_for(9, (1, 2, 4, 8)) == 9  # past the largest: its own shape
+
+
+# ---- attention fallback --------------------------------------------------------------------
+class _Pipe:
+    def __init__(self) -> None:
+        self.xformers_enabled = False
+
+    def enable_xformers_memory_efficient_attention(self) -> None:
+        self.xformers_enabled = True
+
+
+def test_xformers_on_the_cpu_falls_back_to_sdpa_with_a_warning(caplog):
+    pipe = _Pipe()
+    with caplog.at_level(logging.WARNING):
+        got = accel.set_attention(pipe, "xformers", torch.device("cpu"), "diffusion")
+    assert got == "sdpa" and not pipe.xformers_enabled
+    assert "stage diffusion: --attention xformers is not usable" in caplog.text
+    assert "needs a CUDA device" in caplog.text and "falling back to PyTorch SDPA" in caplog.text
+
+
+def test_xformers_that_cannot_run_its_kernels_is_not_used(caplog, monkeypatch):
+    """A broken install (here: none) is found by running a kernel, not by importing."""
+    monkeypatch.setitem(__import__("sys").modules, "xformers", None)  # import fails
+    problem = accel.xformers_problem(torch.device("cuda"))
+    assert problem is not None and problem.startswith(("ImportError", "ModuleNotFoundError"))
+    pipe = _Pipe()
+    with caplog.at_level(logging.WARNING):
+        assert accel.set_attention(pipe, "xformers", torch.device("cuda"), "d") == "sdpa"
+    assert not pipe.xformers_enabled and "falling back to PyTorch SDPA" in caplog.text
+
+
+def test_sdpa_needs_no_change_and_cpu_keeps_default_kernels():
+    pipe = _Pipe()
+    assert accel.set_attention(pipe, "sdpa", torch.device("cpu"), "d") == "sdpa"
+    assert accel.tune_kernels(pipe, torch.device("cpu"), fuse_qkv=True) == []
+    assert accel.use_channels_last(pipe, "auto", torch.device("cpu")) is False
+
+
+# ---- shipped architectures -----------------------------------------------------------------
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_shipped_architectures_are_the_real_models_sizes():
+    import diffusers
+    import transformers
+
+    sd, wan = catalog.arch_path("sd15"), catalog.arch_path("wan2.1-t2v-1.3b")
+    expected = [
+        (diffusers.UNet2DConditionModel, f"{sd}/unet", 859_520_964),
+        (diffusers.AutoencoderKL, f"{sd}/vae", 83_653_863),
+        (diffusers.WanTransformer3DModel, f"{wan}/transformer", 1_418_996_800),
+        (diffusers.AutoencoderKLWan, f"{wan}/vae", 126_892_531),
+    ]
+    with torch.device("meta"):  # shapes only: no memory
+        for cls, path, count in expected:
+            assert _params(cls.from_config(cls.load_config(path))) == count, cls.__name__
+        clip = transformers.CLIPTextConfig.from_pretrained(f"{sd}/text_encoder")
+        assert _params(transformers.CLIPTextModel(clip)) == 123_060_480
+    with open(f"{sd}/scheduler/scheduler_config.json") as f:
+        assert json.load(f)["_class_name"] == "DDIMScheduler"
+
+
+def test_an_architecture_without_weights_needs_dummy_load():
+    with pytest.raises(InvalidRequestError, match="serve it with --load-format dummy"):
+        catalog.resolve("sd15")
+    (video,) = catalog.resolve("wan2.1-t2v-1.3b", load_format="dummy")
+    assert video.output == "video" and video.stages[0].options["default_frames"] == 33
+
+
+# ---- compiled, padded batches --------------------------------------------------------------
+def _image(rid: str, prompt: str, seed: int) -> StageRequest:
+    return StageRequest(rid, prompt, GenerationParams(seed=seed, num_inference_steps=4))
+
+
+@pytest.fixture(scope="module")
+def plain_stage():
+    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model="tiny-image"))
+    stage.load("cpu")
+    return stage
+
+
+@pytest.mark.slow
+def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_stage):
+    """torch.compile (the eager backend here: real dynamo tracing, no C compiler needed)."""
+    stage = DiffusionStage(
+        StageConfig(
+            name="diffusion",
+            kind="diffusion",
+            model="tiny-image",
+            compile=True,
+            max_batch_size=4,
+            batch_buckets=(1, 4),
+            options={"compile_backend": "eager"},
+        )
+    )
+    stage.load("cpu")  # compiles and warms up buckets 1 and 4
+    assert stage.buckets == (1, 4)
+    assert type(stage.pipe.unet).__name__ == "OptimizedModule"
+    colours = ("red", "blue", "green")
+    reqs = [_image(f"r{i}", f"a {c} circle", seed=i) for i, c in enumerate(colours)]
+    control = _control()
+    outs = stage.execute(reqs, control)
+    assert control.max_model_batch == 8  # 3 requests padded to 4, doubled by CFG
+    assert [o.request_id for o in outs] == ["r0", "r1", "r2"]  # filler rows are dropped
+    for r, out in zip(reqs, outs, strict=True):
+        alone = plain_stage.execute([r], _control())[0]
+        diff = np.abs(out.images[0].pixels.astype(int) - alone.images[0].pixels.astype(int))
+        assert diff.max() <= 2  # batched == single for the same seed (CPU kernel rounding)
+    assert np.abs(outs[0].images[0].pixels.astype(int) - outs[1].images[0].pixels).mean() > 5
+
+
+# ---- random prompt embeddings (dummy model without a text encoder) -------------------------
+def test_random_prompt_embeds_are_seeded_by_the_text():
+    a = random_prompt_embeds(["a cat", "a dog", "a cat"], 7, 5, torch.float16, "cpu")
+    assert a.shape == (3, 7, 5) and a.dtype == torch.float16
+    assert torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
+    assert torch.equal(a[1], random_prompt_embeds(["a dog"], 7, 5, torch.float16, "cpu")[0])
+
+
+@pytest.fixture(scope="module")
+def wan_without_text_encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wan") / "model"
+    shutil.copytree(ensure_tiny_model("tiny-video"), path)
+    with open(path / "model_index.json") as f:
+        index = json.load(f)
+    index.update(text_encoder=[None, None], tokenizer=[None, None])
+    with open(path / "model_index.json", "w") as f:
+        json.dump(index, f)
+    shutil.rmtree(path / "text_encoder")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_dummy_model_without_text_encoder_runs_on_seeded_embeddings(wan_without_text_encoder):
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model=wan_without_text_encoder,
+        load_format="dummy",
+        options={"max_sequence_length": 16},
+    )
+    stage = DiffusionStage(config)
+    stage.load("cpu")
+    assert stage.embed_shape[0] == 16
+
+    def clip(prompt: str) -> np.ndarray:
+        params = GenerationParams(seed=3, num_inference_steps=2, num_frames=9, width=64, height=64)
+        req = StageRequest("v", prompt, params, mode="text2video")
+        return stage.execute([req], _control())[0].video.frames
+
+    first, again, other = clip("a red circle"), clip("a red circle"), clip("a blue square")
+    assert first.shape[0] == 9 and np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+    real = DiffusionStage(StageConfig(name="d", kind="diffusion", model=wan_without_text_encoder))
+    with pytest.raises(FileNotFoundError, match="has no text encoder; only --load-format dummy"):
+        real.load("cpu")
+
+
+def test_pyav_writes_the_same_kind_of_mp4(tmp_path):
+    pytest.importorskip("av")
+    from vllm_omni_like import media
+
+    frames = np.zeros((6, 32, 48, 3), np.uint8)
+    frames[:, :, :24] = (200, 30, 30)
+    path = os.path.join(tmp_path, "v.mp4")
+    media._write_video_pyav(frames, 8, path)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.index(b"moov") < data.index(b"mdat")  # faststart
+    back = media.read_video(path)
+    assert back.shape == (6, 32, 48, 3) and np.abs(back.astype(int) - frames).mean() < 4
