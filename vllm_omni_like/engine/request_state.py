@@ -25,7 +25,7 @@ def final_status(error: ErrorInfo | None) -> str:
     }.get(error.error_class, "error")
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: equality is identity (never compare outputs)
 class RequestState:
     request: OmniRequest
     emit: Callable[[object], None]

@@ -151,11 +151,13 @@ class StagePool:
             self.waiting.append(state)
 
     def remove(self, state: RequestState) -> bool:
-        try:
-            self.waiting.remove(state)
-            return True
-        except ValueError:
-            return False
+        # by identity, without deque.remove: its ValueError for a request that is not queued
+        # (most of them, at their end) formats the request's repr, outputs and all
+        for i, waiting in enumerate(self.waiting):
+            if waiting is state:
+                del self.waiting[i]
+                return True
+        return False
 
     def _take_batch(self) -> list[RequestState]:
         head = self.waiting.popleft()
