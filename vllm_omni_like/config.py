@@ -101,6 +101,7 @@ class StageConfig:
     channels_last: str = "auto"  # auto (on for a conv UNet on CUDA) | on | off
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
+    batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -119,3 +119,74 @@ def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds `rows`; past the largest, `rows` itself."""
     return next((b for b in buckets if b >= rows), rows)
+
+
+# ---- classifier-free guidance in one forward ----------------------------------------------
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+class BatchedCFG(torch.nn.Module):
+    """Runs a pipeline's two guidance calls of the denoiser (conditional, then unconditional,
+    on the same latents) as one forward over both halves.
+
+    diffusers' Wan pipeline calls its transformer twice a step; the UNet pipelines already
+    batch the two. Set `negative` to the negative prompt embeddings (in the denoiser's dtype,
+    the very tensor passed to the pipeline) before a call and back to None after: a
+    conditional call then computes both halves and the unconditional call that follows with
+    the same latents gets its half without running the model. Any other call runs as it is.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.negative: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, tuple] | None = None
+
+    def __getattr__(self, name: str) -> Any:  # config, dtype, cache_context, ... of the model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        pending, self._pending = self._pending, None
+        latents = kwargs.get("hidden_states")
+        text = kwargs.get("encoder_hidden_states")
+        negative = self.negative
+        if (
+            negative is None
+            or args
+            or latents is None
+            or text is None
+            or kwargs.get("return_dict", True)
+        ):
+            return self.model(*args, **kwargs)
+        if _same(text, negative):
+            if pending is not None and _same(latents, pending[0]):
+                return pending[1]  # computed with the conditional half
+            return self.model(**kwargs)
+        if text.shape != negative.shape:
+            return self.model(**kwargs)
+        timestep = kwargs.get("timestep")
+        both = dict(
+            kwargs,
+            hidden_states=torch.cat([latents, latents]),
+            encoder_hidden_states=torch.cat([text, negative]),
+        )
+        if isinstance(timestep, torch.Tensor) and timestep.dim() > 0:
+            both["timestep"] = torch.cat([timestep, timestep])
+        out = self.model(**both)
+        rows = latents.shape[0]
+        rest = tuple(out[1:])
+        self._pending = (latents, (out[0][rows:], *rest))
+        return (out[0][:rows], *rest)
+
+
+def batch_cfg(pipe: Any) -> BatchedCFG | None:
+    """Wrap the denoiser of a pipeline that runs guidance as two calls (Wan); else None."""
+    if type(pipe).__name__ != "WanPipeline" or getattr(pipe, "transformer_2", None) is not None:
+        return None
+    wrapper = BatchedCFG(pipe.transformer)
+    pipe.transformer = wrapper
+    return wrapper

@@ -19,6 +19,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages import acceleration as accel
+from vllm_omni_like.stages import edits
 from vllm_omni_like.stages.base import Stage, StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
@@ -98,9 +99,11 @@ class DiffusionStage(Stage):
             accel.compile_denoiser(pipe, cfg.compile_mode, opts.get("compile_backend", "inductor"))
             configured = cfg.batch_buckets or opts.get("batch_buckets")
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
-        self.probe = BatchDimProbe()
-        self.probe.attach(getattr(pipe, accel.denoiser_name(pipe)))
-        self.edit_pipes = self._edit_pipelines()
+        self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg else None
+        self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
+        model = getattr(pipe, accel.denoiser_name(pipe))
+        self.probe.attach(self.cfg.model if self.cfg is not None else model)
+        self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
         if cfg.compile:
             self._warm_up()
 
@@ -137,8 +140,7 @@ class DiffusionStage(Stage):
                 kwargs.update(width=width, height=height)
                 if self.is_video:
                     kwargs["num_frames"] = self.default_frames
-                with torch.inference_mode():
-                    self.pipe(**kwargs)
+                self._run(self.pipe, kwargs)
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
         logger.info(
             "stage %s: compiled and warmed up %d shapes in %.1fs",
@@ -146,23 +148,6 @@ class DiffusionStage(Stage):
             len(sizes) * len(self.buckets),
             time.monotonic() - started,
         )
-
-    def _edit_pipelines(self) -> dict[str, Any]:
-        if self.is_video:
-            return {}
-        import diffusers
-
-        pipes = {}
-        for mode, auto in (
-            ("edit", diffusers.AutoPipelineForImage2Image),
-            ("inpaint", diffusers.AutoPipelineForInpainting),
-        ):
-            try:
-                pipes[mode] = auto.from_pipe(self.pipe)
-                pipes[mode].set_progress_bar_config(disable=True)
-            except Exception as exc:  # this model family has no such variant
-                logger.info("stage %s: no %s pipeline (%s)", self.name, mode, exc)
-        return pipes
 
     def _size_multiple(self) -> int:
         factor = int(
@@ -264,17 +249,39 @@ class DiffusionStage(Stage):
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
         if first.mode == "edit":
-            pipe = self._edit_inputs(batch, kwargs, len(prompts) - rows)
+            mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.size_multiple)
+            pipe = self.edit_pipes[mode]
         kwargs.setdefault("height", p.height or self.default_height)
         kwargs.setdefault("width", p.width or self.default_width)
         kwargs["callback_on_step_end"] = self._callback(batch, control)
         self.probe.reset()
+        result = self._run(pipe, kwargs)
         with torch.inference_mode():
-            result = pipe(**kwargs)
             media = result.frames if self.is_video else result.images
             pixels = tensor_to_uint8(media[:rows])
         control.saw_model_batch(self.probe.max_seen)
         return self._split(batch, pixels, seeds)
+
+    def _run(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
+        """One pipeline call; with CFG on a two-call pipeline, both halves in one forward."""
+        if self.cfg is not None and kwargs["guidance_scale"] > 1.0:
+            if "prompt_embeds" not in kwargs:  # encode here, so the negative half is known
+                kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = pipe.encode_prompt(
+                    prompt=kwargs.pop("prompt"),
+                    negative_prompt=kwargs.pop("negative_prompt", None),
+                    do_classifier_free_guidance=True,
+                    max_sequence_length=kwargs.get("max_sequence_length", 512),
+                    device=self.device,
+                )
+            for key in ("prompt_embeds", "negative_prompt_embeds"):
+                kwargs[key] = kwargs[key].to(self.denoiser.dtype)  # the pipeline's .to: a no-op
+            self.cfg.negative = kwargs["negative_prompt_embeds"]
+        try:
+            with torch.inference_mode():
+                return pipe(**kwargs)
+        finally:
+            if self.cfg is not None:
+                self.cfg.negative = None
 
     def _call_kwargs(
         self,
@@ -317,33 +324,6 @@ class DiffusionStage(Stage):
             "stage %s: prompt of %d tokens truncated to %d", self.name, len(ids) + special, limit
         )
         return self.tokenizer.decode(ids[: limit - special])
-
-    def _edit_inputs(self, batch: list[StageRequest], kwargs: dict[str, Any], pad: int) -> Any:
-        from PIL import Image
-
-        images, masks = [], []
-        first = batch[0]
-        m = self.size_multiple
-        height = first.params.height or max(m, first.images[0].shape[0] // m * m)
-        width = first.params.width or max(m, first.images[0].shape[1] // m * m)
-        kwargs.update(height=height, width=width)
-        for r in batch:
-            image = Image.fromarray(r.images[0]).convert("RGB").resize((width, height))
-            for _ in range(r.params.n):
-                images.append(image)
-                if r.mask is not None:
-                    mask = Image.fromarray(r.mask).convert("L").resize((width, height))
-                    masks.append(mask)
-        images += images[-1:] * pad  # filler rows of a padded (compiled) batch
-        masks += masks[-1:] * pad
-        kwargs["image"] = images
-        kwargs["strength"] = (
-            batch[0].params.strength if batch[0].params.strength is not None else 0.8
-        )
-        if masks:
-            kwargs["mask_image"] = masks
-            return self.edit_pipes["inpaint"]
-        return self.edit_pipes["edit"]
 
     def _callback(self, batch: list[StageRequest], control: StageControl):
         def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:

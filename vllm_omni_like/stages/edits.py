@@ -1,0 +1,59 @@
+"""Image edits (img2img, inpaint) with the components of the text-to-image pipeline."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_omni_like.messages import StageRequest
+
+logger = logging.getLogger(__name__)
+
+
+def edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:
+    """'edit' and 'inpaint' pipelines sharing `pipe`'s models (no second copy of weights)."""
+    import diffusers
+
+    pipes = {}
+    for mode, auto in (
+        ("edit", diffusers.AutoPipelineForImage2Image),
+        ("inpaint", diffusers.AutoPipelineForInpainting),
+    ):
+        try:
+            pipes[mode] = auto.from_pipe(pipe)
+            pipes[mode].set_progress_bar_config(disable=True)
+        except Exception as exc:  # this model family has no such variant
+            logger.info("stage %s: no %s pipeline (%s)", stage, mode, exc)
+    return pipes
+
+
+def edit_inputs(
+    batch: list[StageRequest], kwargs: dict[str, Any], pad: int, size_multiple: int
+) -> str:
+    """Put the batch's images (and masks) into `kwargs`; returns 'edit' or 'inpaint'.
+
+    Sizes default to the first image's, rounded down to `size_multiple`; `pad` filler rows
+    (a compiled stage's bucket padding) repeat the last image.
+    """
+    from PIL import Image
+
+    images, masks = [], []
+    first = batch[0]
+    m = size_multiple
+    height = first.params.height or max(m, first.images[0].shape[0] // m * m)
+    width = first.params.width or max(m, first.images[0].shape[1] // m * m)
+    kwargs.update(height=height, width=width)
+    for r in batch:
+        image = Image.fromarray(r.images[0]).convert("RGB").resize((width, height))
+        for _ in range(r.params.n):
+            images.append(image)
+            if r.mask is not None:
+                masks.append(Image.fromarray(r.mask).convert("L").resize((width, height)))
+    images += images[-1:] * pad
+    masks += masks[-1:] * pad
+    kwargs["image"] = images
+    kwargs["strength"] = first.params.strength if first.params.strength is not None else 0.8
+    if masks:
+        kwargs["mask_image"] = masks
+        return "inpaint"
+    return "edit"
