@@ -42,10 +42,12 @@ class Server:
             raise EngineDeadError("the engine is starting; retry shortly", code="starting")
         self.engine.check_health()
 
-    def open(self, request: Request | None, omni: OmniRequest) -> RequestStream:
+    def open(
+        self, request: Request | None, omni: OmniRequest, progress: bool = True
+    ) -> RequestStream:
         """Submit to the engine; from here on a failure is the request's final status."""
         self.ensure_ready()
-        stream = self.engine.open(omni)
+        stream = self.engine.open(omni, progress)
         if request is not None:
             request.state.admitted = True
         return stream
@@ -61,7 +63,7 @@ async def run_to_output(
     request: Request | None, server: Server, omni: OmniRequest
 ) -> OmniRequestOutput:
     """Run to the final output; a client that disconnects aborts its request in the engine."""
-    stream = server.open(request, omni)
+    stream = server.open(request, omni, progress=False)
     gone = asyncio.create_task(_until_disconnect(request)) if request is not None else None
     try:
         while True:

@@ -61,9 +61,12 @@ class AsyncOmni:
     def pipeline_output(self, name: str) -> str:
         return self.orchestrator.pipelines[name].config.output
 
-    def open(self, request: OmniRequest) -> RequestStream:
-        """Submit now (admission errors raise here, before any response starts)."""
-        stream = RequestStream(self, request.request_id)
+    def open(self, request: OmniRequest, progress: bool = True) -> RequestStream:
+        """Submit now (admission errors raise here, before any response starts).
+
+        `progress=False`: only the final output is delivered (no per-step wake-ups of the loop).
+        """
+        stream = RequestStream(self, request.request_id, progress)
         self.orchestrator.submit(request, stream.emit)
         return stream
 
@@ -94,15 +97,18 @@ class AsyncOmni:
 class RequestStream:
     """The events of one submitted request, on the event loop that opened it."""
 
-    def __init__(self, engine: AsyncOmni, request_id: str) -> None:
+    def __init__(self, engine: AsyncOmni, request_id: str, progress: bool = True) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.progress = progress
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestProgress | OmniRequestOutput] = asyncio.Queue()
         self.finished = False
 
     def emit(self, event: object) -> None:
         """Called on the orchestrator thread; a closed loop means nobody listens any more."""
+        if not self.progress and isinstance(event, RequestProgress):
+            return
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
