@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -119,7 +120,13 @@ async def closed_loop(
         return latencies, time.perf_counter() - t0, kept
 
 
-def serve_images(args: argparse.Namespace, compiled: bool, log: str) -> dict[str, Any]:
+def serve_images(
+    args: argparse.Namespace,
+    compiled: bool,
+    log: str,
+    on_level: Callable[[dict[str, Any], dict[str, dict[int, np.ndarray]]], None],
+) -> None:
+    """Start the server and measure each concurrency level; `on_level` gets what is there."""
     flags = [
         "sd15",
         "--load-format",
@@ -139,54 +146,104 @@ def serve_images(args: argparse.Namespace, compiled: bool, log: str) -> dict[str
         flags += ["--compile", "--batch-buckets", args.batch_buckets]
     server = Server(flags, log, timeout=1800)
     out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
+    images: dict[str, dict[int, np.ndarray]] = {}
     try:
         # warm-up: every concurrency level once (cudnn autotuning, allocator, batch shapes)
         for c in args.concurrency:
             asyncio.run(closed_loop(server.url, args, c, c, 0))
         for c in args.concurrency:
             total = args.latency_runs if c == 1 else c * args.rounds
-            lat, wall, kept = asyncio.run(closed_loop(server.url, args, c, total, args.keep))
+            lat, wall, images[f"c{c}"] = asyncio.run(
+                closed_loop(server.url, args, c, total, args.keep)
+            )
             out[f"c{c}"] = {
                 "requests": total,
                 "img_s": round(total / wall, 3),
                 "latency_p50_s": round(pct(lat, 0.5), 4),
                 "latency_p99_s": round(pct(lat, 0.99), 4),
-                "images": kept,
             }
             print(
                 f"server {'compile' if compiled else 'eager'} c{c}: {out[f'c{c}']['img_s']} "
                 f"img/s, p50 {out[f'c{c}']['latency_p50_s']} s",
                 file=sys.stderr,
             )
+            on_level(out, images)  # saved level by level: a cut-off run keeps what it measured
     finally:
         server.stop()
-    return out
 
 
-def image_setting(args: argparse.Namespace, compiled: bool, log: str) -> dict[str, Any]:
-    label = "compile" if compiled else "eager"
+def _reference_paths(args: argparse.Namespace, label: str) -> tuple[str, str]:
+    name = f"reference-{label}-{ref.device_name()}"
+    base = os.path.join(args.reference_dir or args.out_dir, name)
+    return base + ".json", base + ".npz"
+
+
+def run_reference(args: argparse.Namespace, compiled: bool, label: str) -> dict[str, Any]:
+    """Plain diffusers in this process; figures and the images by seed are kept on disk."""
     device = "cuda" if ref.torch.cuda.is_available() else "cpu"
     pipe = ref.build("sd15", args.dtype, device, compile_unet=compiled)
     sizes = args.ref_compile_batch_sizes if compiled else args.ref_batch_sizes
     reference = ref.image_reference(pipe, args, [int(b) for b in sizes.split(",")], label)
     del pipe
     ref.free()
-    served = serve_images(args, compiled, log)
+    figures, npz = _reference_paths(args, label)
+    with open(figures, "w") as f:
+        json.dump({k: v for k, v in reference.items() if k != "images"}, f, indent=2)
+    np.savez_compressed(npz, **{str(seed): img for seed, img in reference["images"].items()})
+    return reference
+
+
+def load_reference(args: argparse.Namespace, label: str) -> dict[str, Any]:
+    figures, npz = _reference_paths(args, label)
+    with open(figures) as f:
+        reference = json.load(f)
+    with np.load(npz) as data:
+        reference["images"] = {int(seed): data[seed] for seed in data.files}
+    return reference
+
+
+def summarize(
+    reference: dict[str, Any],
+    served: dict[str, Any],
+    images: dict[str, dict[int, np.ndarray]],
+    label: str,
+) -> dict[str, Any]:
+    served = {k: dict(v) if isinstance(v, dict) else v for k, v in served.items()}
     psnrs = []
-    for c in args.concurrency:
-        images = served[f"c{c}"].pop("images")
-        values = [psnr(img, reference["images"][s]) for s, img in images.items()]
-        served[f"c{c}"]["psnr_min_db"] = db(min(values)) if values else None
+    for level, kept in images.items():
+        values = [psnr(img, reference["images"][s]) for s, img in kept.items()]
+        served[level]["psnr_min_db"] = db(min(values)) if values else None
         psnrs += values
-    reference.pop("images")
     return {
-        "reference": reference,
+        "reference": {k: v for k, v in reference.items() if k != "images"},
         "server": served,
         "latency_ratio": round(served["c1"]["latency_p50_s"] / reference["bs1_latency_s"], 4),
-        "psnr_min_db": db(min(psnrs)),
-        "images_equal": min(psnrs) >= PSNR_MIN_DB,
+        "psnr_min_db": db(min(psnrs)) if psnrs else None,
+        "images_equal": bool(psnrs) and min(psnrs) >= PSNR_MIN_DB,
         "label": label,
     }
+
+
+def image_setting(
+    args: argparse.Namespace,
+    compiled: bool,
+    log: str,
+    save: Callable[[dict[str, Any]], None],
+) -> None:
+    """The reference (run now, or read from an earlier phase), then the server, level by level."""
+    label = "compile" if compiled else "eager"
+    if args.phase == "server":
+        reference = load_reference(args, label)
+    else:
+        reference = run_reference(args, compiled, label)
+    if args.phase == "reference":
+        return
+    serve_images(
+        args,
+        compiled,
+        log,
+        lambda served, images: save(summarize(reference, served, images, label)),
+    )
 
 
 # ---- video ----------------------------------------------------------------------------------
@@ -296,6 +353,14 @@ def main() -> int:
     ap.add_argument("--video-frames", type=int)
     ap.add_argument("--video-steps", type=int)
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument(
+        "--phase",
+        choices=("all", "reference", "server"),
+        default="all",
+        help="reference: plain diffusers only (figures and images saved to --out-dir); "
+        "server: the server against a saved reference (--reference-dir); all: both",
+    )
+    ap.add_argument("--reference-dir", help="where a reference phase saved its files")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.keep = min(args.keep, args.latency_runs)
@@ -305,18 +370,22 @@ def main() -> int:
     if args.images:
         modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
         path = os.path.join(args.out_dir, f"serving-{device}.json")
-        settings = {}
+        settings: dict[str, Any] = {}
         if os.path.exists(path):  # keep the other compile setting of an earlier run
             with open(path) as f:
                 earlier = json.load(f)
             settings = {k: earlier[k] for k in ("eager", "compile") if k in earlier}
-        for compiled in modes:
-            found = image_setting(args, compiled, log)
+
+        def save(found: dict[str, Any]) -> None:
             settings[found["label"]] = found
-        report = headline(settings, device)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
-        print(json.dumps({k: v for k, v in report.items() if k not in settings}, indent=2))
+            with open(path, "w") as f:
+                json.dump(headline(settings, device), f, indent=2)
+
+        for compiled in modes:
+            image_setting(args, compiled, log, save)
+        if settings:
+            report = headline(settings, device)
+            print(json.dumps({k: v for k, v in report.items() if k not in settings}, indent=2))
     if args.video:
         report = video_bench(args, log)
         with open(os.path.join(args.out_dir, f"video-{device}.json"), "w") as f:
