@@ -210,10 +210,11 @@ class StagePool:
 
         Closed-loop clients answered together return within moments of each other; a replica
         that took the first of them at once would run a fragment, then the rest as another,
-        and every batch after that stays split. So after a batch of N the replica waits until
-        N requests are queued, for at most `batch_wait` x that batch's run time (10%: 0.6 s
-        after a 6 s GPU batch, under a millisecond after a null stage's). A stage that was idle
-        takes a new request at once: the wait starts only when a batch ends.
+        and every batch after that stays split. So after a batch of N, with W already waiting,
+        the replica waits until N + W requests (at most a full batch) are queued, for at most
+        `batch_wait` x that batch's run time (10%: 0.6 s after a 6 s GPU batch, under a
+        millisecond after a null stage's). A stage that was idle takes a new request at once:
+        the wait starts only when a batch ends.
         """
         if replica.refill_target <= len(self.waiting) or time.monotonic() >= replica.refill_until:
             replica.refill_target = 0
@@ -224,8 +225,9 @@ class StagePool:
         replica = self.replicas[replica_index]
         if replica.batch_id == batch_id:
             now = time.monotonic()
-            size = min(len(replica.batch), self.config.max_batch_size)
-            replica.refill_target = size if size > 1 else 0
+            # its clients, and those already waiting (answered by an earlier batch)
+            expected = len(replica.batch) + len(self.waiting)
+            replica.refill_target = min(expected, self.config.max_batch_size)
             replica.refill_until = now + self.config.batch_wait * (now - replica.busy_since)
             replica.batch_id, replica.batch = None, []
 
