@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.conftest import wait_until
 from tests.engine.helpers import assert_clean, collect, engine, final, gather, req, steps_of
 from vllm_omni_like.errors import EngineDeadError, NotFoundError, QueueFullError
 from vllm_omni_like.outputs import RequestProgress
@@ -124,6 +125,16 @@ def test_an_abort_before_registration_is_remembered(eng):
     out = asyncio.run(final(eng, req("early")))
     assert out.error.code == "aborted"
     assert eng.orchestrator.early_aborts == {}
+
+
+def test_an_abort_after_the_end_is_not_remembered(eng):
+    """A client that leaves while its final output is on the way aborts an ended request."""
+    out = asyncio.run(final(eng, req("done")))
+    assert out.ok
+    eng.abort("done")
+    assert wait_until(lambda: eng.orchestrator.inbox.empty(), 5)
+    time.sleep(0.1)  # the orchestrator thread has handled it
+    assert "done" not in eng.orchestrator.early_aborts
 
 
 def test_deadline_ends_the_request_with_timeout(eng):

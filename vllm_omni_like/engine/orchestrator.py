@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
 EARLY_ABORT_TTL_S = 120.0
+ENDED_MEMORY = 16384  # ids of ended requests remembered, to tell late aborts from early ones
 RESTART_RETRY_AFTER_S = 2.0
 
 
@@ -64,6 +65,9 @@ class Orchestrator:
         }
         self.requests: dict[str, RequestState] = {}
         self.early_aborts: dict[str, float] = {}
+        # ids that ended lately: a late abort for one (a client that left while its final
+        # output was on the way) is a no-op, not an "abort before submit" to remember
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self.stats = EngineStats()
         # bounded records for tests and drills: (request, stage, steps its worker ran) and
         # (request, final status)
@@ -197,9 +201,9 @@ class Orchestrator:
                 self._on_submit(state)
             case Abort(request_id=rid, reason=reason):
                 state = self.requests.get(rid)
-                if state is None:
+                if state is None and rid not in self._ended:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
-                else:
+                elif state is not None:
                     self._abort(state, reason)
             case FromReplica(pipeline=pipe, stage=stage, replica=replica, msg=inner):
                 self._on_replica_message(pipe, stage, replica, inner)
@@ -388,5 +392,8 @@ class Orchestrator:
         )
         status = status or final_status(info)
         self.recent_final.append((rid, status))
+        self._ended[rid] = None
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
         self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
         state.emit(output)
