@@ -65,15 +65,15 @@ class Orchestrator:
         }
         self.requests: dict[str, RequestState] = {}
         self.early_aborts: dict[str, float] = {}
-        # ids that ended lately: a late abort for one (a client that left while its final
-        # output was on the way) is a no-op, not an "abort before submit" to remember
-        self._ended: OrderedDict[str, None] = OrderedDict()
         self.stats = EngineStats()
         # bounded records for tests and drills: (request, stage, steps its worker ran) and
         # (request, final status)
         # (request, stage, steps the worker ran, steps it ran after the abort reached it or None)
         self.recent_steps: deque[tuple[str, str, int, int | None]] = deque(maxlen=4096)
-        self.recent_final: deque[tuple[str, str]] = deque(maxlen=4096)
+        # request id -> final status of the last ENDED_MEMORY requests; a late abort for one of
+        # them (a client that left while its final output was on the way) is a no-op, not an
+        # "abort before submit" to remember
+        self.recent_final: OrderedDict[str, str] = OrderedDict()
         self._admitted: Counter[str] = Counter()
         self._admit_lock = threading.Lock()
         self._batch_ids = itertools.count(1)
@@ -201,7 +201,7 @@ class Orchestrator:
                 self._on_submit(state)
             case Abort(request_id=rid, reason=reason):
                 state = self.requests.get(rid)
-                if state is None and rid not in self._ended:
+                if state is None and rid not in self.recent_final:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
                 elif state is not None:
                     self._abort(state, reason)
@@ -391,9 +391,9 @@ class Orchestrator:
             stage_outputs=state.outputs,
         )
         status = status or final_status(info)
-        self.recent_final.append((rid, status))
-        self._ended[rid] = None
-        if len(self._ended) > ENDED_MEMORY:
-            self._ended.popitem(last=False)
+        self.recent_final[rid] = status
+        self.recent_final.move_to_end(rid)
+        if len(self.recent_final) > ENDED_MEMORY:
+            self.recent_final.popitem(last=False)
         self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
         state.emit(output)
