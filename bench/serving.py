@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 import raw_diffusers as ref
+from control_plane import pct
 from PIL import Image
 from server_proc import free_port, serve_command, wait_healthy
 
@@ -47,11 +48,6 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def db(value: float) -> float | str:
     return "inf" if value == math.inf else round(value, 2)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class Server:

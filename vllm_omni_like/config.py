@@ -16,6 +16,7 @@ FAULT_POINTS = ("load", "execute", "step", "output")
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang")
 STAGE_KINDS = ("llm", "diffusion", "null")
 ATTENTION_BACKENDS = ("sdpa", "xformers")
+CHANNELS_LAST_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -116,7 +117,7 @@ class StageConfig:
         for key, value, allowed in (
             ("compile_mode", self.compile_mode, COMPILE_MODES),
             ("attention", self.attention, ATTENTION_BACKENDS),
-            ("channels_last", self.channels_last, ("auto", "on", "off")),
+            ("channels_last", self.channels_last, CHANNELS_LAST_MODES),
         ):
             if value not in allowed:
                 raise InvalidRequestError(
@@ -248,7 +249,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="attention kernels (default sdpa); xformers falls back to sdpa with a warning "
         "when its kernels do not run here",
     )
-    g.add_argument("--channels-last", choices=("auto", "on", "off"))
+    g.add_argument("--channels-last", choices=CHANNELS_LAST_MODES)
     g.add_argument(
         "--batch-buckets",
         type=_int_list,

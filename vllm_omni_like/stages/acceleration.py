@@ -83,9 +83,11 @@ def use_channels_last(pipe: Any, mode: str, device: torch.device) -> bool:
     on = mode == "on" or (mode == "auto" and device.type == "cuda" and unet is not None)
     if not on:
         return False
-    for module in (unet, getattr(pipe, "vae", None)):
-        if module is not None and (module is unet or type(module).__name__ == "AutoencoderKL"):
-            module.to(memory_format=torch.channels_last)
+    if unet is not None:
+        unet.to(memory_format=torch.channels_last)
+    vae = getattr(pipe, "vae", None)
+    if type(vae).__name__ == "AutoencoderKL":  # the image VAE; Wan's video VAE is 3-D
+        vae.to(memory_format=torch.channels_last)
     return True
 
 

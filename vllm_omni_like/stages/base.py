@@ -68,7 +68,11 @@ class StageControl:
             return request_id in self._aborted
 
     def live(self, batch: list[StageRequest]) -> list[StageRequest]:
-        return [r for r in batch if not self.is_aborted(r.request_id)]
+        with self._lock:
+            return self._live(batch)
+
+    def _live(self, batch: list[StageRequest]) -> list[StageRequest]:  # the lock held
+        return [r for r in batch if r.request_id not in self._aborted]
 
     # -- the step boundary -------------------------------------------------------------------------
     def step(
@@ -81,7 +85,7 @@ class StageControl:
         """Call after each denoising/decoding step; raises StageAborted once nobody needs it."""
         self.faults.fire("step", batch)
         with self._lock:  # the abort check and the count together: no abort slips between them
-            live = [r for r in batch if r.request_id not in self._aborted]
+            live = self._live(batch)
             for r in live:
                 self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
         if not live:

@@ -39,10 +39,6 @@ DEFAULT_STEPS = 20
 MAX_STEPS = 200
 
 
-def _to_uint8(images: Any) -> np.ndarray:
-    return (np.clip(np.asarray(images, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
-
-
 class DiffusionStage(Stage):
     """Runs text2img / edit (img2img or inpaint, same components) / text2video batches."""
 
@@ -68,7 +64,7 @@ class DiffusionStage(Stage):
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
         self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters
-        self.denoiser = getattr(pipe, "unet", None) or pipe.transformer
+        self.denoiser = getattr(pipe, accel.denoiser_name(pipe))
         self.tokenizer = getattr(pipe, "tokenizer", None)
         self.embed_shape = self._random_embeddings_shape(pipe)
         self.size_multiple = int(opts.get("size_multiple", self._size_multiple()))
@@ -350,8 +346,8 @@ class DiffusionStage(Stage):
         vae = pipe.vae
         with torch.inference_mode():
             decoded = vae.decode(picked / vae.config.scaling_factor, return_dict=False)[0]
-        images = pipe.image_processor.postprocess(decoded, output_type="np")
-        return {r.request_id: img for r, img in zip(want, _to_uint8(images), strict=True)}
+            images = tensor_to_uint8(pipe.image_processor.postprocess(decoded, output_type="pt"))
+        return {r.request_id: img for r, img in zip(want, images, strict=True)}
 
     def _split(
         self, batch: list[StageRequest], pixels: np.ndarray, seeds: list[int]
