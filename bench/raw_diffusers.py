@@ -113,8 +113,8 @@ def image_reference(
     return result
 
 
-def video(pipe: Any, seed: int, opts: dict[str, Any], fps: int) -> tuple[bytes, float]:
-    """One plain-diffusers Wan video and its MP4; (mp4 bytes, seconds)."""
+def video(pipe: Any, seed: int, opts: dict[str, Any], fps: int) -> tuple[np.ndarray, bytes, float]:
+    """One plain-diffusers Wan video and its MP4; (uint8 frames, mp4 bytes, seconds)."""
     device = pipe.device
     dtype = pipe.transformer.dtype
     dim = pipe.transformer.config.text_dim
@@ -132,8 +132,9 @@ def video(pipe: Any, seed: int, opts: dict[str, Any], fps: int) -> tuple[bytes, 
         generator=torch.Generator(device=device).manual_seed(seed),
         output_type="np",
     ).frames[0]
-    mp4 = encode_video((frames * 255).round().astype(np.uint8), fps)
-    return mp4, time.perf_counter() - t0
+    pixels = (frames * 255).round().astype(np.uint8)
+    mp4 = encode_video(pixels, fps)
+    return pixels, mp4, time.perf_counter() - t0
 
 
 def video_reference(
@@ -142,14 +143,20 @@ def video_reference(
     arch = "wan2.1-t2v-1.3b"
     pipe = build(arch, dtype, "cuda" if torch.cuda.is_available() else "cpu")
     opts = opts or ARCH_OPTIONS[arch]
-    video(pipe, 0, opts, fps)  # warm-up
+    first = video(pipe, 0, opts, fps)[0]  # warm-up
     times, mp4 = [], b""
     for _ in range(runs):
-        mp4, seconds = video(pipe, 0, opts, fps)
+        frames, mp4, seconds = video(pipe, 0, opts, fps)
         times.append(seconds)
     del pipe
     free()
-    return {"seconds": statistics.median(times), "mp4": mp4, "settings": opts}
+    return {
+        "seconds": statistics.median(times),
+        "mp4": mp4,
+        "frames": frames,
+        "repeatable": bool(np.array_equal(first, frames)),  # same seed, same frames
+        "settings": opts,
+    }
 
 
 def free() -> None:

@@ -39,6 +39,7 @@ from vllm_omni_like.media import read_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 
 PSNR_MIN_DB = 35.0
+CODEC_TOLERANCE_DB = 0.5  # MP4s: the server's as close to the reference frames as the reference's
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -140,6 +141,7 @@ def serve_images(
     ]
     if compiled:
         flags += ["--compile", "--batch-buckets", args.batch_buckets]
+    flags += args.server_flags.split()
     server = Server(flags, log, timeout=1800)
     out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     images: dict[str, dict[int, np.ndarray]] = {}
@@ -258,6 +260,7 @@ def video_options(args: argparse.Namespace) -> dict[str, Any]:
 def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float]:
     opts = video_options(args)
     flags = ["wan2.1-t2v-1.3b", "--load-format", "dummy", "--dtype", args.video_dtype]
+    flags += args.video_server_flags.split()
     server = Server(flags, log, 1800)
     body = {
         "prompt": ref.PROMPT,
@@ -297,16 +300,26 @@ def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
             f.write(data)
         paths.append(path)
     a, b = (read_video(p) for p in paths)
-    value = psnr(a, b) if a.shape == b.shape else -math.inf
+    same_shape = a.shape == b.shape == reference["frames"].shape
+    value = psnr(a, b) if same_shape else -math.inf
+    # H.264 is lossy: frames that differ by a rounding step can encode to MP4s further apart
+    # than 35 dB. So the server's MP4 is also measured against the reference's own frames,
+    # next to the reference's MP4 against the same frames (what the codec itself loses).
+    codec = psnr(a, reference["frames"]) if same_shape else -math.inf
+    server = psnr(b, reference["frames"]) if same_shape else -math.inf
     return {
         "device": ref.device_name(),
         "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
         "settings": {**reference["settings"], "dtype": args.video_dtype, "fps": 16},
+        "server_flags": args.video_server_flags,
         "reference_s": round(reference["seconds"], 3),
         "server_s": round(server_s, 3),
         "ratio": round(server_s / reference["seconds"], 4),
         "psnr_db": db(value),
-        "videos_equal": value >= PSNR_MIN_DB,
+        "psnr_reference_mp4_vs_reference_frames_db": db(codec),
+        "psnr_server_mp4_vs_reference_frames_db": db(server),
+        "reference_repeatable": reference["repeatable"],
+        "videos_equal": value >= PSNR_MIN_DB or server >= codec - CODEC_TOLERANCE_DB,
         "frames": list(a.shape),
     }
 
@@ -345,6 +358,8 @@ def main() -> int:
     ap.add_argument("--video", action="store_true")
     ap.add_argument("--video-dtype", default="bf16")
     ap.add_argument("--video-runs", type=int, default=2)
+    ap.add_argument("--server-flags", default="", help="more `serve` flags for the images")
+    ap.add_argument("--video-server-flags", default="", help="more `serve` flags for the video")
     ap.add_argument("--video-size", help="WxH (default 832x480); smaller only for smoke runs")
     ap.add_argument("--video-frames", type=int)
     ap.add_argument("--video-steps", type=int)

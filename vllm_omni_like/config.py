@@ -99,7 +99,7 @@ class StageConfig:
     compile: bool = False
     compile_mode: str = "default"
     attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning)
-    channels_last: str = "auto"  # auto (on for a conv UNet on CUDA) | on | off
+    channels_last: str = "auto"  # auto (on for a compiled conv UNet on CUDA) | on | off
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
@@ -206,6 +206,7 @@ STAGE_FLAGS = (
     "channels_last",
     "warmup_sizes",
     "batch_buckets",
+    "batched_cfg",
 )
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 
@@ -250,6 +251,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "when its kernels do not run here",
     )
     g.add_argument("--channels-last", choices=CHANNELS_LAST_MODES)
+    g.add_argument(
+        "--batched-cfg",
+        action=argparse.BooleanOptionalAction,
+        help="both classifier-free-guidance halves in one forward where a pipeline calls its "
+        "denoiser twice a step (Wan); same maths, rounded differently in 16-bit (default on)",
+    )
     g.add_argument(
         "--batch-buckets",
         type=_int_list,

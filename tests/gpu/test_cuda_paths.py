@@ -37,7 +37,8 @@ def sd15():
 
 
 def test_sd15_on_cuda_uses_the_fast_kernels_and_batches_match_singles(sd15):
-    assert sd15.channels_last and "cudnn_benchmark" in sd15.tuned and "fused_qkv" in sd15.tuned
+    # eager: NCHW and cuDNN's heuristics (measured faster, see acceleration.py), fused QKV
+    assert not sd15.channels_last and sd15.tuned == ["fused_qkv"]
     batched = _run(sd15, [1, 2, 3])
     for seed, image in zip([1, 2, 3], batched, strict=True):
         (alone,) = _run(sd15, [seed])

@@ -139,8 +139,27 @@ def test_xformers_that_cannot_run_its_kernels_is_not_used(caplog, monkeypatch):
 def test_sdpa_needs_no_change_and_cpu_keeps_default_kernels():
     pipe = _Pipe()
     assert accel.set_attention(pipe, "sdpa", torch.device("cpu"), "d") == "sdpa"
-    assert accel.tune_kernels(pipe, torch.device("cpu"), fuse_qkv=True) == []
-    assert accel.use_channels_last(pipe, "auto", torch.device("cpu")) is False
+    assert accel.tune_kernels(pipe, torch.device("cpu"), fuse_qkv=True, compiled=True) == []
+    assert accel.use_channels_last(pipe, "auto", torch.device("cpu"), compiled=True) is False
+
+
+def test_channels_last_auto_is_for_a_compiled_unet_on_cuda():
+    import diffusers
+
+    class Conv:
+        unet = torch.nn.Conv2d(4, 8, 3)
+        vae = diffusers.AutoencoderKL(block_out_channels=(8,), norm_num_groups=4)
+
+    def nhwc(module: torch.nn.Module) -> bool:
+        weight = next(p for p in module.parameters() if p.dim() == 4)
+        return weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+
+    cuda = torch.device("cuda")  # only the decision and the layout are checked: no kernel runs
+    assert accel.use_channels_last(Conv(), "auto", cuda, compiled=False) is False
+    assert not nhwc(Conv.unet) and not nhwc(Conv.vae)
+    assert accel.use_channels_last(Conv(), "off", cuda, compiled=True) is False
+    assert accel.use_channels_last(Conv(), "auto", cuda, compiled=True) is True
+    assert nhwc(Conv.unet) and nhwc(Conv.vae)
 
 
 # ---- shipped architectures -----------------------------------------------------------------
@@ -204,6 +223,7 @@ def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_sta
     stage.load("cpu")  # compiles and warms up buckets 1 and 4
     assert stage.buckets == (1, 4)
     assert type(stage.pipe.unet).__name__ == "OptimizedModule"
+    assert type(stage.pipe.vae.decoder).__name__ == "OptimizedModule"  # the image VAE's too
     colours = ("red", "blue", "green")
     reqs = [_image(f"r{i}", f"a {c} circle", seed=i) for i, c in enumerate(colours)]
     control = _control()

@@ -81,8 +81,12 @@ class DiffusionStage(Stage):
         # speed: kernels, memory format, compilation (none of them changes the maths)
         cfg = self.config
         self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
-        self.channels_last = accel.use_channels_last(pipe, cfg.channels_last, self.device)
-        self.tuned = accel.tune_kernels(pipe, self.device, fuse_qkv=self.attention == "sdpa")
+        self.channels_last = accel.use_channels_last(
+            pipe, cfg.channels_last, self.device, compiled=cfg.compile
+        )
+        self.tuned = accel.tune_kernels(
+            pipe, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
+        )
         logger.info(
             "stage %s: attention %s, channels_last %s, %s",
             self.name,
@@ -92,7 +96,9 @@ class DiffusionStage(Stage):
         )
         self.buckets: tuple[int, ...] = ()
         if cfg.compile:
-            accel.compile_denoiser(pipe, cfg.compile_mode, opts.get("compile_backend", "inductor"))
+            backend = opts.get("compile_backend", "inductor")
+            compiled = accel.compile_denoiser(pipe, cfg.compile_mode, backend)
+            logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
             configured = cfg.batch_buckets or opts.get("batch_buckets")
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
         self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg else None
