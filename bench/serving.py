@@ -122,8 +122,13 @@ def serve_images(
     compiled: bool,
     log: str,
     on_level: Callable[[dict[str, Any], dict[str, dict[int, np.ndarray]]], None],
+    reference_bs1: Callable[[int], float] | None = None,
 ) -> None:
-    """Start the server and measure each concurrency level; `on_level` gets what is there."""
+    """Start the server and measure each concurrency level; `on_level` gets what is there.
+
+    With `reference_bs1` (the reference's batch-1 call, in this process), concurrency 1
+    alternates reference and server requests, so a drifting host slows both sides alike.
+    """
     flags = [
         "sd15",
         "--load-format",
@@ -151,15 +156,20 @@ def serve_images(
             asyncio.run(closed_loop(server.url, args, c, c, 0))
         for c in args.concurrency:
             total = args.latency_runs if c == 1 else c * args.rounds
-            lat, wall, images[f"c{c}"] = asyncio.run(
-                closed_loop(server.url, args, c, total, args.keep)
-            )
+            if c == 1 and reference_bs1 is not None:
+                lat, wall, images["c1"], ref_lat = interleaved(server.url, args, reference_bs1)
+            else:
+                lat, wall, images[f"c{c}"] = asyncio.run(
+                    closed_loop(server.url, args, c, total, args.keep)
+                )
             out[f"c{c}"] = {
                 "requests": total,
                 "img_s": round(total / wall, 3),
                 "latency_p50_s": round(pct(lat, 0.5), 4),
                 "latency_p99_s": round(pct(lat, 0.99), 4),
             }
+            if c == 1 and reference_bs1 is not None:
+                out["c1"]["reference_interleaved_latency_p50_s"] = round(pct(ref_lat, 0.5), 4)
             print(
                 f"server {'compile' if compiled else 'eager'} c{c}: {out[f'c{c}']['img_s']} "
                 f"img/s, p50 {out[f'c{c}']['latency_p50_s']} s",
@@ -170,20 +180,38 @@ def serve_images(
         server.stop()
 
 
+def interleaved(
+    url: str, args: argparse.Namespace, reference_bs1: Callable[[int], float]
+) -> tuple[list[float], float, dict[int, np.ndarray], list[float]]:
+    """Concurrency 1 as reference call, server request, reference call, ... (same seeds)."""
+    lat, ref_lat, kept, busy = [], [], {}, 0.0
+    with httpx.Client(base_url=url, timeout=900) as http:
+        for seed in range(args.latency_runs):
+            ref_lat.append(reference_bs1(seed))
+            t0 = time.perf_counter()
+            r = http.post("/v1/images/generations", json=image_body(args, seed))
+            lat.append(time.perf_counter() - t0)
+            busy += lat[-1]
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            if seed < args.keep:
+                png = base64.b64decode(r.json()["data"][0]["b64_json"])
+                kept[seed] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    return lat, busy, kept, ref_lat
+
+
 def _reference_paths(args: argparse.Namespace, label: str) -> tuple[str, str]:
     name = f"reference-{label}-{ref.device_name()}"
     base = os.path.join(args.reference_dir or args.out_dir, name)
     return base + ".json", base + ".npz"
 
 
-def run_reference(args: argparse.Namespace, compiled: bool, label: str) -> dict[str, Any]:
+def run_reference(
+    args: argparse.Namespace, pipe: Any, compiled: bool, label: str
+) -> dict[str, Any]:
     """Plain diffusers in this process; figures and the images by seed are kept on disk."""
-    device = "cuda" if ref.torch.cuda.is_available() else "cpu"
-    pipe = ref.build("sd15", args.dtype, device, compile_unet=compiled)
     sizes = args.ref_compile_batch_sizes if compiled else args.ref_batch_sizes
     reference = ref.image_reference(pipe, args, [int(b) for b in sizes.split(",")], label)
-    del pipe
-    ref.free()
     figures, npz = _reference_paths(args, label)
     with open(figures, "w") as f:
         json.dump({k: v for k, v in reference.items() if k != "images"}, f, indent=2)
@@ -207,6 +235,8 @@ def summarize(
     label: str,
 ) -> dict[str, Any]:
     served = {k: dict(v) if isinstance(v, dict) else v for k, v in served.items()}
+    c1 = served.get("c1", {})  # the interleaved reference latency, where there is one
+    ref_lat = c1.get("reference_interleaved_latency_p50_s", reference["bs1_latency_s"])
     psnrs = []
     for level, kept in images.items():
         values = [psnr(img, reference["images"][s]) for s, img in kept.items()]
@@ -215,7 +245,7 @@ def summarize(
     return {
         "reference": {k: v for k, v in reference.items() if k != "images"},
         "server": served,
-        "latency_ratio": round(served["c1"]["latency_p50_s"] / reference["bs1_latency_s"], 4),
+        "latency_ratio": round(c1["latency_p50_s"] / ref_lat, 4),
         "psnr_min_db": db(min(psnrs)) if psnrs else None,
         "images_equal": bool(psnrs) and min(psnrs) >= PSNR_MIN_DB,
         "label": label,
@@ -230,18 +260,30 @@ def image_setting(
 ) -> None:
     """The reference (run now, or read from an earlier phase), then the server, level by level."""
     label = "compile" if compiled else "eager"
+    pipe = None
     if args.phase == "server":
         reference = load_reference(args, label)
     else:
-        reference = run_reference(args, compiled, label)
-    if args.phase == "reference":
-        return
-    serve_images(
-        args,
-        compiled,
-        log,
-        lambda served, images: save(summarize(reference, served, images, label)),
-    )
+        device = "cuda" if ref.torch.cuda.is_available() else "cpu"
+        pipe = ref.build("sd15", args.dtype, device, compile_unet=compiled)
+        reference = run_reference(args, pipe, compiled, label)
+    try:
+        if args.phase == "reference":
+            return
+
+        def reference_bs1(seed: int) -> float:
+            return ref.images(pipe, [seed], args.steps, args.size, args.guidance)[2]
+
+        serve_images(
+            args,
+            compiled,
+            log,
+            lambda served, images: save(summarize(reference, served, images, label)),
+            reference_bs1 if pipe is not None else None,
+        )
+    finally:
+        pipe = None  # the reference's GPU memory goes back before the next setting
+        ref.free()
 
 
 # ---- video ----------------------------------------------------------------------------------
@@ -332,7 +374,10 @@ def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
     return {
         "device": device,
         "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
-        "reference_bs1_latency_s": round(eager["reference"]["bs1_latency_s"], 4),
+        # measured alternately with the server's c1 requests where it could be
+        "reference_bs1_latency_s": eager["server"]["c1"].get(
+            "reference_interleaved_latency_p50_s", round(eager["reference"]["bs1_latency_s"], 4)
+        ),
         "server_c1_latency_p50_s": eager["server"]["c1"]["latency_p50_s"],
         "latency_ratio_same_compile_setting": {k: s["latency_ratio"] for k, s in settings.items()},
         "reference_best_img_s": best_ref,
