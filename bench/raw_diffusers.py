@@ -57,8 +57,8 @@ def build(arch: str, dtype: str, device: str, compile_unet: bool = False) -> Any
     diffusers.utils.logging.disable_progress_bar()
     pipe = dummy_pipeline(arch_path(arch), torch.device(device), DTYPES[dtype]).to(device)
     pipe.set_progress_bar_config(disable=True)
-    if compile_unet:  # what diffusers' docs tell a user to do
-        pipe.unet = torch.compile(pipe.unet)
+    if compile_unet:  # what diffusers' docs tell a user to do; static shapes, one graph a batch
+        pipe.unet = torch.compile(pipe.unet, dynamic=False)  # size, as the server's buckets
     return pipe
 
 
