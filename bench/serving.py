@@ -245,7 +245,7 @@ def summarize(
     return {
         "reference": {k: v for k, v in reference.items() if k != "images"},
         "server": served,
-        "latency_ratio": round(c1["latency_p50_s"] / ref_lat, 4),
+        "latency_ratio": round(c1["latency_p50_s"] / ref_lat, 4) if c1 else None,
         "psnr_min_db": db(min(psnrs)) if psnrs else None,
         "images_equal": bool(psnrs) and min(psnrs) >= PSNR_MIN_DB,
         "label": label,
@@ -375,10 +375,10 @@ def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
         "device": device,
         "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
         # measured alternately with the server's c1 requests where it could be
-        "reference_bs1_latency_s": eager["server"]["c1"].get(
-            "reference_interleaved_latency_p50_s", round(eager["reference"]["bs1_latency_s"], 4)
-        ),
-        "server_c1_latency_p50_s": eager["server"]["c1"]["latency_p50_s"],
+        "reference_bs1_latency_s": eager["server"]
+        .get("c1", {})
+        .get("reference_interleaved_latency_p50_s", round(eager["reference"]["bs1_latency_s"], 4)),
+        "server_c1_latency_p50_s": eager["server"].get("c1", {}).get("latency_p50_s"),
         "latency_ratio_same_compile_setting": {k: s["latency_ratio"] for k, s in settings.items()},
         "reference_best_img_s": best_ref,
         "server_c32_img_s": best_c32["server"].get("c32", {}).get("img_s"),
