@@ -50,6 +50,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
         "--warmup-size=768x512",
         "--batch-buckets=1,8,32",
         "--batch-wait=0.2",
+        "--no-batched-cfg",
     )
     overrides = cfg.stage_overrides(args)
     (pipeline,) = catalog.resolve("sd15", **overrides)
@@ -57,6 +58,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
     assert (stage.compile, stage.compile_mode) == (True, "max-autotune")
     assert stage.attention == "xformers"
     assert stage.channels_last == "off" and stage.batch_wait == 0.2
+    assert stage.batched_cfg is False
     assert stage.warmup_sizes == ("512x512", "768x512") and stage.batch_buckets == (1, 8, 32)
     assert stage.options["default_steps"] == 30  # the architecture's own defaults stay
 
@@ -65,6 +67,7 @@ def test_without_speed_flags_nothing_is_overridden():
     assert cfg.stage_overrides(_args()) == {}
     stage = StageConfig(name="d", kind="diffusion")
     assert (stage.compile, stage.attention, stage.channels_last) == (False, "sdpa", "auto")
+    assert stage.batched_cfg is True
 
 
 @pytest.mark.parametrize(
