@@ -47,10 +47,13 @@ def test_sd15_on_cuda_uses_the_fast_kernels_and_batches_match_singles(sd15):
 
 
 def test_xformers_is_used_only_when_its_kernels_run(caplog, sd15):
+    unet = sd15.pipe.unet
+    before = dict(unet.attn_processors)
     with caplog.at_level(logging.WARNING):
         got = accel.set_attention(sd15.pipe, "xformers", torch.device("cuda"), "diffusion")
     problem = accel.xformers_problem(torch.device("cuda"))
     assert got == ("xformers" if problem is None else "sdpa")
-    if problem is not None:
+    if problem is not None:  # the fallback leaves the (fused SDPA) processors as they were
         assert "falling back to PyTorch SDPA" in caplog.text
-    sd15.pipe.unet.set_default_attn_processor()  # leave the module fixture as it was
+        assert all(unet.attn_processors[k] is p for k, p in before.items())
+    unet.set_attn_processor(before)  # leave the module fixture as it was

@@ -155,7 +155,8 @@ def test_channels_last_auto_is_for_a_compiled_unet_on_cuda():
 
     def nhwc(module: torch.nn.Module) -> bool:
         weight = next(p for p in module.parameters() if p.dim() == 4)
-        return weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+        nhwc_only = not weight.is_contiguous()
+        return weight.is_contiguous(memory_format=torch.channels_last) and nhwc_only
 
     cuda = torch.device("cuda")  # only the decision and the layout are checked: no kernel runs
     assert accel.use_channels_last(Conv(), "auto", cuda, compiled=False) is False
