@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -41,3 +42,30 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 60) -> bool
             pass
         time.sleep(0.1)
     return False
+
+
+class Server:
+    """`vllm-omni-like serve ...` as its own process; its log kept for the report."""
+
+    def __init__(self, args: list[str], log_path: str, timeout: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.log.write(f"\n==== serve {' '.join(args)}\n")
+        self.log.flush()
+        cmd = serve_command(args, self.port, tempfile.mkdtemp(prefix="bench-"))
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        if not wait_healthy(self.proc, self.port, timeout):
+            self.stop()
+            raise RuntimeError(f"server did not become healthy; see {log_path}")
+        self.start_s = time.monotonic() - t0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -19,11 +19,8 @@ import asyncio
 import base64
 import io
 import json
-import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,51 +28,11 @@ from typing import Any
 import httpx
 import numpy as np
 import raw_diffusers as ref
+from compare import PSNR_MIN_DB, db, psnr
 from control_plane import pct
 from PIL import Image
-from server_proc import free_port, serve_command, wait_healthy
-
-from vllm_omni_like.media import read_video
-from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
-
-PSNR_MIN_DB = 35.0
-CODEC_TOLERANCE_DB = 0.5  # MP4s: the server's as close to the reference frames as the reference's
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
-def db(value: float) -> float | str:
-    return "inf" if value == math.inf else round(value, 2)
-
-
-class Server:
-    """`vllm-omni-like serve ...` as its own process; its log kept for the report."""
-
-    def __init__(self, args: list[str], log_path: str, timeout: float) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
-        self.log.write(f"\n==== serve {' '.join(args)}\n")
-        self.log.flush()
-        cmd = serve_command(args, self.port, tempfile.mkdtemp(prefix="bench-"))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        if not wait_healthy(self.proc, self.port, timeout):
-            self.stop()
-            raise RuntimeError(f"server did not become healthy; see {log_path}")
-        self.start_s = time.monotonic() - t0
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+from server_proc import Server
+from serving_video import video_bench
 
 
 # ---- images ---------------------------------------------------------------------------------
@@ -284,86 +241,6 @@ def image_setting(
     finally:
         pipe = None  # the reference's GPU memory goes back before the next setting
         ref.free()
-
-
-# ---- video ----------------------------------------------------------------------------------
-def video_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Wan's benchmark settings; smaller ones only for a smoke run on a CPU."""
-    opts = dict(ARCH_OPTIONS["wan2.1-t2v-1.3b"])
-    if args.video_size:
-        opts["default_width"], opts["default_height"] = map(int, args.video_size.split("x"))
-    if args.video_frames:
-        opts["default_frames"] = args.video_frames
-    if args.video_steps:
-        opts["default_steps"] = args.video_steps
-    return opts
-
-
-def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float]:
-    opts = video_options(args)
-    flags = ["wan2.1-t2v-1.3b", "--load-format", "dummy", "--dtype", args.video_dtype]
-    flags += args.video_server_flags.split()
-    server = Server(flags, log, 1800)
-    body = {
-        "prompt": ref.PROMPT,
-        "size": f"{opts['default_width']}x{opts['default_height']}",
-        "num_frames": opts["default_frames"],
-        "fps": 16,
-        "seed": 0,
-        "num_inference_steps": opts["default_steps"],
-        "guidance_scale": opts["default_guidance"],
-    }
-    times, mp4 = [], b""
-    try:
-        with httpx.Client(base_url=server.url, timeout=900) as http:
-            for run in range(1 + args.video_runs):  # the first one warms up
-                t0 = time.perf_counter()
-                job = http.post("/v1/videos", json=body).json()
-                while job["status"] in ("queued", "in_progress"):
-                    time.sleep(0.05)
-                    job = http.get(f"/v1/videos/{job['id']}").json()
-                if job["status"] != "completed":
-                    raise RuntimeError(f"video failed: {job}")
-                mp4 = http.get(f"/v1/videos/{job['id']}/content").content
-                if run:
-                    times.append(time.perf_counter() - t0)
-    finally:
-        server.stop()
-    return float(np.median(times)), mp4, server.start_s
-
-
-def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
-    reference = ref.video_reference(args.video_dtype, args.video_runs, 16, video_options(args))
-    server_s, mp4, _ = serve_video(args, log)
-    paths = []
-    for data in (reference["mp4"], mp4):
-        fd, path = tempfile.mkstemp(suffix=".mp4")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        paths.append(path)
-    a, b = (read_video(p) for p in paths)
-    same_shape = a.shape == b.shape == reference["frames"].shape
-    value = psnr(a, b) if same_shape else -math.inf
-    # H.264 is lossy: frames that differ by a rounding step can encode to MP4s further apart
-    # than 35 dB. So the server's MP4 is also measured against the reference's own frames,
-    # next to the reference's MP4 against the same frames (what the codec itself loses).
-    codec = psnr(a, reference["frames"]) if same_shape else -math.inf
-    server = psnr(b, reference["frames"]) if same_shape else -math.inf
-    return {
-        "device": ref.device_name(),
-        "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
-        "settings": {**reference["settings"], "dtype": args.video_dtype, "fps": 16},
-        "server_flags": args.video_server_flags,
-        "reference_s": round(reference["seconds"], 3),
-        "server_s": round(server_s, 3),
-        "ratio": round(server_s / reference["seconds"], 4),
-        "psnr_db": db(value),
-        "psnr_reference_mp4_vs_reference_frames_db": db(codec),
-        "psnr_server_mp4_vs_reference_frames_db": db(server),
-        "reference_repeatable": reference["repeatable"],
-        "videos_equal": value >= PSNR_MIN_DB or server >= codec - CODEC_TOLERANCE_DB,
-        "frames": list(a.shape),
-    }
 
 
 # ---- report ---------------------------------------------------------------------------------
