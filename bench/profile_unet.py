@@ -22,7 +22,6 @@ Writes profile-<device>.json.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -32,12 +31,9 @@ from typing import Any
 
 import raw_diffusers as ref
 import torch
-from PIL import Image
 
-from vllm_omni_like.media import PNG_COMPRESS_LEVEL
-from vllm_omni_like.pipelines.catalog import arch_path
 from vllm_omni_like.stages.acceleration import compile_denoiser
-from vllm_omni_like.stages.torch_utils import dummy_pipeline, tensor_to_uint8
+from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
@@ -162,9 +158,9 @@ def configure(pipe: Any, tokens: set[str], state: dict[str, Any]) -> None:
         else None
     )
     if mode:
-        compile_denoiser(pipe, mode, "inductor")
-        if "vae" in tokens:
-            pipe.vae.decoder = torch.compile(pipe.vae.decoder, dynamic=False)
+        compile_denoiser(pipe, mode, "inductor")  # the server's: the UNet and the VAE decoder
+        if "vae" not in tokens:  # the UNet alone
+            pipe.vae.decoder = pipe.vae.decoder._orig_mod
 
 
 def measure(
@@ -210,7 +206,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = dummy_pipeline(arch_path("sd15"), device, ref.DTYPES[args.dtype]).to(device)
+    pipe = ref.build("sd15", args.dtype, device.type)
     with torch.inference_mode():
         flop = {
             "unet_row": flops(unet_call(pipe, 2, args.size, None)) / 2,
@@ -260,11 +256,10 @@ def main() -> None:
 
 
 def png_ms(pixels: Any) -> float:
-    buf = io.BytesIO()
+    """CPU time of one PNG as both sides encode it (the reference's `png`)."""
     t0 = time.perf_counter()
     for _ in range(5):
-        buf.seek(0)
-        Image.fromarray(pixels).save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+        ref.png(pixels)
     return round((time.perf_counter() - t0) / 5 * 1000, 1)
 
 
