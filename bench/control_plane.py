@@ -17,24 +17,11 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
-from server_proc import free_port, serve_command, wait_healthy
-
-
-def start(port: int, storage: str) -> subprocess.Popen:
-    args = ["null-image", "--max-batch-size", "64", "--max-queue-size", "10000"]
-    proc = subprocess.Popen(
-        serve_command(args, port, storage), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    if not wait_healthy(proc, port):
-        proc.kill()
-        raise RuntimeError("server did not start")
-    return proc
+from server_proc import Server
 
 
 async def drive(url: str, total: int, concurrency: int) -> tuple[list[float], float]:
@@ -71,17 +58,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs; the median counts")
     ap.add_argument("--out", default="bench/results/control_plane-cpu.json")
     args = ap.parse_args()
-    port = free_port()
-    proc = start(port, tempfile.mkdtemp(prefix="cp-"))
+    server = Server(
+        ["null-image", "--max-batch-size", "64", "--max-queue-size", "10000"], os.devnull, 60
+    )
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = server.url
         runs = [
             asyncio.run(drive(url, args.requests, args.concurrency)) for _ in range(args.repeats)
         ]
         serial, _ = asyncio.run(drive(url, 300, 1))  # one at a time: the added latency
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     rates = [args.requests / wall for _, wall in runs]
     report = {
         "device": "cpu",
