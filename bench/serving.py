@@ -48,6 +48,17 @@ def image_body(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     }
 
 
+def check_ok(r: httpx.Response) -> None:
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+
+
+def first_image(r: httpx.Response) -> np.ndarray:
+    """The response's first image, decoded to RGB pixels."""
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
 async def closed_loop(
     url: str, args: argparse.Namespace, concurrency: int, total: int, keep: int
 ) -> tuple[list[float], float, dict[int, np.ndarray]]:
@@ -61,11 +72,9 @@ async def closed_loop(
             t0 = time.perf_counter()
             r = await http.post("/v1/images/generations", json=image_body(args, seed))
             latencies.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            check_ok(r)
             if seed < keep:
-                png = base64.b64decode(r.json()["data"][0]["b64_json"])
-                kept[seed] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+                kept[seed] = first_image(r)
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
@@ -149,11 +158,9 @@ def interleaved(
             r = http.post("/v1/images/generations", json=image_body(args, seed))
             lat.append(time.perf_counter() - t0)
             busy += lat[-1]
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            check_ok(r)
             if seed < args.keep:
-                png = base64.b64decode(r.json()["data"][0]["b64_json"])
-                kept[seed] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+                kept[seed] = first_image(r)
     return lat, busy, kept, ref_lat
 
 
@@ -185,6 +192,12 @@ def load_reference(args: argparse.Namespace, label: str) -> dict[str, Any]:
     return reference
 
 
+def reference_latency(reference: dict[str, Any], c1: dict[str, Any]) -> float:
+    """The reference's batch-1 latency: the one measured alternately with the server's c1
+    requests where there is one, else the reference's own run."""
+    return c1.get("reference_interleaved_latency_p50_s", reference["bs1_latency_s"])
+
+
 def summarize(
     reference: dict[str, Any],
     served: dict[str, Any],
@@ -192,8 +205,7 @@ def summarize(
     label: str,
 ) -> dict[str, Any]:
     served = {k: dict(v) if isinstance(v, dict) else v for k, v in served.items()}
-    c1 = served.get("c1", {})  # the interleaved reference latency, where there is one
-    ref_lat = c1.get("reference_interleaved_latency_p50_s", reference["bs1_latency_s"])
+    c1 = served.get("c1", {})
     psnrs = []
     for level, kept in images.items():
         values = [psnr(img, reference["images"][s]) for s, img in kept.items()]
@@ -202,7 +214,9 @@ def summarize(
     return {
         "reference": {k: v for k, v in reference.items() if k != "images"},
         "server": served,
-        "latency_ratio": round(c1["latency_p50_s"] / ref_lat, 4) if c1 else None,
+        "latency_ratio": (
+            round(c1["latency_p50_s"] / reference_latency(reference, c1), 4) if c1 else None
+        ),
         "psnr_min_db": db(min(psnrs)) if psnrs else None,
         "images_equal": bool(psnrs) and min(psnrs) >= PSNR_MIN_DB,
         "label": label,
@@ -246,16 +260,14 @@ def image_setting(
 # ---- report ---------------------------------------------------------------------------------
 def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
     eager = settings.get("eager") or next(iter(settings.values()))
+    eager_c1 = eager["server"].get("c1", {})
     best_ref = max(max(s["reference"]["img_s"].values()) for s in settings.values())
     best_c32 = max(settings.values(), key=lambda s: s["server"].get("c32", {}).get("img_s", 0))
     return {
         "device": device,
         "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
-        # measured alternately with the server's c1 requests where it could be
-        "reference_bs1_latency_s": eager["server"]
-        .get("c1", {})
-        .get("reference_interleaved_latency_p50_s", round(eager["reference"]["bs1_latency_s"], 4)),
-        "server_c1_latency_p50_s": eager["server"].get("c1", {}).get("latency_p50_s"),
+        "reference_bs1_latency_s": round(reference_latency(eager["reference"], eager_c1), 4),
+        "server_c1_latency_p50_s": eager_c1.get("latency_p50_s"),
         "latency_ratio_same_compile_setting": {k: s["latency_ratio"] for k, s in settings.items()},
         "reference_best_img_s": best_ref,
         "server_c32_img_s": best_c32["server"].get("c32", {}).get("img_s"),
