@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 from vllm_omni_like.messages import StageRequest
-from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.null import NullStage
 
 
 class DeviceErrorStage(NullStage):
     """Fails like a broken GPU when a prompt says 'device-error', OOMs on 'oom-always'."""
 
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         if any("device-error" in r.prompt for r in batch):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return super().execute(batch, control)
+        return super().begin(batch, control)
 
 
 class CountingStage(NullStage):
-    """Counts execute calls (for bisection cost) and fails batches holding a '@bad' prompt."""
+    """Counts begin calls (for bisection cost) and fails batches holding a '@bad' prompt."""
 
     calls: list[int] = []
 
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         type(self).calls.append(len(batch))
         if any("@bad" in r.prompt for r in batch):
             raise ValueError("bad input in batch")
         if any("@oom" in r.prompt for r in batch):
             raise MemoryError("simulated out of memory")
-        return super().execute(batch, control)
+        return super().begin(batch, control)

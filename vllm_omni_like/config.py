@@ -103,6 +103,9 @@ class StageConfig:
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
+    # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
+    # the next batch denoises
+    decode_overlap: bool = True
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -207,6 +210,7 @@ STAGE_FLAGS = (
     "warmup_sizes",
     "batch_buckets",
     "batched_cfg",
+    "decode_overlap",
 )
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 
@@ -261,6 +265,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="both classifier-free-guidance halves in one forward where a pipeline calls its "
         "denoiser twice a step (Wan); same maths, rounded differently in 16-bit (default on)",
+    )
+    g.add_argument(
+        "--decode-overlap",
+        action=argparse.BooleanOptionalAction,
+        help="decode a batch (VAE, then pixels to the host) on a second thread and CUDA stream "
+        "while the replica already denoises the next queued batch (default on)",
     )
     g.add_argument(
         "--batch-buckets",

@@ -80,6 +80,14 @@ class Progress:
 
 
 @dataclass
+class Denoised:
+    """The batch left the critical path: its rest (decode) runs beside the next batch, whose
+    ExecuteBatch the worker may take now; its results and BatchDone follow."""
+
+    batch_id: int
+
+
+@dataclass
 class RequestResult:
     batch_id: int
     output: StageOutput
@@ -167,4 +175,4 @@ class StopOrchestrator:
     pass
 
 
-WorkerMessage = WorkerReady | WorkerLoadFailed | Progress | RequestResult | BatchDone
+WorkerMessage = WorkerReady | WorkerLoadFailed | Progress | Denoised | RequestResult | BatchDone

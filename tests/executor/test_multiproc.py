@@ -18,7 +18,14 @@ from tests.conftest import drain_batch, wait_until
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import MultiprocExecutor
-from vllm_omni_like.messages import BatchDone, ExecuteBatch, Progress, RequestResult, StageRequest
+from vllm_omni_like.messages import (
+    BatchDone,
+    Denoised,
+    ExecuteBatch,
+    Progress,
+    RequestResult,
+    StageRequest,
+)
 from vllm_omni_like.params import GenerationParams
 
 FAULTS = (
@@ -58,6 +65,58 @@ def test_batch_runs_end_to_end_with_progress(executor):
     done = msgs[-1]
     assert isinstance(done, BatchDone) and done.batch_size == 2 and done.model_batch_dim == 2
     assert ex.in_flight == set()
+
+
+def test_the_next_batch_denoises_while_the_last_one_decodes(no_leaked_children):
+    """Denoised(k) frees the main thread; batch k's results and BatchDone come from the finisher
+    while batch k+1 steps; one batch is finished at a time."""
+    sink: queue.Queue = queue.Queue()
+    config = StageConfig(name="diffusion", kind="null", options={"decode_delay": 0.6})
+    ex = MultiprocExecutor(config, 0, sink.put)
+    ex.start()
+    try:
+        ex.execute(ExecuteBatch(1, [_req("a", steps=2, delay=0.05)]))
+        ex.execute(ExecuteBatch(2, [_req("b", steps=3, delay=0.05)]))
+        msgs = drain_batch(sink, 2, timeout=10)
+        order = [(type(m).__name__, getattr(m, "batch_id", None)) for m in msgs]
+        at = order.index
+        assert at(("Denoised", 1)) < at(("Progress", 2)) < at(("RequestResult", 1))
+        assert at(("RequestResult", 1)) < at(("BatchDone", 1)) < at(("Denoised", 2))
+        assert at(("Denoised", 2)) < at(("RequestResult", 2)) < at(("BatchDone", 2))
+        # batch 2's three steps all ran during batch 1's 0.6 s decode
+        steps_2 = [m for m in msgs if isinstance(m, Progress) and m.batch_id == 2]
+        assert all(msgs.index(m) < at(("BatchDone", 1)) for m in steps_2) and len(steps_2) == 3
+        assert set(_results(msgs)) == {"a", "b"} and ex.in_flight == set()
+        assert sum(isinstance(m, Denoised) for m in msgs) == 2
+    finally:
+        ex.shutdown()
+
+
+def test_a_death_while_decoding_fails_both_batches_in_flight(no_leaked_children):
+    sink: queue.Queue = queue.Queue()
+    faults = (FaultRule("diffusion", "output", "exit", match="@exit"),)
+    config = StageConfig(name="diffusion", kind="null", options={"decode_delay": 0.2})
+    ex = MultiprocExecutor(config, 0, sink.put, faults)
+    deaths = []
+    ex.add_failure_callback(deaths.append)
+    ex.start()
+    try:
+        ex.execute(ExecuteBatch(1, [_req("a", "x @exit", steps=1)]))
+        ex.execute(ExecuteBatch(2, [_req("b", steps=50, delay=0.05)]))
+        assert wait_until(lambda: deaths, 10)
+        msgs = []
+        while not sink.empty():
+            msgs.append(sink.get())
+        res = _results(msgs)
+        # a's decode killed the worker while b was denoising: both fail, each once
+        assert set(res) == {"a", "b"}
+        assert all(o.error.error_class == "EngineDeadError" for o in res.values())
+        assert sorted(deaths[0].in_flight) == ["a", "b"] and "exited with code 86" in (
+            deaths[0].exit_desc
+        )
+        assert ex.in_flight == set()
+    finally:
+        ex.shutdown()
 
 
 def test_recoverable_fault_fails_only_its_own_request(executor):

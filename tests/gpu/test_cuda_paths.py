@@ -57,3 +57,28 @@ def test_xformers_is_used_only_when_its_kernels_run(caplog, sd15):
         assert "falling back to PyTorch SDPA" in caplog.text
         assert all(unet.attn_processors[k] is p for k, p in before.items())
     unet.set_attn_processor(before)  # leave the module fixture as it was
+
+
+def test_the_decode_on_the_side_stream_equals_the_pipelines_own(sd15):
+    """`begin` leaves the latents on the main stream; `finish` decodes them on the side stream,
+    from another thread (as the worker's finisher does) while the main stream runs on."""
+    import threading
+
+    assert sd15.side_stream is not None and sd15.defers_finish
+    control = StageControl(FaultInjector((), "diffusion"))
+    reqs = [
+        StageRequest(f"s{s}", "a red circle", GenerationParams(seed=s, num_inference_steps=3))
+        for s in (4, 5)
+    ]
+    whole = [o.images[0].pixels for o in sd15.execute(reqs, control)]
+    part = sd15.begin(reqs, control)
+    got: list = []
+    finisher = threading.Thread(target=lambda: got.extend(part.finish(reqs)))
+    finisher.start()
+    busy = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    for _ in range(20):  # the main stream keeps working meanwhile
+        busy = (busy @ busy).clamp(-1, 1)
+    finisher.join(60)
+    torch.cuda.synchronize()
+    for want, out in zip(whole, got, strict=True):
+        assert np.array_equal(want, out.images[0].pixels)

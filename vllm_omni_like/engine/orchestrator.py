@@ -26,6 +26,7 @@ from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import (
     Abort,
     BatchDone,
+    Denoised,
     FromReplica,
     OmniRequest,
     Progress,
@@ -269,6 +270,8 @@ class Orchestrator:
                 self.recent_steps.extend(
                     (rid, pool.name, n, after.get(rid)) for rid, n in steps.items()
                 )
+            case Denoised(batch_id=bid):
+                pool.denoised(replica, bid)
             case Progress(request_ids=ids, step=step, total=total, previews=previews):
                 for rid in ids:
                     state = self.requests.get(rid)

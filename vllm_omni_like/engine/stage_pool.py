@@ -48,6 +48,12 @@ class Replica:
     # after a batch: wait (briefly) for that many requests - its clients coming back
     refill_target: int = 0
     refill_until: float = 0.0
+    # the batch whose rest (decode) runs beside `batch`, after its Denoised and until its
+    # BatchDone; its requests still belong to this replica
+    finishing_id: int | None = None
+    finishing: list[RequestState] = field(default_factory=list)
+    finishing_started: float = 0.0  # when it was dispatched
+    finishing_since: float = 0.0  # when it left the critical path
 
     @property
     def live(self) -> bool:
@@ -221,21 +227,37 @@ class StagePool:
             return False
         return True
 
+    def denoised(self, replica_index: int, batch_id: int) -> None:
+        """The replica's batch left the critical path: the replica may take the next one now."""
+        replica = self.replicas[replica_index]
+        if replica.batch_id == batch_id:
+            replica.finishing_id, replica.finishing = batch_id, replica.batch
+            replica.finishing_started = replica.busy_since
+            replica.finishing_since = time.monotonic()
+            replica.batch_id, replica.batch = None, []
+
     def batch_done(self, replica_index: int, batch_id: int) -> None:
         replica = self.replicas[replica_index]
         if replica.batch_id == batch_id:
-            now = time.monotonic()
-            # its clients, and those already waiting (answered by an earlier batch)
-            expected = len(replica.batch) + len(self.waiting)
-            replica.refill_target = min(expected, self.config.max_batch_size)
-            replica.refill_until = now + self.config.batch_wait * (now - replica.busy_since)
+            size, started = len(replica.batch), replica.busy_since
             replica.batch_id, replica.batch = None, []
+        elif replica.finishing_id == batch_id:
+            size, started = len(replica.finishing), replica.finishing_started
+            replica.finishing_id, replica.finishing = None, []
+            if replica.batch_id is not None:
+                return  # busy with the next batch already: nothing to wait for
+        else:
+            return
+        now = time.monotonic()
+        # its clients, and those already waiting (answered by an earlier batch)
+        replica.refill_target = min(size + len(self.waiting), self.config.max_batch_size)
+        replica.refill_until = now + self.config.batch_wait * (now - started)
 
     def abort_running(self, state: RequestState) -> None:
         if state.replica is None:
             return
         replica = self.replicas[state.replica]
-        if replica.executor is not None and state in replica.batch:
+        if replica.executor is not None and (state in replica.batch or state in replica.finishing):
             replica.executor.abort([state.request_id])
 
     # ---- failures -------------------------------------------------------------------------------
@@ -243,6 +265,7 @@ class StagePool:
         """The replica's executor died: free it, schedule a restart if any is left."""
         replica = self.replicas[replica_index]
         replica.batch, replica.batch_id = [], None
+        replica.finishing, replica.finishing_id = [], None
         if time.monotonic() - replica.started_at > STABLE_RUN_S:
             replica.backoff = 0
         if replica.executor is not None:
@@ -296,11 +319,17 @@ class StagePool:
             self._restart(replica)
 
     def check_stalls(self, now: float) -> None:
-        """Kill a busy replica that reports no progress for `stall_timeout`: a death follows."""
+        """Kill a replica whose running batch reports no progress for `stall_timeout`, or whose
+        finishing batch (its decode) is not done that long after it left the critical path: a
+        death follows, failing or re-routing both batches."""
         for r in self.replicas:
-            if r.batch_id is None or r.executor is None or r.stall_killed:
+            if r.executor is None or r.stall_killed:
                 continue
-            quiet = now - max(r.busy_since, r.executor.last_activity)
+            quiet = 0.0
+            if r.batch_id is not None:
+                quiet = now - max(r.busy_since, r.executor.last_activity)
+            if r.finishing_id is not None:
+                quiet = max(quiet, now - r.finishing_since)
             if quiet > self.config.stall_timeout:
                 logger.error(
                     "stage %s replica %d: no progress for %.1fs, killing it",

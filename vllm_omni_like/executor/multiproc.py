@@ -20,6 +20,7 @@ from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,
     BatchDone,
+    Denoised,
     ExecuteBatch,
     Progress,
     ReplicaDied,
@@ -240,7 +241,7 @@ class MultiprocExecutor(Executor):
                     with self._lock:
                         self._inflight.pop(bid, None)
                     self.sink(msg)
-                case Progress():
+                case Progress() | Denoised():
                     self.sink(msg)
 
     def _monitor_forever(self) -> None:

@@ -1,4 +1,9 @@
-"""Worker process main: load the stage once, then run batches until told to stop."""
+"""Worker process main: load the stage once, then run batches until told to stop.
+
+Threads: the main thread runs batches; the receiver applies aborts at once; the finisher runs
+the deferred rest of a batch (a diffusion stage's VAE decode) while the main thread already
+denoises the next one.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, InvalidRequestError, classify
@@ -19,6 +26,7 @@ from vllm_omni_like.executor import transport
 from vllm_omni_like.messages import (
     AbortRequests,
     BatchDone,
+    Denoised,
     ExecuteBatch,
     Progress,
     RequestResult,
@@ -27,14 +35,20 @@ from vllm_omni_like.messages import (
     WorkerReady,
 )
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.stages.base import Stage, StageControl, create_stage
+from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.isolation import FatalStageError, run_isolated
+from vllm_omni_like.stages.isolation import (
+    FatalStageError,
+    begin_isolated,
+    finish_isolated,
+    run_isolated,
+)
 
 logger = logging.getLogger("vllm_omni_like.worker")
 
 PARENT_POLL_S = 0.2
 EXIT_FATAL = 3
+T = TypeVar("T")
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -43,6 +57,17 @@ def _watch_parent(parent_pid: int) -> None:
         if os.getppid() != parent_pid:
             os._exit(0)
         time.sleep(PARENT_POLL_S)
+
+
+@dataclass
+class _Job:
+    """One batch in this worker: begun on the main thread, maybe finished on the finisher."""
+
+    batch_id: int
+    ids: list[str]
+    started: float
+    model_batch: int = 0
+    parts: list[Deferred | StageOutput] = field(default_factory=list)
 
 
 class _Worker:
@@ -64,6 +89,10 @@ class _Worker:
         self.batch_id = -1
         self.control = StageControl(FaultInjector(faults, config.name), self._progress)
         self.stage: Stage | None = None
+        self.name = config.name
+        # batches whose rest runs on the finisher thread; at most one at a time
+        self.finishing: queue.Queue[_Job] = queue.Queue()
+        self.finisher_free = threading.Semaphore(1)
 
     def send(self, msg: object) -> None:
         transport.send(self.conn, msg, self.send_lock)
@@ -105,13 +134,13 @@ class _Worker:
                 case ExecuteBatch() as batch:
                     self.run_batch(batch)
                 case Shutdown():
+                    self.finisher_free.acquire()  # let the batch being finished go out first
                     return
 
     def run_batch(self, batch: ExecuteBatch) -> None:
         assert self.stage is not None
-        started = time.monotonic()
+        job = _Job(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
         self.batch_id = batch.batch_id
-        ids = [r.request_id for r in batch.requests]
         self.control.max_model_batch = 0
         valid = []
         for req in batch.requests:
@@ -119,29 +148,56 @@ class _Worker:
                 self.stage.validate(req)
                 valid.append(req)
             except InvalidRequestError as exc:
-                self._result(
-                    batch.batch_id, StageOutput.from_error(req.request_id, exc, self.stage.name)
-                )
+                self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
+        if not self.stage.defers_finish:
+            outputs = self._guard(run_isolated, self.stage, valid, self.control)
+            job.model_batch = self.control.max_model_batch
+            self._complete(job, outputs)
+            return
+        job.parts = self._guard(begin_isolated, self.stage, valid, self.control)
+        job.model_batch = self.control.max_model_batch
+        # one batch at a time is finished: wait for the one before, then say this one may be
+        # followed (its decode runs beside the next batch's denoising)
+        self.finisher_free.acquire()
+        if self.reports:
+            self.send(Denoised(job.batch_id))
+        self.finishing.put(job)
+
+    def finish_forever(self) -> None:
+        """The finisher thread: the deferred rest of each batch, then its results."""
+        assert self.stage is not None
+        while True:
+            job = self.finishing.get()
+            outputs: list[StageOutput] = []
+            for part in job.parts:
+                if isinstance(part, StageOutput):
+                    outputs.append(part)
+                else:
+                    outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
+            self._complete(job, outputs)
+            self.finisher_free.release()
+
+    def _guard(self, run: Callable[..., T], *args: Any) -> T:
         try:
-            outputs = run_isolated(self.stage, valid, self.control)
+            return run(*args)
         except FatalStageError as exc:
-            logger.error("stage %s: fatal device error, worker exits: %s", self.stage.name, exc)
+            logger.error("stage %s: fatal device error, worker exits: %s", self.name, exc)
             sys.stderr.flush()
             os._exit(EXIT_FATAL)
+
+    def _complete(self, job: _Job, outputs: list[StageOutput]) -> None:
+        """The batch's results (not the aborted ones), then its BatchDone."""
         for out in outputs:
             out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
             if not self.control.is_aborted(out.request_id):
-                self._result(batch.batch_id, out)
+                self._result(job.batch_id, out)
         if self.reports:
-            elapsed = time.monotonic() - started
-            steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
-            after = self.control.steps_after_abort(ids)
-            self.send(
-                BatchDone(
-                    batch.batch_id, len(ids), self.control.max_model_batch, elapsed, steps, after
-                )
-            )
-        self.control.forget(ids)
+            elapsed = time.monotonic() - job.started
+            steps = {rid: self.control.steps_run.get(rid, 0) for rid in job.ids}
+            after = self.control.steps_after_abort(job.ids)
+            done = BatchDone(job.batch_id, len(job.ids), job.model_batch, elapsed, steps, after)
+            self.send(done)
+        self.control.forget(job.ids)
 
     def _result(self, batch_id: int, out: StageOutput) -> None:
         if self.reports:
@@ -166,6 +222,7 @@ def worker_main(
     if not worker.load():
         sys.exit(1)
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()
+    threading.Thread(target=worker.finish_forever, daemon=True, name="finisher").start()
     worker.run_forever()
     if worker.stage is not None:
         worker.stage.close()

@@ -6,6 +6,7 @@ import importlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_like.config import StageConfig
@@ -103,12 +104,31 @@ class StageControl:
         self.max_model_batch = max(self.max_model_batch, size)
 
 
+@dataclass
+class Deferred:
+    """A batch whose critical-path part ran (a diffusion stage: the denoising loop).
+
+    `finish(requests)` completes any in-order subset of `requests` (a diffusion stage: the VAE
+    decode and the conversion to uint8 pixels) and returns their outputs. The worker calls it on
+    its finisher thread while the next batch runs, and on halves of the subset when it raises
+    (isolation), so it must not consume what it finishes.
+    """
+
+    requests: list[StageRequest]
+    finish: Callable[[list[StageRequest]], list[StageOutput]]
+
+
 class Stage(ABC):
     """A model that runs batches of requests inside a worker process."""
 
     def __init__(self, config: StageConfig) -> None:
         self.config = config
         self.name = config.name
+
+    @property
+    def defers_finish(self) -> bool:
+        """Whether the worker runs `begin` and the `finish` of its result apart (overlapped)."""
+        return False
 
     @abstractmethod
     def load(self, device: str) -> None:
@@ -120,6 +140,16 @@ class Stage(ABC):
     @abstractmethod
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         """Run one batch; return one output per request, in order."""
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        """Run the part of `batch` that the next batch must wait for; the rest is deferred.
+
+        The default runs all of it: its outputs are only handed out by `finish`.
+        """
+        done = {out.request_id: out for out in self.execute(batch, control)}
+        return Deferred(
+            batch, lambda requests: [done[r.request_id] for r in requests if r.request_id in done]
+        )
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what `load` took."""

@@ -19,9 +19,10 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import edits
-from vllm_omni_like.stages.base import Stage, StageControl
+from vllm_omni_like.stages import edits, latent_decode
+from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -106,6 +107,8 @@ class DiffusionStage(Stage):
         model = getattr(pipe, accel.denoiser_name(pipe))
         self.probe.attach(self.cfg.model if self.cfg is not None else model)
         self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
+        # the decode of a deferred batch runs here, beside the next batch's steps
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if cfg.compile:
             self._warm_up()
 
@@ -202,42 +205,72 @@ class DiffusionStage(Stage):
                 stage=self.name,
                 param="num_frames",
             )
-        self._check_prompt_length(request)
-
-    def _check_prompt_length(self, request: StageRequest) -> None:
-        if self.tokenizer is None or request.truncate_prompt:
-            return
-        limit = self.tokenizer.model_max_length
-        for text, param in (
-            (request.prompt, "prompt"),
-            (request.params.negative_prompt or "", "negative_prompt"),
-        ):
-            count = len(self.tokenizer(text).input_ids)
-            if count > limit:
-                raise InvalidRequestError(
-                    f"{param} is {count} tokens long; the text encoder takes at most {limit}",
-                    stage=self.name,
-                    param=param,
-                    code="prompt_too_long",
-                )
+        check_prompt_length(self.tokenizer, request, self.name)
 
     # 3. execute -----------------------------------------------------------------------------------
+    @property
+    def defers_finish(self) -> bool:
+        return self.config.decode_overlap
+
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        """The whole batch in one pipeline call, decode included."""
+        pipe, kwargs, rows, seeds = self._prepare(batch, control)
+        result = self._denoise(pipe, kwargs, control)
+        with torch.inference_mode():
+            pixels = tensor_to_uint8(self._media(result)[:rows])
+        return self._split(batch, pixels, seeds)
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        """The denoising loop; the returned part decodes (on the side stream) when finished."""
+        pipe, kwargs, rows, seeds = self._prepare(batch, control)
+        decoder = latent_decode.decoder_for(pipe)
+        if decoder is not None:
+            kwargs["output_type"] = "latent"
+        media = self._media(self._denoise(pipe, kwargs, control))
+        if decoder is None:  # a pipeline we cannot decode for: it did, in the call
+            with torch.inference_mode():
+                pixels = tensor_to_uint8(media[:rows])
+            decode = pixels.__getitem__
+        else:
+            decode = latent_decode.PendingDecode(decoder, media, self.side_stream, self.buckets)
+        first_row, k = {}, 0
+        for r in batch:
+            first_row[r.request_id] = k
+            k += self._rows(r)
+
+        def finish(requests: list[StageRequest]) -> list[StageOutput]:
+            picked = [
+                i
+                for r in requests
+                for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
+            ]
+            return self._split(requests, decode(picked), [seeds[i] for i in picked])
+
+        return Deferred(batch, finish)
+
+    def _rows(self, request: StageRequest) -> int:
+        return 1 if self.is_video else request.params.n
+
+    def _media(self, result: Any) -> torch.Tensor:
+        return result.frames if self.is_video else result.images
+
+    def _prepare(
+        self, batch: list[StageRequest], control: StageControl
+    ) -> tuple[Any, dict[str, Any], int, list[int]]:
+        """The pipeline and its call for `batch`, the number of real rows and their seeds."""
         control.faults.fire("execute", batch)
         first = batch[0]
         p = first.params
         prompts, negatives, generators, seeds = [], [], [], []
         for r in batch:
-            count = 1 if self.is_video else r.params.n
             base = r.params.seed if r.params.seed is not None else random.randrange(2**31)
-            for i in range(count):
+            for i in range(self._rows(r)):
                 prompts.append(r.prompt)
                 negatives.append(r.params.negative_prompt or "")
                 seeds.append(base + i)
                 generators.append(torch.Generator(device=self.device).manual_seed(base + i))
         if self.tokenizer is not None and any(r.truncate_prompt for r in batch):
-            limit = self.tokenizer.model_max_length
-            prompts = [self._truncate(t, limit) for t in prompts]
+            prompts = [truncate_prompt(self.tokenizer, t, self.name) for t in prompts]
         rows = len(prompts)
         # a compiled denoiser runs only the shapes it was warmed up for: pad to the bucket
         for _ in range(accel.bucket_for(rows, self.buckets) - rows if self.buckets else 0):
@@ -256,13 +289,13 @@ class DiffusionStage(Stage):
         kwargs.setdefault("height", p.height or self.default_height)
         kwargs.setdefault("width", p.width or self.default_width)
         kwargs["callback_on_step_end"] = self._callback(batch, control)
+        return pipe, kwargs, rows, seeds
+
+    def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
         self.probe.reset()
         result = self._run(pipe, kwargs)
-        with torch.inference_mode():
-            media = result.frames if self.is_video else result.images
-            pixels = tensor_to_uint8(media[:rows])
         control.saw_model_batch(self.probe.max_seen)
-        return self._split(batch, pixels, seeds)
+        return result
 
     def _run(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
         """One pipeline call; with CFG on a two-call pipeline, both halves in one forward."""
@@ -316,16 +349,6 @@ class DiffusionStage(Stage):
                 self.tokenizer.model_max_length if self.tokenizer is not None else 512
             )
         return kwargs
-
-    def _truncate(self, text: str, limit: int) -> str:
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        special = len(self.tokenizer("").input_ids)
-        if len(ids) + special <= limit:
-            return text
-        logger.warning(
-            "stage %s: prompt of %d tokens truncated to %d", self.name, len(ids) + special, limit
-        )
-        return self.tokenizer.decode(ids[: limit - special])
 
     def _callback(self, batch: list[StageRequest], control: StageControl):
         def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:

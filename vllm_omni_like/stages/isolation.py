@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from vllm_omni_like.errors import EngineGenerateError, InvalidRequestError, OmniError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.stages.base import Stage, StageAborted, StageControl
+from vllm_omni_like.stages.base import Deferred, Stage, StageAborted, StageControl
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class FatalStageError(Exception):
@@ -42,17 +45,19 @@ def _as_request_error(exc: BaseException, stage: str) -> OmniError:
     return EngineGenerateError(f"{type(exc).__name__}: {exc}", stage=stage)
 
 
-def run_isolated(
-    stage: Stage, batch: list[StageRequest], control: StageControl
-) -> list[StageOutput]:
-    """Run `batch`; on failure re-run halves, so only the culprit gets the error (O(log B))."""
+def _bisect(
+    stage: str,
+    batch: list[StageRequest],
+    control: StageControl,
+    run: Callable[[list[StageRequest]], list[T]],
+) -> list[T | StageOutput]:
+    """`run(live)` over the live requests of `batch`; on failure re-run halves, so only the
+    culprit gets the error (O(log B) extra calls); a fatal device error raises FatalStageError."""
     live = control.live(batch)
     if not live:
         return []
     try:
-        outputs = stage.execute(live, control)
-        control.faults.fire("output", live)
-        return outputs
+        return run(live)
     except StageAborted:
         return []
     except Exception as exc:
@@ -62,14 +67,41 @@ def run_isolated(
             free_device_cache()
         if len(live) == 1:
             if not isinstance(exc, InvalidRequestError):
-                logger.warning(
-                    "stage %s: request %s failed: %r", stage.name, live[0].request_id, exc
-                )
+                logger.warning("stage %s: request %s failed: %r", stage, live[0].request_id, exc)
             return [
-                StageOutput.from_error(
-                    live[0].request_id, _as_request_error(exc, stage.name), stage.name
-                )
+                StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage), stage)
             ]
-        logger.info("stage %s: batch of %d raised %r; bisecting", stage.name, len(live), exc)
+        logger.info("stage %s: batch of %d raised %r; bisecting", stage, len(live), exc)
         mid = len(live) // 2
-        return run_isolated(stage, live[:mid], control) + run_isolated(stage, live[mid:], control)
+        return _bisect(stage, live[:mid], control, run) + _bisect(stage, live[mid:], control, run)
+
+
+def run_isolated(
+    stage: Stage, batch: list[StageRequest], control: StageControl
+) -> list[StageOutput]:
+    """Run `batch` whole (`execute`), each failure confined to the request that caused it."""
+
+    def run(live: list[StageRequest]) -> list[StageOutput]:
+        outputs = stage.execute(live, control)
+        control.faults.fire("output", live)
+        return outputs
+
+    return _bisect(stage.name, batch, control, run)
+
+
+def begin_isolated(
+    stage: Stage, batch: list[StageRequest], control: StageControl
+) -> list[Deferred | StageOutput]:
+    """The critical-path part of `batch` (`begin`): Deferred parts, and errors of culprits."""
+    return _bisect(stage.name, batch, control, lambda live: [stage.begin(live, control)])
+
+
+def finish_isolated(stage: Stage, part: Deferred, control: StageControl) -> list[StageOutput]:
+    """The deferred rest of a part (aborted requests skipped), each failure confined likewise."""
+
+    def run(live: list[StageRequest]) -> list[StageOutput]:
+        outputs = part.finish(live)
+        control.faults.fire("output", live)
+        return outputs
+
+    return _bisect(stage.name, part.requests, control, run)

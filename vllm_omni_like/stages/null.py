@@ -11,7 +11,7 @@ import numpy as np
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
-from vllm_omni_like.stages.base import Stage, StageControl
+from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 
 MAX_SIDE = 2048
 
@@ -33,6 +33,7 @@ class NullStage(Stage):
     def load(self, device: str) -> None:
         self.output_kind = self.config.options.get("output", "image")
         self.default_steps = int(self.config.options.get("steps", 4))
+        self.decode_delay = float(self.config.options.get("decode_delay", 0.0))
         self.device = device
 
     def validate(self, request: StageRequest) -> None:
@@ -43,7 +44,16 @@ class NullStage(Stage):
                     f"{side} {value} is outside 1..{MAX_SIDE}", stage=self.name, param="size"
                 )
 
+    @property
+    def defers_finish(self) -> bool:
+        """Image and video stand-ins split like a diffusion stage: steps, then 'decode'."""
+        return self.config.decode_overlap and self.output_kind != "text"
+
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        part = self.begin(batch, control)
+        return part.finish(control.live(part.requests))
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         control.faults.fire("execute", batch)
         control.saw_model_batch(len(batch))
         steps = batch[0].params.num_inference_steps or self.default_steps
@@ -57,7 +67,12 @@ class NullStage(Stage):
                 if self.output_kind == "image" and control.wants_preview(r, i + 1, steps)
             }
             control.step(batch, i + 1, steps, previews)
-        live = control.live(batch)
+        return Deferred(control.live(batch), lambda live: self._finish(live, control))
+
+    def _finish(self, live: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        """The 'decode': `decode_delay` seconds (option) for the whole call, then the outputs."""
+        if self.decode_delay > 0:
+            time.sleep(self.decode_delay)
         return [self._output(r, control.steps_run.get(r.request_id, 0)) for r in live]
 
     def _preview(self, r: StageRequest, step: int, total: int) -> np.ndarray:

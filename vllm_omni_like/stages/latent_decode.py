@@ -1,0 +1,103 @@
+"""The end of a diffusers pipeline call - latents to pixels - run apart from its denoising loop.
+
+A stage that defers its decode calls the pipeline with `output_type="latent"` and later decodes
+with the function `decoder_for` returns: the same operations, in the same order, as that
+pipeline's own `output_type="pt"` path (checked byte for byte by the tests), so the images do
+not change. Pipelines whose decode is not reproduced here get None and decode inside the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_like.stages.acceleration import bucket_for
+from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+
+Decoder = Callable[[torch.Tensor], torch.Tensor]
+
+
+def decoder_for(pipe: Any) -> Decoder | None:
+    """latents -> pixels in [0, 1], (B, C, H, W) for images, (B, F, C, H, W) for videos."""
+    import diffusers
+
+    stable_diffusion = (
+        diffusers.StableDiffusionPipeline,
+        diffusers.StableDiffusionImg2ImgPipeline,
+        diffusers.StableDiffusionInpaintPipeline,
+    )
+    # an AsymmetricAutoencoderKL's decode (inpainting) also takes the masked input image
+    if isinstance(pipe, stable_diffusion) and type(pipe.vae) is diffusers.AutoencoderKL:
+        return lambda latents: _stable_diffusion(pipe, latents)
+    if isinstance(pipe, diffusers.WanPipeline):
+        return lambda latents: _wan(pipe, latents)
+    return None
+
+
+def _stable_diffusion(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    vae = pipe.vae
+    image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+    # the pipeline passes its prompt embeddings' dtype, which its latents were made in
+    image, nsfw = pipe.run_safety_checker(image, image.device, latents.dtype)
+    denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+    return pipe.image_processor.postprocess(image, output_type="pt", do_denormalize=denormalize)
+
+
+def _wan(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    vae = pipe.vae
+    latents = latents.to(dtype=vae.dtype)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(
+        latents.device, latents.dtype
+    )
+    video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+    return pipe.video_processor.postprocess_video(video, output_type="pt")
+
+
+class PendingDecode:
+    """The latents of one denoised batch, decoded row by row subset when asked (`__call__`).
+
+    On CUDA the decode runs on `stream`, a side stream that first waits for the main stream's
+    work up to now (the last denoising step): the main stream is free for the next batch at
+    once, and the two overlap on the GPU.
+    """
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        latents: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+        buckets: tuple[int, ...] = (),
+    ) -> None:
+        self.decoder = decoder
+        self.latents = latents
+        self.stream = stream
+        self.buckets = buckets  # a compiled decoder runs only these batch sizes: pad up
+        self.ready = None
+        if stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record()  # on the main stream, after the last step's kernels
+
+    def __call__(self, picked: list[int]) -> np.ndarray:
+        """uint8 pixels of the `picked` rows, on the host."""
+        with torch.inference_mode(), self._on_side_stream():
+            rows = self.latents[picked]
+            pad = bucket_for(len(picked), self.buckets) - len(picked) if self.buckets else 0
+            if pad:
+                rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
+            return tensor_to_uint8(self.decoder(rows)[: len(picked)])
+
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_event(self.ready)
+        self.latents.record_stream(self.stream)  # the main stream may not reuse it before
+        with torch.cuda.stream(self.stream):
+            yield
