@@ -85,3 +85,28 @@ def test_a_decode_that_hangs_or_kills_the_worker_fails_only_its_request(kind):
         assert good.ok and good.output.images
         assert e.stats.worker_deaths == 2
         assert took < 15
+
+
+def test_a_fragment_waits_for_the_clients_of_the_batch_being_decoded():
+    """A request that came in during batch A does not run alone when A leaves the critical
+    path: it waits for A's clients, who return after A's decode, and runs with them."""
+    kw = {"max_batch_size": 4, "batch_wait": 0.5, "options": {"decode_delay": 0.3}}
+    with engine("null-image", stage_kw=kw) as e:
+
+        def image(rid):
+            return req(rid, pipeline="null-image", steps=2, delay=0.1)
+
+        async def client(rid):  # a closed-loop client: one request, then the next
+            first = await final(e, image(rid))
+            return first, await final(e, image(rid + "-again"))
+
+        async def run():
+            clients = [asyncio.create_task(client(f"a{i}")) for i in range(3)]
+            await asyncio.sleep(0.05)
+            extra = await final(e, image("x"))  # queued behind the 3; A is denoised at 0.2 s
+            return extra, await asyncio.gather(*clients)
+
+        extra, outs = asyncio.run(run())
+        assert extra.ok and all(a.ok and b.ok for a, b in outs)
+        assert wait_until(lambda: sum(e.stats.snapshot()["batch_sizes"].values()) == 2, 5)
+        assert e.stats.snapshot()["batch_sizes"] == {3: 1, 4: 1}  # not 3, then 1, then 3

@@ -7,6 +7,7 @@ through the orchestrator's inbox.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -219,8 +220,9 @@ class StagePool:
         and every batch after that stays split. So after a batch of N, with W already waiting,
         the replica waits until N + W requests (at most a full batch) are queued, for at most
         `batch_wait` x that batch's run time (10%: 0.6 s after a 6 s GPU batch, under a
-        millisecond after a null stage's). A stage that was idle takes a new request at once:
-        the wait starts only when a batch ends.
+        millisecond after a null stage's). With the decode deferred, the hold starts when the
+        batch is denoised and the window when its results are out (BatchDone). A stage that was
+        idle takes a new request at once: the wait starts only when a batch ends.
         """
         if replica.refill_target <= len(self.waiting) or time.monotonic() >= replica.refill_until:
             replica.refill_target = 0
@@ -234,6 +236,13 @@ class StagePool:
             replica.finishing_id, replica.finishing = batch_id, replica.batch
             replica.finishing_started = replica.busy_since
             replica.finishing_since = time.monotonic()
+            if self.config.batch_wait > 0:
+                # its clients come back only after its decode: until its BatchDone opens the
+                # refill window, a fragment waiting now does not go ahead alone
+                replica.refill_target = min(
+                    len(replica.batch) + len(self.waiting), self.config.max_batch_size
+                )
+                replica.refill_until = math.inf
             replica.batch_id, replica.batch = None, []
 
     def batch_done(self, replica_index: int, batch_id: int) -> None:
@@ -266,6 +275,7 @@ class StagePool:
         replica = self.replicas[replica_index]
         replica.batch, replica.batch_id = [], None
         replica.finishing, replica.finishing_id = [], None
+        replica.refill_target = 0
         if time.monotonic() - replica.started_at > STABLE_RUN_S:
             replica.backoff = 0
         if replica.executor is not None:
