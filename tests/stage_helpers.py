@@ -28,3 +28,17 @@ class CountingStage(NullStage):
         if any("@oom" in r.prompt for r in batch):
             raise MemoryError("simulated out of memory")
         return super().begin(batch, control)
+
+
+class FinisherCrashStage(NullStage):
+    """Its deferred finish dies outright (not a request error) for a '@crash-finisher' prompt."""
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        part = super().begin(batch, control)
+
+        def finish(requests: list[StageRequest]):
+            if any("@crash-finisher" in r.prompt for r in requests):
+                raise SystemExit("the finisher thread is gone")
+            return part.finish(requests)
+
+        return Deferred(part.requests, finish)

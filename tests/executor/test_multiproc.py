@@ -119,6 +119,25 @@ def test_a_death_while_decoding_fails_both_batches_in_flight(no_leaked_children)
         ex.shutdown()
 
 
+def test_a_finisher_thread_that_dies_takes_the_worker_with_it(no_leaked_children):
+    """Not a request's error: the worker exits at once (code 3) instead of hanging its batches."""
+    sink: queue.Queue = queue.Queue()
+    config = StageConfig(name="diffusion", kind="tests.stage_helpers:FinisherCrashStage")
+    ex = MultiprocExecutor(config, 0, sink.put)
+    deaths = []
+    ex.add_failure_callback(deaths.append)
+    ex.start()
+    try:
+        t0 = time.monotonic()
+        ex.execute(ExecuteBatch(1, [_req("a", "x @crash-finisher", steps=1)]))
+        assert wait_until(lambda: deaths, 5) and time.monotonic() - t0 < 2
+        assert deaths[0].exit_desc == "exited with code 3" and deaths[0].in_flight == ["a"]
+        res = _results(drain_batch(sink, 1, timeout=2))
+        assert res["a"].error.error_class == "EngineDeadError"
+    finally:
+        ex.shutdown()
+
+
 def test_recoverable_fault_fails_only_its_own_request(executor):
     ex, sink, deaths = executor
     ex.execute(ExecuteBatch(2, [_req("a"), _req("b", "x @fail"), _req("c")]))

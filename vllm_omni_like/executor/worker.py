@@ -168,13 +168,20 @@ class _Worker:
         assert self.stage is not None
         while True:
             job = self.finishing.get()
-            outputs: list[StageOutput] = []
-            for part in job.parts:
-                if isinstance(part, StageOutput):
-                    outputs.append(part)
-                else:
-                    outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
-            self._complete(job, outputs)
+            try:
+                outputs: list[StageOutput] = []
+                for part in job.parts:
+                    if isinstance(part, StageOutput):
+                        outputs.append(part)
+                    else:
+                        outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
+                self._complete(job, outputs)
+            except BaseException:
+                # not a request's failure (those are outputs): without this thread the worker
+                # cannot go on, so it dies now and the executor's monitor sees it at once
+                logger.exception("stage %s: the finisher thread failed, worker exits", self.name)
+                sys.stderr.flush()
+                os._exit(EXIT_FATAL)
             self.finisher_free.release()
 
     def _guard(self, run: Callable[..., T], *args: Any) -> T:
