@@ -57,10 +57,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs; the median counts")
     ap.add_argument("--out", default="bench/results/control_plane-cpu.json")
+    ap.add_argument("--server-flags", default="", help="more `serve` flags (write it with =)")
     args = ap.parse_args()
-    server = Server(
-        ["null-image", "--max-batch-size", "64", "--max-queue-size", "10000"], os.devnull, 60
-    )
+    flags = ["null-image", "--max-batch-size", "64", "--max-queue-size", "10000"]
+    server = Server(flags + args.server_flags.split(), os.devnull, 60)
     try:
         url = server.url
         runs = [
@@ -75,6 +75,7 @@ def main() -> int:
         "cores": os.cpu_count(),
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "server_flags": args.server_flags,
         "req_per_s": round(statistics.median(rates), 1),
         "req_per_s_runs": [round(r, 1) for r in rates],
         "latency_p50_ms_at_concurrency": round(pct(runs[0][0], 0.5) * 1000, 2),
