@@ -51,6 +51,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
         "--batch-buckets=1,8,32",
         "--batch-wait=0.2",
         "--no-batched-cfg",
+        "--no-decode-overlap",
     )
     overrides = cfg.stage_overrides(args)
     (pipeline,) = catalog.resolve("sd15", **overrides)
@@ -58,7 +59,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
     assert (stage.compile, stage.compile_mode) == (True, "max-autotune")
     assert stage.attention == "xformers"
     assert stage.channels_last == "off" and stage.batch_wait == 0.2
-    assert stage.batched_cfg is False
+    assert stage.batched_cfg is False and stage.decode_overlap is False
     assert stage.warmup_sizes == ("512x512", "768x512") and stage.batch_buckets == (1, 8, 32)
     assert stage.options["default_steps"] == 30  # the architecture's own defaults stay
 
@@ -67,7 +68,8 @@ def test_without_speed_flags_nothing_is_overridden():
     assert cfg.stage_overrides(_args()) == {}
     stage = StageConfig(name="d", kind="diffusion")
     assert (stage.compile, stage.attention, stage.channels_last) == (False, "sdpa", "auto")
-    assert stage.batched_cfg is True
+    assert stage.batched_cfg is True and stage.decode_overlap is True
+    assert cfg.stage_overrides(_args("--decode-overlap")) == {"decode_overlap": True}
 
 
 @pytest.mark.parametrize(
