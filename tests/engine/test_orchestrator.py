@@ -202,7 +202,9 @@ def test_orchestrator_thread_death_fails_every_waiting_request(monkeypatch):
 
 
 def test_back_pressure_holds_work_in_the_earlier_stage():
-    with engine("null-omni", stage_kw={"max_batch_size": 1}) as e:
+    # the image stage's 0.1 s decode makes it the slower one (the LLM stand-in has no decode)
+    kw = {"max_batch_size": 1, "options": {"decode_delay": 0.1}}
+    with engine("null-omni", stage_kw=kw) as e:
         downstream = e.orchestrator.pools["null-omni"][1]
         peak = []
 

@@ -70,8 +70,9 @@ class NullStage(Stage):
         return Deferred(control.live(batch), lambda live: self._finish(live, control))
 
     def _finish(self, live: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """The 'decode': `decode_delay` seconds (option) for the whole call, then the outputs."""
-        if self.decode_delay > 0:
+        """The 'decode' of an image/video stand-in: `decode_delay` seconds (option) for the whole
+        call; then the outputs."""
+        if self.decode_delay > 0 and self.output_kind != "text":
             time.sleep(self.decode_delay)
         return [self._output(r, control.steps_run.get(r.request_id, 0)) for r in live]
 
