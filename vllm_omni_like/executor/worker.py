@@ -165,17 +165,9 @@ class _Worker:
 
     def finish_forever(self) -> None:
         """The finisher thread: the deferred rest of each batch, then its results."""
-        assert self.stage is not None
         while True:
-            job = self.finishing.get()
             try:
-                outputs: list[StageOutput] = []
-                for part in job.parts:
-                    if isinstance(part, StageOutput):
-                        outputs.append(part)
-                    else:
-                        outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
-                self._complete(job, outputs)
+                self._finish_job(self.finishing.get())  # its latents and pixels go at return
             except BaseException:
                 # not a request's failure (those are outputs): without this thread the worker
                 # cannot go on, so it dies now and the executor's monitor sees it at once
@@ -183,6 +175,16 @@ class _Worker:
                 sys.stderr.flush()
                 os._exit(EXIT_FATAL)
             self.finisher_free.release()
+
+    def _finish_job(self, job: _Job) -> None:
+        assert self.stage is not None
+        outputs: list[StageOutput] = []
+        for part in job.parts:
+            if isinstance(part, StageOutput):
+                outputs.append(part)
+            else:
+                outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
+        self._complete(job, outputs)
 
     def _guard(self, run: Callable[..., T], *args: Any) -> T:
         try:
