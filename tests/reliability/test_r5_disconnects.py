@@ -36,7 +36,20 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         orch = server.engine.orchestrator
         late_aborts: list[str] = []
 
-        async def client(http, i: int, leave_after: float | None):
+        denoising = orch.pools["tiny-omni"][1]
+
+        async def running_in_diffusion(rid: str, task: asyncio.Task) -> bool:
+            """Wait (at most 60 s) until the request is in a batch its diffusion worker runs."""
+            deadline = time.monotonic() + 60
+            while not task.done() and time.monotonic() < deadline:
+                state = orch.requests.get(rid)
+                replica = None if state is None or state.stage_index != 1 else state.replica
+                if replica is not None and state in denoising.replicas[replica].batch:
+                    return True
+                await asyncio.sleep(0.005)
+            return False
+
+        async def client(http, i: int, leave_after: float | str | None):
             rid = f"r5-{i}"
             body = {"prompt": f"a red circle {i % 7}", "seed": i, "num_inference_steps": STEPS}
             task = asyncio.create_task(
@@ -44,7 +57,12 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
             )
             if leave_after is None:
                 return rid, await task
-            await asyncio.sleep(leave_after)
+            if leave_after == "mid-denoising":  # a third of those who leave: while it runs there
+                if not await running_in_diffusion(rid, task):
+                    return rid, await task  # done before it was seen running: it stayed
+                await asyncio.sleep(random.Random(i).uniform(0.0, 0.8))  # some steps in
+            else:
+                await asyncio.sleep(leave_after)
             task.cancel()  # the client goes away: its connection closes
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.sleep(1.0)
@@ -55,7 +73,11 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         async def run():
             limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
-                plan = [rng.uniform(0.05, 6.0) if rng.random() < 0.3 else None for _ in range(300)]
+                draws = [rng.random() for _ in range(300)]
+                plan = [
+                    rng.uniform(0.05, 6.0) if d < 0.2 else "mid-denoising" if d < 0.3 else None
+                    for d in draws
+                ]
                 return dict(await asyncio.gather(*(client(http, i, t) for i, t in enumerate(plan))))
 
         t0 = time.monotonic()
@@ -76,7 +98,8 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
             assert after in (None, 0), (rid, n, after)
         # disconnects landed at every point: before the diffusion stage, and mid-denoising
         assert any(rid not in ran for rid in aborted)
-        assert any(ran[rid][1] == 0 and ran[rid][0] < STEPS for rid in aborted if rid in ran)
+        mid = [rid for rid in aborted if rid in ran and 0 < ran[rid][0] < STEPS]
+        assert mid and all(ran[rid][1] == 0 for rid in mid)  # some steps ran, none after
         stayed = [rid for rid, r in results.items() if r is not None]
         assert all(results[rid].status_code == 200 for rid in stayed)
         # the outputs of those who stayed equal a quiet run of the same seeds
