@@ -239,10 +239,7 @@ class StagePool:
             if self.config.batch_wait > 0:
                 # its clients come back only after its decode: until its BatchDone opens the
                 # refill window, a fragment waiting now does not go ahead alone
-                replica.refill_target = min(
-                    len(replica.batch) + len(self.waiting), self.config.max_batch_size
-                )
-                replica.refill_until = math.inf
+                self._hold_for_clients(replica, len(replica.batch), math.inf)
             replica.batch_id, replica.batch = None, []
 
     def batch_done(self, replica_index: int, batch_id: int) -> None:
@@ -258,9 +255,13 @@ class StagePool:
         else:
             return
         now = time.monotonic()
-        # its clients, and those already waiting (answered by an earlier batch)
+        self._hold_for_clients(replica, size, now + self.config.batch_wait * (now - started))
+
+    def _hold_for_clients(self, replica: Replica, size: int, until: float) -> None:
+        """Hold `replica` back until its last batch's `size` clients and those already waiting
+        (answered by an earlier batch) are queued - a full batch at most - or until `until`."""
         replica.refill_target = min(size + len(self.waiting), self.config.max_batch_size)
-        replica.refill_until = now + self.config.batch_wait * (now - started)
+        replica.refill_until = until
 
     def abort_running(self, state: RequestState) -> None:
         if state.replica is None:
