@@ -273,7 +273,7 @@ class DiffusionStage(Stage):
             prompts = [truncate_prompt(self.tokenizer, t, self.name) for t in prompts]
         rows = len(prompts)
         # a compiled denoiser runs only the shapes it was warmed up for: pad to the bucket
-        for _ in range(accel.bucket_for(rows, self.buckets) - rows if self.buckets else 0):
+        for _ in range(accel.bucket_for(rows, self.buckets) - rows):
             prompts.append(prompts[-1])
             negatives.append(negatives[-1])
             generators.append(torch.Generator(device=self.device).manual_seed(0))

@@ -87,7 +87,7 @@ class PendingDecode:
         """uint8 pixels of the `picked` rows, on the host."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
-            pad = bucket_for(len(picked), self.buckets) - len(picked) if self.buckets else 0
+            pad = bucket_for(len(picked), self.buckets) - len(picked)  # no buckets: 0
             if pad:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
             return tensor_to_uint8(self.decoder(rows)[: len(picked)])
