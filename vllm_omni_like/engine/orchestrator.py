@@ -67,9 +67,8 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}
         self.early_aborts: dict[str, float] = {}
         self.stats = EngineStats()
-        # bounded records for tests and drills: (request, stage, steps its worker ran) and
-        # (request, final status)
-        # (request, stage, steps the worker ran, steps it ran after the abort reached it or None)
+        # bounded record for tests and drills: (request, stage, steps the worker ran, steps it
+        # ran after the abort reached it or None)
         self.recent_steps: deque[tuple[str, str, int, int | None]] = deque(maxlen=4096)
         # request id -> final status of the last ENDED_MEMORY requests; a late abort for one of
         # them (a client that left while its final output was on the way) is a no-op, not an
