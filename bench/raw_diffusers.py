@@ -34,11 +34,16 @@ PROMPT = "a red circle at the top left on a blue background"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def gpu_name() -> str:
+    """The CUDA device's full name ('NVIDIA H200'); 'cpu' without one."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 def device_name() -> str:
     """'h100', 'h200', ... from the CUDA device name; 'cpu' without one."""
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name(0).lower()
+    name = gpu_name().lower()
     for word in name.replace("-", " ").split():
         if word[:1] in "abhl" and word[1:].isdigit():
             return word

@@ -265,7 +265,7 @@ def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
     best_c32 = max(settings.values(), key=lambda s: s["server"].get("c32", {}).get("img_s", 0))
     return {
         "device": device,
-        "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
+        "gpu": ref.gpu_name(),
         "reference_bs1_latency_s": round(reference_latency(eager["reference"], eager_c1), 4),
         "server_c1_latency_p50_s": eager_c1.get("latency_p50_s"),
         "latency_ratio_same_compile_setting": {k: s["latency_ratio"] for k, s in settings.items()},

@@ -89,7 +89,7 @@ def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
     server = psnr(b, reference["frames"]) if same_shape else -math.inf
     return {
         "device": ref.device_name(),
-        "gpu": ref.torch.cuda.get_device_name(0) if ref.torch.cuda.is_available() else "cpu",
+        "gpu": ref.gpu_name(),
         "settings": {**reference["settings"], "dtype": args.video_dtype, "fps": 16},
         "server_flags": args.video_server_flags,
         "reference_s": round(reference["seconds"], 3),
