@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -46,13 +47,22 @@ def _results(msgs) -> dict[str, object]:
 
 @pytest.fixture
 def executor(no_leaked_children):
+    with running(StageConfig(name="diffusion", kind="null"), FAULTS) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running(config: StageConfig, faults: tuple[FaultRule, ...] = ()):
+    """A started executor for `config`, its message sink and its deaths; shut down after."""
     sink: queue.Queue = queue.Queue()
-    ex = MultiprocExecutor(StageConfig(name="diffusion", kind="null"), 0, sink.put, FAULTS)
-    ex.start()
-    deaths = []
+    ex = MultiprocExecutor(config, 0, sink.put, faults)
+    deaths: list = []
     ex.add_failure_callback(deaths.append)
-    yield ex, sink, deaths
-    ex.shutdown()
+    ex.start()
+    try:
+        yield ex, sink, deaths
+    finally:
+        ex.shutdown()
 
 
 def test_batch_runs_end_to_end_with_progress(executor):
@@ -70,11 +80,8 @@ def test_batch_runs_end_to_end_with_progress(executor):
 def test_the_next_batch_denoises_while_the_last_one_decodes(no_leaked_children):
     """Denoised(k) frees the main thread; batch k's results and BatchDone come from the finisher
     while batch k+1 steps; one batch is finished at a time."""
-    sink: queue.Queue = queue.Queue()
     config = StageConfig(name="diffusion", kind="null", options={"decode_delay": 0.6})
-    ex = MultiprocExecutor(config, 0, sink.put)
-    ex.start()
-    try:
+    with running(config) as (ex, sink, _):
         ex.execute(ExecuteBatch(1, [_req("a", steps=2, delay=0.05)]))
         ex.execute(ExecuteBatch(2, [_req("b", steps=3, delay=0.05)]))
         msgs = drain_batch(sink, 2, timeout=10)
@@ -88,19 +95,12 @@ def test_the_next_batch_denoises_while_the_last_one_decodes(no_leaked_children):
         assert all(msgs.index(m) < at(("BatchDone", 1)) for m in steps_2) and len(steps_2) == 3
         assert set(_results(msgs)) == {"a", "b"} and ex.in_flight == set()
         assert sum(isinstance(m, Denoised) for m in msgs) == 2
-    finally:
-        ex.shutdown()
 
 
 def test_a_death_while_decoding_fails_both_batches_in_flight(no_leaked_children):
-    sink: queue.Queue = queue.Queue()
     faults = (FaultRule("diffusion", "output", "exit", match="@exit"),)
     config = StageConfig(name="diffusion", kind="null", options={"decode_delay": 0.2})
-    ex = MultiprocExecutor(config, 0, sink.put, faults)
-    deaths = []
-    ex.add_failure_callback(deaths.append)
-    ex.start()
-    try:
+    with running(config, faults) as (ex, sink, deaths):
         ex.execute(ExecuteBatch(1, [_req("a", "x @exit", steps=1)]))
         ex.execute(ExecuteBatch(2, [_req("b", steps=50, delay=0.05)]))
         assert wait_until(lambda: deaths, 10)
@@ -115,27 +115,18 @@ def test_a_death_while_decoding_fails_both_batches_in_flight(no_leaked_children)
             deaths[0].exit_desc
         )
         assert ex.in_flight == set()
-    finally:
-        ex.shutdown()
 
 
 def test_a_finisher_thread_that_dies_takes_the_worker_with_it(no_leaked_children):
     """Not a request's error: the worker exits at once (code 3) instead of hanging its batches."""
-    sink: queue.Queue = queue.Queue()
     config = StageConfig(name="diffusion", kind="tests.stage_helpers:FinisherCrashStage")
-    ex = MultiprocExecutor(config, 0, sink.put)
-    deaths = []
-    ex.add_failure_callback(deaths.append)
-    ex.start()
-    try:
+    with running(config) as (ex, sink, deaths):
         t0 = time.monotonic()
         ex.execute(ExecuteBatch(1, [_req("a", "x @crash-finisher", steps=1)]))
         assert wait_until(lambda: deaths, 5) and time.monotonic() - t0 < 2
         assert deaths[0].exit_desc == "exited with code 3" and deaths[0].in_flight == ["a"]
         res = _results(drain_batch(sink, 1, timeout=2))
         assert res["a"].error.error_class == "EngineDeadError"
-    finally:
-        ex.shutdown()
 
 
 def test_recoverable_fault_fails_only_its_own_request(executor):
