@@ -37,10 +37,11 @@ def _render_scene(args):
     return world.render(scene), scene.caption(), world.short_prompt(scene, rng), scene
 
 
-def _render_clip(seed):
+def _render_clip(job):
+    seed, frames = job
     rng = random.Random(seed)
     clip = world.sample_clip(rng)
-    return world.render_clip(clip), clip.caption(), clip
+    return world.render_clip(clip, frames), clip.caption(), clip
 
 
 def scenes(n: int, seed: int, held_out: bool = False, workers: int = 0):
@@ -52,9 +53,11 @@ def scenes(n: int, seed: int, held_out: bool = False, workers: int = 0):
     return np.stack(images), list(captions), list(shorts), list(found)
 
 
-def clips(n: int, seed: int, workers: int = 0):
+def clips(n: int, seed: int, workers: int = 0, frames: int = 9):
+    """n rendered clips of `frames` frames: (uint8 [n,F,64,64,3], captions, clips)."""
+    jobs = [(seed * 1_000_003 + i, frames) for i in range(n)]
     with Pool(workers or os.cpu_count()) as pool:
-        rows = pool.map(_render_clip, [seed * 1_000_003 + i for i in range(n)], chunksize=64)
+        rows = pool.map(_render_clip, jobs, chunksize=64)
     frames, captions, found = zip(*rows, strict=True)
     return np.stack(frames), list(captions), list(found)
 
@@ -83,10 +86,15 @@ def cosine(step: int, total: int, warmup: int = 200) -> float:
 
 
 def train_vae(
-    vae, sample: Callable[[], torch.Tensor], steps: int, log: Log, deadline: float = math.inf
+    vae,
+    sample: Callable[[], torch.Tensor],
+    steps: int,
+    log: Log,
+    deadline: float = math.inf,
+    lr: float = 1e-3,
 ) -> None:
     """Reconstruction + a small KL term; `sample()` gives a batch in [-1, 1]; stops at deadline."""
-    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
     vae.train()
     for step in range(steps):
