@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -24,32 +26,40 @@ from vllm_omni_like.media import write_video
 
 URLS = {"/v1/images/generations": "image", "/v1/videos": "video"}
 RESULTS_FILE = "results.jsonl"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Line:
     number: int
-    custom_id: str
+    custom_id: str | None  # None: the line gave none (read_lines names it)
     kind: str | None = None  # image | video
     body: dict[str, Any] | None = None
     error: OmniError | None = None
+    stem: str = ""  # output files are <stem>.png, <stem>-1.png, ... (unique in the run)
 
 
 def parse_line(number: int, text: str, default_kind: str) -> Line:
     """One input line -> a Line; a bad line carries its error instead of a body."""
-    custom_id = f"line-{number}"
+    custom_id = None
     try:
         obj = json.loads(text)
         if not isinstance(obj, dict):
             raise InvalidRequestError("a line must be a JSON object")
-        custom_id = str(obj.get("custom_id", custom_id))
+        if obj.get("custom_id") is not None:
+            custom_id = str(obj["custom_id"])
         if "body" in obj or "url" in obj:
             extra = set(obj) - {"custom_id", "method", "url", "body"}
             if extra:
                 raise InvalidRequestError(f"unknown batch fields {sorted(extra)}")
             if obj.get("method", "POST") != "POST" or obj.get("url") not in URLS:
                 raise InvalidRequestError(f"url must be POST one of {sorted(URLS)}", param="url")
-            return Line(number, custom_id, URLS[obj["url"]], dict(obj.get("body") or {}))
+            body = obj.get("body")
+            if not isinstance(body, dict):
+                raise InvalidRequestError(
+                    f"body must be a JSON object, not {type(body).__name__}", param="body"
+                )
+            return Line(number, custom_id, URLS[obj["url"]], dict(body))
         obj.pop("custom_id", None)
         return Line(number, custom_id, default_kind, obj)
     except json.JSONDecodeError as exc:
@@ -59,7 +69,19 @@ def parse_line(number: int, text: str, default_kind: str) -> Line:
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100].lstrip(".") or "_"
+
+
+def file_stem(custom_id: str, taken: set[str]) -> str:
+    """A file name for `custom_id`'s outputs: its own where it is safe and free, else with a
+    digest of the id, so two ids never share a file (also on case-insensitive disks)."""
+    stem = _safe(custom_id)
+    if stem != custom_id or stem.lower() in taken:
+        stem = f"{stem[:80]}-{hashlib.sha256(custom_id.encode()).hexdigest()[:10]}"
+    while stem.lower() in taken:  # an id that looks like another's digest name
+        stem += "_"
+    taken.add(stem.lower())
+    return stem
 
 
 def _result(line: Line, status: int, body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -101,6 +123,10 @@ class BatchRunner:
             return _result(line, 400, _error_body(bad, request_id), request_id)
         except OmniError as exc:
             return _result(line, exc.status, _error_body(exc, request_id), request_id)
+        except Exception as exc:  # a line that breaks our code fails alone, not the run
+            logger.exception("line %d (%s) failed", line.number, line.custom_id)
+            err = OmniError(f"internal error: {type(exc).__name__}: {exc}")
+            return _result(line, err.status, _error_body(err, request_id), request_id)
 
     async def _generate(self, line: Line, request_id: str):
         if line.kind == "video":
@@ -113,7 +139,7 @@ class BatchRunner:
         return await self.engine.generate_final(req)
 
     def _write(self, line: Line, output) -> dict[str, Any]:
-        stem = os.path.join(self.out_dir, _safe(line.custom_id))
+        stem = os.path.join(self.out_dir, line.stem)
         if output.output.video is not None:
             path = stem + ".mp4"
             write_video(output.output.video.frames, output.output.video.fps, path)
@@ -168,32 +194,40 @@ def load_done(results_path: str) -> dict[str, str]:
 
 
 def read_lines(path: str, default_kind: str) -> list[Line]:
-    lines, seen = [], set()
+    """Every line of `path` (OSError if it cannot be read). Lines without a custom_id get
+    `line-N`, or `line-N-K` where a user's id already is `line-N`."""
     with open(path) as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            line = parse_line(number, text, default_kind)
-            if line.custom_id in seen and line.error is None:
-                line.error = InvalidRequestError(f"duplicate custom_id {line.custom_id!r}")
-            seen.add(line.custom_id)
-            lines.append(line)
+        texts = [(n, t) for n, t in enumerate(f, start=1) if t.strip()]
+    lines = [parse_line(number, text, default_kind) for number, text in texts]
+    given = {line.custom_id for line in lines if line.custom_id is not None}
+    seen: set[str] = set()
+    stems: set[str] = set()
+    for line in lines:
+        if line.custom_id is None:
+            name, k = f"line-{line.number}", 0
+            while name in given:
+                k += 1
+                name = f"line-{line.number}-{k}"
+            line.custom_id = name
+            given.add(name)
+        elif line.custom_id in seen and line.error is None:
+            line.error = InvalidRequestError(f"duplicate custom_id {line.custom_id!r}")
+        seen.add(line.custom_id)
+        line.stem = file_stem(line.custom_id, stems)
     return lines
 
 
 async def run_batch(
     engine: AsyncOmni,
-    input_path: str,
+    lines: list[Line],
     out_dir: str,
     limits: Limits,
     resume: bool,
     concurrency: int = 16,
 ) -> tuple[int, int]:
-    """Returns (lines run, lines failed)."""
+    """Run the lines (read before the engine started); returns (lines run, lines failed)."""
     os.makedirs(out_dir, exist_ok=True)
     results_path = os.path.join(out_dir, RESULTS_FILE)
-    default_kind = engine.pipeline_output(engine.pipeline_names[0])
-    lines = read_lines(input_path, default_kind)
     done = load_done(results_path) if resume else {}
     with open(results_path, "w") as f:  # keep earlier successes; failures run again
         f.writelines(done.values())

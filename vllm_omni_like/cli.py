@@ -25,15 +25,23 @@ def _pipelines(args: argparse.Namespace) -> tuple:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from vllm_omni_like.batch import run_batch
+    from vllm_omni_like.batch import read_lines, run_batch
     from vllm_omni_like.engine import AsyncOmni
 
-    engine = AsyncOmni(cfg.engine_config(args, _pipelines(args)))
+    pipelines = _pipelines(args)
+    try:  # the input is read before any model loads
+        lines = read_lines(args.input, pipelines[0].output)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(
+            f"error: --input {args.input}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr
+        )
+        return 2
+    engine = AsyncOmni(cfg.engine_config(args, pipelines))
     engine.start()
     try:
         ran, failed = asyncio.run(
             run_batch(
-                engine, args.input, args.output_dir, cfg.limits(args), args.resume, args.concurrency
+                engine, lines, args.output_dir, cfg.limits(args), args.resume, args.concurrency
             )
         )
     finally:

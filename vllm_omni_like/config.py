@@ -106,6 +106,11 @@ class StageConfig:
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
+    # what a request may ask of the model; None: the model's own (stages/model_limits.py)
+    max_side: int | None = None
+    max_pixels: int | None = None
+    max_frames: int | None = None
+    max_steps: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,10 @@ class StageConfig:
                 )
         if not 0.0 <= self.batch_wait <= 1.0:
             raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
+        for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"stage {self.name!r}: {key} must be an integer >= 1")
         if any(int(b) < 1 for b in self.batch_buckets):
             raise InvalidRequestError(f"stage {self.name!r}: batch buckets must be >= 1")
         for size in self.warmup_sizes:
@@ -156,12 +165,9 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Limits:
-    """Request limits of API.md: over one is 400 (413 for bytes)."""
+    """Server-wide request limits (over one is 400, 413 for bytes). What may be asked of a
+    model (sizes, frames, steps) is the model's own: StageConfig.max_* and model_limits.py."""
 
-    max_steps: int = 200
-    max_side: int = 2048
-    max_pixels: int = 16 * 1024 * 1024  # n * width * height
-    max_frames: int = 129
     max_upload_bytes: int = 20 * 1024 * 1024
     max_upload_pixels: int = 4096 * 4096
     max_body_bytes: int = 64 * 1024 * 1024
@@ -211,7 +217,23 @@ STAGE_FLAGS = (
     "batch_buckets",
     "batched_cfg",
     "decode_overlap",
+    "max_side",
+    "max_pixels",
+    "max_frames",
+    "max_steps",
 )
+MODEL_LIMIT_HELP = {
+    "max_side": "largest width or height",
+    "max_pixels": "n x width x height of one request",
+    "max_frames": "frames of one video",
+    "max_steps": "num_inference_steps",
+}
+LIMIT_HELP = {
+    "max_upload_bytes": "bytes of one uploaded image or mask (413 over it)",
+    "max_upload_pixels": "pixels of one uploaded image or mask",
+    "max_body_bytes": "bytes of a request body (413 over it)",
+    "max_prompt_chars": "characters of a prompt",
+}
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 
 
@@ -291,9 +313,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-retries", type=int, default=1)
     g.add_argument("--request-timeout", type=float, default=600.0)
     g.add_argument("--max-queue-size", type=int, default=256)
-    g = parser.add_argument_group("limits")
+    g = parser.add_argument_group(
+        "model limits (override every stage; default: the model's own, from what it was built "
+        "or trained for, shown by /v1/models)"
+    )
+    for name, text in MODEL_LIMIT_HELP.items():
+        g.add_argument("--" + name.replace("_", "-"), type=int, metavar="N", help=text)
+    g = parser.add_argument_group("server-wide limits")
     for f in fields(Limits):
-        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=f.default,
+            metavar="N",
+            help=LIMIT_HELP[f.name],
+        )
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -36,10 +37,9 @@ def encode_image(pixels: np.ndarray, fmt: str = "png", compression: int | None =
     return buf.getvalue()
 
 
-def decode_upload(
-    data: bytes, max_bytes: int, max_pixels: int, param: str = "image", mode: str = "RGB"
-) -> np.ndarray:
-    """An uploaded PNG/JPEG/WebP -> HxWxC uint8; bad or oversized uploads are refused."""
+def open_upload(data: bytes, max_bytes: int, max_pixels: int, param: str = "image") -> Any:
+    """An uploaded PNG/JPEG/WebP as a PIL image, its pixels loaded; bad or oversized uploads are
+    refused (413 over the byte limit, 400 otherwise)."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(
             f"{param} is {len(data)} bytes; at most {max_bytes}", param=param
@@ -58,7 +58,8 @@ def decode_upload(
                 param=param,
                 code="invalid_image",
             )
-        return np.asarray(image.convert(mode))
+        image.load()
+        return image
     except InvalidRequestError:
         raise
     except Exception as exc:
@@ -67,9 +68,35 @@ def decode_upload(
         ) from exc
 
 
-def openai_mask_to_diffusers(rgba: np.ndarray) -> np.ndarray:
-    """OpenAI: fully transparent pixels mark the edit. diffusers: white (255) means repaint."""
-    return np.where(rgba[..., 3] == 0, 255, 0).astype(np.uint8)
+def decode_upload(data: bytes, max_bytes: int, max_pixels: int, param: str = "image") -> np.ndarray:
+    """An uploaded image -> HxWx3 uint8."""
+    return np.asarray(open_upload(data, max_bytes, max_pixels, param).convert("RGB"))
+
+
+def decode_mask(data: bytes, max_bytes: int, max_pixels: int, param: str = "mask") -> np.ndarray:
+    """An uploaded mask -> HxW uint8 in diffusers' convention (255 = repaint).
+
+    Two conventions are read: OpenAI's, a PNG whose fully transparent pixels mark the edit
+    (used when the mask has an alpha channel that is not fully opaque), and otherwise the
+    greyscale one, white (>= 128) marks the edit. A mask that marks nothing is refused.
+    """
+    image = open_upload(data, max_bytes, max_pixels, param)
+    has_alpha = "A" in image.getbands() or "transparency" in image.info
+    alpha = np.asarray(image.convert("RGBA"))[..., 3] if has_alpha else None
+    if alpha is not None and (alpha < 255).any():
+        mask = np.where(alpha == 0, 255, 0).astype(np.uint8)
+        how = "no fully transparent pixel"
+    else:
+        mask = np.where(np.asarray(image.convert("L")) >= 128, 255, 0).astype(np.uint8)
+        how = "no transparent pixel (alpha) and no white pixel (greyscale)"
+    if not mask.any():
+        raise InvalidRequestError(
+            f"{param} marks nothing to edit: it has {how}. Mark the region to edit with fully "
+            "transparent pixels (OpenAI's PNG with alpha) or white on black (greyscale)",
+            param=param,
+            code="invalid_image",
+        )
+    return mask
 
 
 def write_video(frames: np.ndarray, fps: int, path: str) -> None:

@@ -175,22 +175,22 @@ def test_r9_schemathesis_finds_no_server_error(tmp_path):
 def test_r10_video_jobs_across_a_sigkill(tmp_path):
     storage = str(tmp_path)
     args = ["tiny-video", "--video-concurrency", "1"]
-    server = ServeProcess(args, storage)
+    faults = {"VLLM_OMNI_LIKE_FAULTS": "stage=diffusion,point=execute,kind=raise,match=@fail"}
+    server = ServeProcess(args, storage, faults)
     try:
         server.wait_healthy()
         with httpx.Client(base_url=server.url, timeout=30) as http:
 
-            def create(**body):
+            def create(prompt="a red square moving left", **body):
                 return http.post(
-                    "/v1/videos",
-                    json={"prompt": "a red square moving left", "seconds": "1", **body},
+                    "/v1/videos", json={"prompt": prompt, "seconds": "1", **body}
                 ).json()["id"]
 
             done = create(num_inference_steps=2)
             assert wait_until(
                 lambda: http.get(f"/v1/videos/{done}").json()["status"] == "completed", 60
             )
-            failed = create(size="72x64")  # not a multiple of 16: refused inside the stage
+            failed = create("a red square moving left @fail")  # fails inside the stage
             assert wait_until(
                 lambda: http.get(f"/v1/videos/{failed}").json()["status"] == "failed", 30
             )
@@ -205,7 +205,7 @@ def test_r10_video_jobs_across_a_sigkill(tmp_path):
         assert wait_until(lambda: not server.processes(), 10)
         server.cleanup()
 
-        server = ServeProcess(args, storage)
+        server = ServeProcess(args, storage, faults)
         server.wait_healthy()
         with httpx.Client(base_url=server.url, timeout=30) as http:
             listed = {

@@ -95,8 +95,8 @@ def test_request_faults_inside_the_stage_are_per_request(image_stage):
     big = results["big"].error
     assert (big.status, big.code, big.param) == (400, "invalid_size", "size")
     assert big.message == (
-        "stage 'diffusion': width 70 is not supported: it must be a multiple "
-        "of 8 between 8 and 2048"
+        "stage 'diffusion': size 70x64 is not supported by tiny-image: it makes width and "
+        "height multiples of 8 from 8 to 128 (max_side 128)"
     )
     long = results["long"].error
     assert (long.status, long.code) == (400, "prompt_too_long")

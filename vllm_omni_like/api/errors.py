@@ -60,8 +60,14 @@ def error_response(
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
-    """pydantic's 422 becomes a 400 naming the field path."""
+    """pydantic's 422 becomes a 400 naming the field path (or, for a body that is not JSON,
+    what is wrong and where)."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ())[-1] if first.get("loc") else None
+        what = (first.get("ctx") or {}).get("error") or "not valid JSON"
+        at = f" at character {where}" if isinstance(where, int) else ""
+        return InvalidRequestError(f"the request body is not valid JSON: {what}{at}", param=None)
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
     param = ".".join(loc) or None
     msg = str(first.get("msg") or "invalid request")
@@ -98,7 +104,9 @@ def install(app: FastAPI) -> None:
         elif not isinstance(exc, OmniError):
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
             exc = OmniError(f"internal error: {type(exc).__name__}: {exc}")
-        if isinstance(exc, EngineDeadError) or exc.status >= 500:
+        if exc.code == "aborted":  # nobody is left to read a response
+            logger.info("%s %s: the client disconnected", request.method, request.url.path)
+        elif isinstance(exc, EngineDeadError) or exc.status >= 500:
             logger.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
         if not getattr(request.state, "admitted", False):  # refused before admission
             request.app.state.engine.stats.reject(exc.status)

@@ -35,16 +35,35 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if status == "healthy" else 503)
 
 
+def _model(engine, name: str) -> dict:
+    """OpenAI's model object, with what the model makes and its limits as extension fields."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": STARTED_AT,
+        "owned_by": "vllm_omni_like",
+        "output": engine.pipeline_output(name),
+        "stages": [s.name for s in engine.config_of(name).stages],
+        "limits": engine.model_limits(name).as_dict(),
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     engine = request.app.state.server.engine
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": STARTED_AT, "owned_by": "vllm_omni_like"}
-            for name in engine.pipeline_names
-        ],
-    }
+    return {"object": "list", "data": [_model(engine, n) for n in engine.pipeline_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict:
+    engine = request.app.state.server.engine
+    if model_id not in engine.pipeline_names:
+        raise NotFoundError(
+            f"model {model_id!r} is not served here; served: {', '.join(engine.pipeline_names)}",
+            param="model",
+            code="model_not_found",
+        )
+    return _model(engine, model_id)
 
 
 @router.get("/version")

@@ -20,7 +20,7 @@ from vllm_omni_like.api.serving import (
     stream_images,
 )
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.media import decode_upload, openai_mask_to_diffusers
+from vllm_omni_like.media import decode_mask, decode_upload
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -69,7 +69,7 @@ def validated(model: type, fields: dict[str, Any]):
         raise InvalidRequestError(f"{param}: {err['msg']}", param=param) from None
 
 
-async def read_upload(server: Server, upload: Any, param: str, mode: str = "RGB"):
+async def read_upload(server: Server, upload: Any, param: str, decode=decode_upload):
     if not isinstance(upload, UploadFile):
         raise InvalidRequestError(
             f"{param} must be a file upload", param=param, code="invalid_image"
@@ -77,7 +77,7 @@ async def read_upload(server: Server, upload: Any, param: str, mode: str = "RGB"
     limits = server.settings.limits
     data = await upload.read(limits.max_upload_bytes + 1)
     return await asyncio.to_thread(
-        decode_upload, data, limits.max_upload_bytes, limits.max_upload_pixels, param, mode
+        decode, data, limits.max_upload_bytes, limits.max_upload_pixels, param
     )
 
 
@@ -98,12 +98,11 @@ async def edits(request: Request):
         images = [await read_upload(server, u, "image") for u in uploads]
         mask = None
         if form.get("mask") is not None:
-            rgba = await read_upload(server, form.get("mask"), "mask", mode="RGBA")
-            if rgba.shape[:2] != images[0].shape[:2]:
+            mask = await read_upload(server, form.get("mask"), "mask", decode_mask)
+            if mask.shape[:2] != images[0].shape[:2]:
                 raise InvalidRequestError(
                     "mask must have the same size as the image", param="mask", code="invalid_image"
                 )
-            mask = openai_mask_to_diffusers(rgba)
     finally:
         await form.close()
     return await _respond(request, body, images, mask, prefix="image_edit")

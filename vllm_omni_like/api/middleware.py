@@ -54,6 +54,15 @@ class GatewayMiddleware:
             self.on_reject(413)
             await _respond(send_with_id, _too_large(self.max_body), request_id)
             return
+        if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            # chunked: read it here, so a body over the limit is a 413 and not whatever the
+            # route's body parser makes of an error raised while it reads
+            body = await _read_bounded(receive, self.max_body)
+            if body is None:
+                self.on_reject(413)
+                await _respond(send_with_id, _too_large(self.max_body), request_id)
+                return
+            receive = _replay(body, receive)
         seen = 0
 
         async def counting_receive() -> dict[str, Any]:
@@ -66,6 +75,35 @@ class GatewayMiddleware:
             return message
 
         await self.app(scope, counting_receive, send_with_id)
+
+
+async def _read_bounded(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None once it is over `limit` bytes (or the client left)."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives `body` once, then waits on the client (for its disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from vllm_omni_like.api.protocol import ImageRequest, VideoRequest, image_params, video_params
+from vllm_omni_like.api.admission import edit_params, image_params, video_params
+from vllm_omni_like.api.protocol import ImageRequest, VideoRequest
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
@@ -46,11 +47,16 @@ def image_request(
     timeout: float | None = None,
 ) -> OmniRequest:
     pipeline = pick_pipeline(engine, body.model, "image")
+    model = engine.model_limits(pipeline)
+    if images:
+        params = edit_params(body, limits, model, pipeline, images[0].shape[1::-1])
+    else:
+        params = image_params(body, limits, model, pipeline)
     return OmniRequest(
         request_id,
         body.prompt,
         pipeline,
-        image_params(body, limits),
+        params,
         images=images or [],
         mask=mask,
         timeout=timeout,
@@ -70,7 +76,7 @@ def video_request(
         request_id,
         body.prompt,
         pipeline,
-        video_params(body, limits),
+        video_params(body, limits, engine.model_limits(pipeline), pipeline),
         images=images or [],
         timeout=timeout,
     )

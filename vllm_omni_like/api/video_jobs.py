@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -28,6 +29,9 @@ SWEEP_S = 30.0
 
 
 def video_object(row: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's video object; `size`, `seconds` and the extensions `num_frames` and `fps` say
+    what is (or will be) made, never merely what was asked."""
+    params = json.loads(row["params"])
     error = None
     if row["status"] == "failed":
         error = {
@@ -45,6 +49,8 @@ def video_object(row: dict[str, Any]) -> dict[str, Any]:
         "expires_at": row["expires_at"],
         "seconds": row["seconds"],
         "size": row["size"],
+        "num_frames": params.get("num_frames"),
+        "fps": params.get("fps"),
         "prompt": row["prompt"],
         "remixed_from_video_id": None,
         "error": error,
@@ -83,16 +89,16 @@ class VideoService:
     async def create(self, body: VideoRequest, idempotency_key: str | None) -> dict[str, Any]:
         req = video_request(self.engine, body, self.settings.limits, "probe")  # validates
         p = req.params
-        size = body.size if body.size != "auto" else "auto"
-        seconds = f"{p.num_frames / (p.fps or 1):g}"
+        # the job runs exactly what the object reports: the model's size, frames and fps
+        resolved = {"size": f"{p.width}x{p.height}", "num_frames": p.num_frames, "fps": p.fps}
         row = await asyncio.to_thread(
             self.store.create,
             f"video_{secrets.token_hex(16)}",
             req.pipeline,
-            seconds,
-            size,
+            f"{p.num_frames / p.fps:g}",
+            resolved["size"],
             body.prompt,
-            body.model_dump(exclude_none=True),
+            {**body.model_dump(exclude_none=True), **resolved},
             idempotency_key,
         )
         self._wake.set()
@@ -199,7 +205,8 @@ class VideoService:
         write_durably(path, encode_video(video.frames, video.fps))
         write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
         now = int(time.time())
-        h, w = video.frames.shape[1:3]
+        frames, h, w = video.frames.shape[:3]
+        params = {**json.loads(self.store.get(video_id)["params"]), "num_frames": frames}
         # the row says completed only once both files are whole on disk
         self.store.update(
             video_id,
@@ -210,6 +217,8 @@ class VideoService:
             file=path,
             thumbnail=thumb,
             size=f"{w}x{h}",
+            seconds=f"{frames / video.fps:g}",
+            params=json.dumps({**params, "fps": video.fps}),
         )
 
     async def _sweep_forever(self) -> None:

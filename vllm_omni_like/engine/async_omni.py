@@ -8,13 +8,14 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
-from vllm_omni_like.config import EngineConfig
+from vllm_omni_like.config import EngineConfig, PipelineConfig
 from vllm_omni_like.engine.orchestrator import Orchestrator
 from vllm_omni_like.engine.stage_pool import ExecutorFactory
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import EngineDeadError, InvalidRequestError
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.stages.model_limits import ModelLimits, pipeline_limits
 
 
 class AsyncOmni:
@@ -26,6 +27,7 @@ class AsyncOmni:
         self.config = config
         self.orchestrator = Orchestrator(config, executor_factory)
         self._started = False
+        self._limits: dict[str, ModelLimits] = {}
 
     def start(self) -> None:
         """Start every stage's workers; blocks until loaded; raises EngineDeadError on failure."""
@@ -60,6 +62,18 @@ class AsyncOmni:
 
     def pipeline_output(self, name: str) -> str:
         return self.orchestrator.pipelines[name].config.output
+
+    def config_of(self, name: str) -> PipelineConfig:
+        return self.orchestrator.pipelines[name].config
+
+    def model_limits(self, name: str) -> ModelLimits:
+        """What a request may ask of pipeline `name` (read from its model's config files once)."""
+        if name not in self._limits:
+            found = pipeline_limits(self.orchestrator.pipelines[name].config)
+            if found is None:
+                raise InvalidRequestError(f"model {name!r} makes no images or videos")
+            self._limits[name] = found
+        return self._limits[name]
 
     def open(self, request: OmniRequest, progress: bool = True) -> RequestStream:
         """Submit now (admission errors raise here, before any response starts).

@@ -16,11 +16,19 @@ from vllm_omni_like.errors import InvalidRequestError, NotFoundError
 VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
 
 
-# how the embedded models were trained (training/): the rewriter reads "<short prompt> <sep>"
+# how the embedded models were trained (training/): the rewriter reads "<short prompt> <sep>";
+# the image model draws 64x64 (and up to twice that, the default limit); the video model was
+# trained on 64x64 clips of 9 to 33 frames, at 8 fps 4 seconds at most
 TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "tiny-llm": {"prompt_template": "{prompt} <sep>", "max_new_tokens": 24},
     "tiny-image": {"default_guidance": 5.0},
-    "tiny-video": {"default_guidance": 5.0, "default_steps": 20},
+    "tiny-video": {
+        "default_guidance": 5.0,
+        "default_steps": 20,
+        "max_side": 64,
+        "max_frames": 33,
+        "default_fps": 8,
+    },
 }
 
 
@@ -31,6 +39,8 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
         "default_width": 832,
         "default_height": 480,
         "default_frames": 33,
+        "max_side": 1280,  # 720p, the largest it was trained for
+        "max_frames": 81,
         "default_steps": 20,
         "default_guidance": 5.0,
         "max_sequence_length": 512,

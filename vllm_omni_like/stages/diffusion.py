@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import os
 import random
 import time
@@ -19,7 +18,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import edits, latent_decode
+from vllm_omni_like.stages import edits, latent_decode, model_limits
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
@@ -35,9 +34,6 @@ from vllm_omni_like.stages.torch_utils import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STEPS = 20
-MAX_STEPS = 200
 
 
 class DiffusionStage(Stage):
@@ -68,17 +64,14 @@ class DiffusionStage(Stage):
         self.denoiser = getattr(pipe, accel.denoiser_name(pipe))
         self.tokenizer = getattr(pipe, "tokenizer", None)
         self.embed_shape = self._random_embeddings_shape(pipe)
-        self.size_multiple = int(opts.get("size_multiple", self._size_multiple()))
-        self.max_side = int(opts.get("max_side", 2048))
-        size = int(opts.get("default_size", self._native_size()))
-        self.default_width = int(opts.get("default_width", size))
-        self.default_height = int(opts.get("default_height", size))
-        self.default_steps = int(opts.get("default_steps", DEFAULT_STEPS))
+        self.limits = model_limits.diffusion_limits(self.config)
+        self.default_width = self.limits.default_width
+        self.default_height = self.limits.default_height
+        self.default_steps = self.limits.default_steps
         self.default_guidance = float(
             opts.get("default_guidance", 7.5 if not self.is_video else 5.0)
         )
-        self.default_frames = int(opts.get("default_frames", 9))
-        self.max_frames = int(opts.get("max_frames", 129))
+        self.default_frames = self.limits.default_frames or 9
         # speed: kernels, memory format, compilation (none of them changes the maths)
         cfg = self.config
         self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
@@ -154,22 +147,6 @@ class DiffusionStage(Stage):
             time.monotonic() - started,
         )
 
-    def _size_multiple(self) -> int:
-        factor = int(
-            getattr(self.pipe, "vae_scale_factor", None)
-            or getattr(self.pipe, "vae_scale_factor_spatial", 8)
-        )
-        patch = getattr(self.denoiser.config, "patch_size", None)
-        if isinstance(patch, (list, tuple)):
-            factor *= int(patch[-1])
-        return math.lcm(8, factor)  # diffusers' pipelines check multiples of 8
-
-    def _native_size(self) -> int:
-        sample = getattr(self.denoiser.config, "sample_size", None)
-        if isinstance(sample, int) and not self.is_video:
-            return sample * int(getattr(self.pipe, "vae_scale_factor", 8))
-        return 64 if self.config.model in TINY_NAMES or not self.config.model else 512
-
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
         p = request.params
@@ -182,26 +159,19 @@ class DiffusionStage(Stage):
             and ("inpaint" if request.mask is not None else "edit") not in self.edit_pipes
         ):
             raise InvalidRequestError("this model does not support image edits", stage=self.name)
-        for side, value in (("width", p.width), ("height", p.height)):
-            if value is None:
-                continue
-            if value <= 0 or value > self.max_side or value % self.size_multiple:
-                raise InvalidRequestError(
-                    f"{side} {value} is not supported: it must be a multiple of "
-                    f"{self.size_multiple} between {self.size_multiple} and {self.max_side}",
-                    stage=self.name,
-                    param="size",
-                    code="invalid_size",
-                )
-        if p.num_inference_steps is not None and not 1 <= p.num_inference_steps <= MAX_STEPS:
+        lim = self.limits
+        if p.width is not None or p.height is not None:
+            size = (p.width or self.default_width, p.height or self.default_height)
+            lim.check_size(self.config.model or "the model", *size)
+        if p.num_inference_steps is not None and not 1 <= p.num_inference_steps <= lim.max_steps:
             raise InvalidRequestError(
-                f"num_inference_steps must be within 1..{MAX_STEPS}",
+                f"num_inference_steps must be within 1..{lim.max_steps}",
                 stage=self.name,
                 param="num_inference_steps",
             )
-        if p.num_frames is not None and not 1 <= p.num_frames <= self.max_frames:
+        if p.num_frames is not None and not 1 <= p.num_frames <= (lim.max_frames or 1):
             raise InvalidRequestError(
-                f"num_frames must be within 1..{self.max_frames}",
+                f"num_frames must be within 1..{lim.max_frames}",
                 stage=self.name,
                 param="num_frames",
             )
@@ -284,7 +254,7 @@ class DiffusionStage(Stage):
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
         if first.mode == "edit":
-            mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.size_multiple)
+            mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.limits.size_multiple)
             pipe = self.edit_pipes[mode]
         kwargs.setdefault("height", p.height or self.default_height)
         kwargs.setdefault("width", p.width or self.default_width)

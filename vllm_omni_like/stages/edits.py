@@ -53,6 +53,10 @@ def edit_inputs(
     masks += masks[-1:] * pad
     kwargs["image"] = images
     kwargs["strength"] = first.params.strength if first.params.strength is not None else 0.8
+    # diffusers runs int(steps x strength) steps and fails on none: run one at least (the API
+    # already asks for enough steps; this covers the Python API)
+    while int(kwargs["num_inference_steps"] * kwargs["strength"]) < 1:
+        kwargs["num_inference_steps"] += 1
     if masks:
         kwargs["mask_image"] = masks
         return "inpaint"

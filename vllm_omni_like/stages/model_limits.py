@@ -1,0 +1,199 @@
+"""What a model can be asked for: sizes, frames and steps, read from its own config files.
+
+Torch-free, so the API process (admission, `/v1/models`) and the worker (its last check) use
+the same numbers. A model's defaults come from what it was built or trained for; a stage's
+`max_side` / `max_pixels` / `max_frames` / `max_steps` (CLI flags, YAML) override them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_omni_like.config import PipelineConfig, StageConfig
+from vllm_omni_like.errors import InvalidRequestError
+
+DEFAULT_MAX_STEPS = 200
+DEFAULT_STEPS = 20
+DEFAULT_MAX_FRAMES = 129
+DEFAULT_FPS = 8
+NULL_MAX_SIDE = 2048
+# sizes the OpenAI video API offers (the SDK's `size` choices): always answered, at the
+# model's nearest supported size when it cannot make them as asked
+OPENAI_VIDEO_SIZES = ("720x1280", "1280x720", "1024x1792", "1792x1024")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """One pipeline's output model: what a request may ask of it."""
+
+    output: str  # image | video | text
+    max_side: int
+    max_pixels: int  # n x width x height
+    max_steps: int
+    default_steps: int
+    size_multiple: int  # width and height are multiples of this
+    default_width: int
+    default_height: int
+    max_frames: int | None = None  # videos only
+    default_frames: int | None = None
+    frame_multiple: int | None = None  # frames are k x this + 1
+    default_fps: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def sizes_text(self) -> str:
+        m = self.size_multiple
+        return f"width and height multiples of {m} from {m} to {self.max_side}"
+
+    def check_size(self, model: str, width: int, height: int) -> None:
+        for side in (width, height):
+            if side > self.max_side or side % self.size_multiple or side < self.size_multiple:
+                raise InvalidRequestError(
+                    f"size {width}x{height} is not supported by {model}: it makes "
+                    f"{self.sizes_text()} (max_side {self.max_side})",
+                    param="size",
+                    code="invalid_size",
+                )
+
+    def nearest_size(self, width: int, height: int) -> tuple[int, int]:
+        """The supported size closest to WxH with its aspect ratio (scaled down to fit)."""
+        scale = min(1.0, self.max_side / max(width, height))
+        m = self.size_multiple
+
+        def fit(side: float) -> int:
+            return min(self.max_side, max(m, math.floor(side * scale / m + 0.5) * m))
+
+        return fit(width), fit(height)
+
+    def frames_for(self, frames: int) -> int:
+        """Rounded up to what the model needs (k x frame_multiple + 1)."""
+        k = -(-(max(1, frames) - 1) // (self.frame_multiple or 1))
+        return k * (self.frame_multiple or 1) + 1
+
+
+def _read(path: str, *parts: str) -> dict[str, Any]:
+    file = os.path.join(path, *parts)
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def model_path(stage: StageConfig) -> str:
+    """The directory a diffusion stage loads (an embedded model's shipped copy, or the user's)."""
+    from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
+
+    name = stage.model or "tiny-image"
+    return ensure_tiny_model(name) if name in TINY_NAMES else name
+
+
+def _geometry(path: str) -> dict[str, Any]:
+    """Spatial and temporal factors, native size and positional limits from the config files."""
+    index = _read(path, "model_index.json")
+    denoiser = "transformer" if "transformer" in index else "unet"
+    net = _read(path, denoiser, "config.json")
+    vae = _read(path, "vae", "config.json")
+    if "scale_factor_spatial" in vae:  # Wan's VAE
+        spatial, temporal = int(vae["scale_factor_spatial"]), int(vae["scale_factor_temporal"])
+    else:
+        spatial, temporal = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), None
+    patch = net.get("patch_size") or 1
+    patch_hw = int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+    video = temporal is not None or any(
+        h in str(index.get("_class_name", "")) for h in ("Video", "Wan", "T2V", "I2V")
+    )
+    sample = net.get("sample_size")
+    native = int(sample) * spatial if isinstance(sample, int) and not video else None
+    rope = net.get("rope_max_seq_len")
+    return {
+        "video": video,
+        "multiple": math.lcm(8, spatial * patch_hw),  # diffusers' pipelines check multiples of 8
+        "native": native,
+        "temporal": temporal or 4,
+        # rotary positions per axis bound the latent grid a transformer can place
+        "side_cap": int(rope) * spatial * patch_hw if rope else None,
+        "frames_cap": (int(rope) - 1) * (temporal or 4) + 1 if rope else None,
+    }
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def diffusion_limits(stage: StageConfig) -> ModelLimits:
+    opts = stage.options
+    g = _geometry(model_path(stage))
+    video = g["video"]
+    native = g["native"] or (64 if stage.model in ("", "tiny-image", "tiny-video") else 512)
+    size = int(opts.get("default_size", native))
+    width = int(opts.get("default_width", size))
+    height = int(opts.get("default_height", size))
+    # a model draws well up to about twice what it was trained for; a transformer no further
+    # than its rotary positions reach
+    side = int(_first(stage.max_side, opts.get("max_side"), 2 * max(width, height)))
+    if g["side_cap"]:
+        side = min(side, g["side_cap"])
+    side -= side % g["multiple"]
+    frames = fps = default_frames = None
+    if video:
+        cap = g["frames_cap"] or DEFAULT_MAX_FRAMES
+        frames = min(int(_first(stage.max_frames, opts.get("max_frames"), DEFAULT_MAX_FRAMES)), cap)
+        default_frames = min(int(opts.get("default_frames", 9)), frames)
+        fps = int(opts.get("default_fps", DEFAULT_FPS))
+    return ModelLimits(
+        output="video" if video else "image",
+        max_side=side,
+        max_pixels=int(_first(stage.max_pixels, opts.get("max_pixels"), 4 * side * side)),
+        max_steps=int(_first(stage.max_steps, opts.get("max_steps"), DEFAULT_MAX_STEPS)),
+        default_steps=int(opts.get("default_steps", DEFAULT_STEPS)),
+        size_multiple=g["multiple"],
+        default_width=width,
+        default_height=height,
+        max_frames=frames,
+        default_frames=default_frames,
+        frame_multiple=g["temporal"] if video else None,
+        default_fps=fps,
+    )
+
+
+def null_limits(stage: StageConfig) -> ModelLimits:
+    output = stage.options.get("output", "image")
+    side = int(_first(stage.max_side, stage.options.get("max_side"), NULL_MAX_SIDE))
+    video = output == "video"
+    return ModelLimits(
+        output=output,
+        max_side=side,
+        max_pixels=int(_first(stage.max_pixels, 16 * 1024 * 1024)),
+        max_steps=int(_first(stage.max_steps, DEFAULT_MAX_STEPS)),
+        default_steps=int(stage.options.get("steps", 4)),
+        size_multiple=1,
+        default_width=64,
+        default_height=64,
+        max_frames=int(_first(stage.max_frames, DEFAULT_MAX_FRAMES)) if video else None,
+        default_frames=5 if video else None,
+        frame_multiple=4 if video else None,
+        default_fps=DEFAULT_FPS if video else None,
+    )
+
+
+def stage_limits(stage: StageConfig) -> ModelLimits | None:
+    """None for stages that make text or are users' own classes (no limits known)."""
+    if stage.kind == "diffusion":
+        return diffusion_limits(stage)
+    if stage.kind == "null" and stage.options.get("output") != "text":
+        return null_limits(stage)
+    return None
+
+
+def pipeline_limits(pipeline: PipelineConfig) -> ModelLimits | None:
+    """The limits of the stage that makes the pipeline's output (its last media stage)."""
+    for stage in reversed(pipeline.stages):
+        found = stage_limits(stage)
+        if found is not None:
+            return found
+    return None
