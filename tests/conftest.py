@@ -23,12 +23,27 @@ def drain_batch(q: queue.Queue, batch_id: int, timeout: float = 30.0) -> list[ob
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """True as soon as `predicate()` holds; False if it still does not after `timeout` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(interval)
     return predicate()
+
+
+def wait_for(predicate, timeout: float, what: str = "the condition", interval: float = 0.02):
+    """The suite's one wait for an event: returns `predicate()`'s truthy value as soon as it
+    has one, or fails the test saying what did not happen within `timeout` seconds. A test
+    that reads a counter or a state the engine changes on another thread waits with this."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
 
 
 def live_children() -> list[psutil.Process]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from PIL import Image
 
@@ -87,3 +88,52 @@ def test_generate_writes_files_and_per_line_results(tmp_path, monkeypatch):
     assert again["a"] == res["a"] and os.path.getmtime(files[0]) == before
     assert again["fault"]["response"]["status_code"] == 200
     assert again["bad-size"]["response"]["status_code"] == 400
+
+
+def test_a_malformed_line_fails_alone_and_output_names_never_collide(tmp_path):
+    src, out = tmp_path / "in.jsonl", str(tmp_path / "out")
+    lines = [
+        {"url": "/v1/images/generations", "body": ["prompt"]},  # body is not an object
+        {"custom_id": "a/b", "prompt": "one", "seed": 1},
+        {"custom_id": "a_b", "prompt": "two", "seed": 2},
+        {"custom_id": "line-5", "prompt": "a user's id that looks generated", "seed": 3},
+        {"prompt": "line 5 without an id", "seed": 4},
+        {"custom_id": "A_B", "prompt": "three", "seed": 5},
+    ]
+    _write(src, lines)
+    assert main(["generate", "null-image", "--input", str(src), "--output-dir", out]) == 1
+    res = _results(out)
+    assert set(res) == {"line-1", "a/b", "a_b", "line-5", "line-5-1", "A_B"}
+    bad = res["line-1"]["response"]
+    assert bad["status_code"] == 400
+    assert bad["body"]["error"]["message"] == "body must be a JSON object, not list"
+    files = {
+        cid: r["response"]["body"]["data"][0]["file"] for cid, r in res.items() if cid != "line-1"
+    }
+    assert len({f.lower() for f in files.values()}) == 5  # unique, also case-insensitively
+    assert os.path.basename(files["a_b"]) == "a_b-0.png"  # a safe, free id keeps its name
+    for cid, path in files.items():
+        assert os.path.dirname(path) == out and os.path.isfile(path), (cid, path)
+    assert res["line-5-1"]["response"]["status_code"] == 200
+    assert res["line-5"]["response"]["body"]["data"][0]["seed"] == 3  # the user's line
+
+
+def test_a_missing_input_fails_before_any_model_loads(tmp_path, capsys):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    code = main(
+        [
+            "generate",
+            "tiny-omni",
+            "--input",
+            str(tmp_path / "missing.jsonl"),
+            "--output-dir",
+            str(out),
+        ]
+    )
+    assert code == 2
+    assert time.monotonic() - started < 3  # loading tiny-omni's workers alone takes longer
+    assert capsys.readouterr().err == (
+        f"error: --input {tmp_path / 'missing.jsonl'}: No such file or directory\n"
+    )
+    assert not out.exists()

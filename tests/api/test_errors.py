@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import live_server
-from tests.conftest import wait_until
+from tests.conftest import wait_for, wait_until
 from vllm_omni_like.engine import stage_pool
 
 
@@ -129,16 +130,60 @@ def test_request_id_is_echoed(null_server):
     assert [m["id"] for m in r.json()["data"]] == ["null-omni", "null-image", "null-video"]
 
 
-def test_client_disconnect_aborts_the_request(null_server):
+def test_client_disconnect_aborts_the_request(null_server, caplog):
     stats = null_server.engine.stats
     before = stats.final["aborted"]
+    caplog.set_level(logging.INFO, logger="vllm_omni_like.api.errors")
     with pytest.raises(httpx.ReadTimeout), null_server.http(timeout=0.3) as http:
         http.post(
             "/v1/images/generations",
             json={"prompt": "x @delay=0.05", "model": "null-image", "num_inference_steps": 50},
         )
-    assert wait_until(lambda: stats.final["aborted"] == before + 1, 2)
-    assert wait_until(lambda: not null_server.engine.orchestrator.requests, 2)
+    wait_for(lambda: stats.final["aborted"] == before + 1, 2, "the abort is counted")
+    wait_for(lambda: not null_server.engine.orchestrator.requests, 2, "no request state left")
+    wait_for(
+        lambda: any("the client disconnected" in r.getMessage() for r in caplog.records),
+        2,
+        "the disconnect is logged as such",
+    )
+    assert not any("-> 500" in r.getMessage() for r in caplog.records)
+
+
+def test_invalid_json_says_what_is_wrong_and_where(null_server):
+    with null_server.http() as http:
+        r = http.post(
+            "/v1/images/generations",
+            content=b'{"prompt": "x",}',
+            headers={"content-type": "application/json"},
+        )
+    body = _err(r, 400, "invalid_request")
+    assert body["param"] is None
+    assert body["message"] == (
+        "the request body is not valid JSON: Expecting property name enclosed in double quotes "
+        "at character 15"
+    )
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(null_server):
+    def chunks():
+        for _ in range(22):  # 2.2 MB against the 2 MB limit, without a Content-Length
+            yield b"x" * 100_000
+
+    with null_server.http() as http:
+        r = http.post(
+            "/v1/images/generations",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
+        assert "content-length" not in r.request.headers
+        body = _err(r, 413, "payload_too_large")
+        assert body["message"] == "request body is over the limit of 2000000 bytes"
+        small = http.post(
+            "/v1/images/generations",
+            content=iter([b'{"prompt": "x", ', b'"model": "null-image"}']),
+            headers={"content-type": "application/json"},
+        )
+        assert small.status_code == 200, small.text  # a chunked body under the limit is read
 
 
 def test_401_without_or_with_a_wrong_key(tmp_path_factory):

@@ -133,7 +133,7 @@ def video_params(
     frames = model.frames_for(asked)
     if model.max_frames is not None and frames > model.max_frames:
         longest = (model.max_frames - 1) / fps
-        via = f"{body.seconds or DEFAULT_SECONDS:g} s x {fps} fps"
+        via = f"{float(body.seconds or DEFAULT_SECONDS):g} s x {fps} fps"
         if body.num_frames:
             via = f"num_frames {body.num_frames}"
         raise InvalidRequestError(

@@ -104,15 +104,15 @@ def _geometry(path: str) -> dict[str, Any]:
         spatial, temporal = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), None
     patch = net.get("patch_size") or 1
     patch_hw = int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
-    video = temporal is not None or any(
-        h in str(index.get("_class_name", "")) for h in ("Video", "Wan", "T2V", "I2V")
-    )
+    cls = str(index.get("_class_name", ""))
+    video = temporal is not None or any(h in cls for h in ("Video", "Wan", "T2V", "I2V"))
+    base = 16 if "Wan" in cls else 8  # what the diffusers pipeline's check_inputs asks
     sample = net.get("sample_size")
     native = int(sample) * spatial if isinstance(sample, int) and not video else None
     rope = net.get("rope_max_seq_len")
     return {
         "video": video,
-        "multiple": math.lcm(8, spatial * patch_hw),  # diffusers' pipelines check multiples of 8
+        "multiple": math.lcm(base, spatial * patch_hw),
         "native": native,
         "temporal": temporal or 4,
         # rotary positions per axis bound the latent grid a transformer can place
