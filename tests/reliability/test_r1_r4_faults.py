@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.api.conftest import live_server
-from tests.conftest import wait_until
+from tests.conftest import wait_for, wait_until
 from tests.reliability.leaks import Baseline, check_engine
 from vllm_omni_like.config import parse_faults
 from vllm_omni_like.messages import StageRequest
@@ -87,8 +87,13 @@ def test_r1_recoverable_faults_under_load(tmp_path_factory):
             err = r.json()["error"]
             assert err["stage"] == rule.stage and err["message"].startswith(f"stage '{rule.stage}'")
         assert 30 <= faulted <= 80 and ok + faulted == 500
-        batches = server.engine.stats.batch_sizes
-        assert max(k for k, v in batches.items() if v) > 1  # faulted peers shared batches
+        wait_for(  # faulted peers shared batches (counted at each BatchDone)
+            lambda: (
+                max(k for k, v in server.engine.stats.snapshot()["batch_sizes"].items() if v) > 1
+            ),
+            5,
+            "a batch of more than one",
+        )
         # the survivors equal a fault-free run of the same seeds (ids chosen to hit no rule)
         refs = []
         for rid, body in bodies:
@@ -238,8 +243,8 @@ def test_r3_two_replicas_reroute_and_poison(tmp_path_factory):
         assert [r.status_code for r, _, _ in results] == [200] * 8
         assert stats.stage_requests["llm"] == 8  # the LLM stage was not run again
         assert set(health) == {200}  # the other replica kept the stage ready
-        deaths = stats.worker_deaths
-        assert wait_until(lambda: pool.live_count == 2, 10)
+        wait_for(lambda: pool.live_count == 2, 10, "the killed replica restarted")
+        deaths = stats.worker_deaths  # read once the restart (after the death) is seen
         r = httpx.post(
             f"{server.url}/v1/images/generations",
             timeout=30,
@@ -249,7 +254,7 @@ def test_r3_two_replicas_reroute_and_poison(tmp_path_factory):
         assert r.json()["error"]["message"] == (
             "stage 'diffusion': request crashed the worker twice; it is not retried"
         )
-        assert stats.worker_deaths - deaths == 2
+        wait_for(lambda: stats.worker_deaths - deaths == 2, 5, "the poison's two deaths")
         assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 10)
         check_engine(server)
     base.check(fd_slack=10)
@@ -274,7 +279,7 @@ def test_r4_stopped_worker_is_killed_and_its_work_rerun(tmp_path_factory):
         for t in threads:
             t.join(30)
         assert [r.status_code for r, _, _ in results] == [200] * 4
-        assert server.engine.stats.worker_deaths == 1
+        wait_for(lambda: server.engine.stats.worker_deaths == 1, 5, "the stall counted as a death")
         check_engine(server)
     base.check(fd_slack=10)
 
