@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
-from vllm_omni_like import config as cfg
+from vllm_omni_like import flags as cfg
 from vllm_omni_like.errors import OmniError
 from vllm_omni_like.pipelines.catalog import resolve
 
@@ -107,17 +108,44 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="offline batch over a JSONL file")
     cfg.add_engine_args(gen)
-    gen.add_argument("--input", required=True, help="JSONL: OpenAI Batch lines or plain objects")
-    gen.add_argument("--output-dir", required=True)
+    gen.add_argument(
+        "--input", required=True, help="JSONL: OpenAI Batch lines or plain objects (required)"
+    )
+    gen.add_argument(
+        "--output-dir",
+        required=True,
+        help="where images, videos and results.jsonl are written (required)",
+    )
     gen.add_argument(
         "--resume",
         action="store_true",
-        help="skip lines whose custom_id already succeeded in output-dir",
+        help="skip lines whose custom_id already succeeded in output-dir (default: off)",
     )
-    gen.add_argument("--allow-failures", action="store_true", help="exit 0 even if lines failed")
-    gen.add_argument("--concurrency", type=int, default=16)
+    gen.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="exit 0 even if lines failed (default: off, exit 1)",
+    )
+    gen.add_argument(
+        "--concurrency", type=int, default=16, help="lines in flight at once (default: %(default)s)"
+    )
     gen.set_defaults(func=cmd_generate)
     return parser
+
+
+def help_texts(width: int = 100) -> dict[str, str]:
+    """Each command's --help text at a fixed width (docs/cli.md is written from it)."""
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(width)  # argparse reads the width from here
+    try:
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {name: sub.format_help() for name, sub in commands.choices.items()}
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
 
 
 def main(argv: list[str] | None = None) -> int:

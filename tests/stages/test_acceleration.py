@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_like import config as cfg
+from vllm_omni_like import flags as cfg
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest

@@ -1,0 +1,283 @@
+"""Command-line flags: read here and nowhere else, into the frozen dataclasses of config.py.
+
+Every flag has help text that shows its default; a stage flag's default is the StageConfig
+field's own (None in argparse means "not given: keep the stage's value").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, fields
+from typing import Any
+
+from vllm_omni_like.config import (
+    ATTENTION_BACKENDS,
+    CHANNELS_LAST_MODES,
+    COMPILE_MODES,
+    EngineConfig,
+    Limits,
+    PipelineConfig,
+    ServerSettings,
+    StageConfig,
+    faults_from_env,
+)
+
+API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
+STAGE_FLAGS = (
+    "load_format",
+    "dtype",
+    "device",
+    "replicas",
+    "max_batch_size",
+    "batch_wait",
+    "stall_timeout",
+    "compile",
+    "compile_mode",
+    "attention",
+    "channels_last",
+    "warmup_sizes",
+    "batch_buckets",
+    "batched_cfg",
+    "decode_overlap",
+    "max_side",
+    "max_pixels",
+    "max_frames",
+    "max_steps",
+)
+MODEL_LIMIT_HELP = {
+    "max_side": "largest width or height",
+    "max_pixels": "n x width x height of one request",
+    "max_frames": "frames of one video",
+    "max_steps": "num_inference_steps",
+}
+LIMIT_HELP = {
+    "max_upload_bytes": "bytes of one uploaded image or mask (413 over it)",
+    "max_upload_pixels": "pixels of one uploaded image or mask (400 over it)",
+    "max_body_bytes": "bytes of a request body (413 over it)",
+    "max_prompt_chars": "characters of a prompt (400 over it)",
+}
+_STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
+_ENGINE = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+_SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not MISSING}
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
+    """A flag that overrides every stage's field `name`; its help shows the field's default."""
+    default = _STAGE[name]
+    shown = _on_off(default) if isinstance(default, bool) else default
+    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="*",
+        default=[],
+        help="built-in pipeline name, architecture (sd15, wan2.1-t2v-1.3b), YAML pipeline file "
+        "or local diffusers directory (repeatable; default: tiny-omni tiny-image tiny-video)",
+    )
+    parser.add_argument(
+        "--llm",
+        help="local LLM directory to put in front of a diffusers directory as a prompt "
+        "rewriter (default: none)",
+    )
+    g = parser.add_argument_group("stages (override every stage)")
+    _stage_flag(
+        g,
+        "load_format",
+        "auto: the weights on disk; dummy: random weights",
+        choices=("auto", "dummy"),
+    )
+    _stage_flag(
+        g, "dtype", "auto: fp16 on CUDA, fp32 on the CPU", choices=("auto", "fp32", "fp16", "bf16")
+    )
+    _stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
+    _stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
+    _stage_flag(g, "max_batch_size", "requests per batch", type=int)
+    _stage_flag(
+        g,
+        "batch_wait",
+        "after a batch of N, a replica waits up to SHARE x that batch's run time for N requests "
+        "to queue (closed-loop clients coming back), so batches stay whole; 0 = never wait",
+        type=float,
+        metavar="SHARE",
+    )
+    _stage_flag(
+        g,
+        "stall_timeout",
+        "seconds a busy worker may report no progress before it is killed and restarted",
+        type=float,
+        metavar="S",
+    )
+    g = parser.add_argument_group("speed (diffusion stages)")
+    _stage_flag(
+        g,
+        "compile",
+        "torch.compile the denoiser, warmed up at start-up for --warmup-size and a few "
+        "batch-size buckets (batches are padded up to their bucket)",
+        action="store_true",
+        default=None,
+    )
+    _stage_flag(g, "compile_mode", "torch.compile's mode", choices=COMPILE_MODES)
+    _stage_flag(
+        g,
+        "attention",
+        "attention kernels; xformers falls back to sdpa with a warning when its kernels do not "
+        "run here",
+        choices=ATTENTION_BACKENDS,
+    )
+    _stage_flag(
+        g,
+        "channels_last",
+        "NHWC for the conv UNet and image VAE (auto: on for a compiled UNet on CUDA, where it "
+        "is faster; in eager mode it is slower)",
+        choices=CHANNELS_LAST_MODES,
+    )
+    _stage_flag(
+        g,
+        "batched_cfg",
+        "both classifier-free-guidance halves in one forward where a pipeline calls its "
+        "denoiser twice a step (Wan); same maths, rounded differently in 16-bit",
+        action=argparse.BooleanOptionalAction,
+    )
+    _stage_flag(
+        g,
+        "decode_overlap",
+        "decode a batch (VAE, then pixels to the host) on a second thread and CUDA stream "
+        "while the replica already denoises the next queued batch",
+        action=argparse.BooleanOptionalAction,
+    )
+    g.add_argument(
+        "--batch-buckets",
+        type=_int_list,
+        metavar="1,2,4,...",
+        help="with --compile: the batch sizes (images per model call) compiled at start-up; "
+        "a batch is padded up to the next one (default: those of 1, 2, 4, 8, 16, 24, 32 "
+        "below --max-batch-size, and --max-batch-size itself)",
+    )
+    g.add_argument(
+        "--warmup-size",
+        dest="warmup_sizes",
+        action="append",
+        metavar="WxH",
+        help="with --compile: an image/video size to compile and warm up for (repeatable; "
+        "default: the model's own size)",
+    )
+    g = parser.add_argument_group("engine")
+    for name, text in (
+        ("max_restarts", "restarts of a stage's replicas before the stage is dead"),
+        ("max_request_retries", "re-runs of a request whose worker died"),
+        ("request_timeout", "seconds a request may take before it gets 504"),
+        ("max_queue_size", "requests admitted per pipeline before 429"),
+    ):
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=float if name == "request_timeout" else int,
+            default=_ENGINE[name],
+            help=f"{text} (default: %(default)s)",
+        )
+    g = parser.add_argument_group(
+        "model limits (override every stage; default: the model's own, from what it was built "
+        "or trained for, shown by /v1/models)"
+    )
+    for name, text in MODEL_LIMIT_HELP.items():
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            metavar="N",
+            help=f"{text} (default: the model's own)",
+        )
+    g = parser.add_argument_group("server-wide limits")
+    for f in fields(Limits):
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=f.default,
+            metavar="N",
+            help=f"{LIMIT_HELP[f.name]} (default: %(default)s)",
+        )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,32, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, not {text!r}")
+    return values
+
+
+def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
+    found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
+    if "warmup_sizes" in found:
+        found["warmup_sizes"] = tuple(found["warmup_sizes"])
+    return found
+
+
+def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:
+    return EngineConfig(
+        pipelines=pipelines,
+        max_restarts=args.max_restarts,
+        max_request_retries=args.max_request_retries,
+        request_timeout=args.request_timeout,
+        max_queue_size=args.max_queue_size,
+        faults=faults_from_env(),
+    )
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    return Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(getattr(args, "api_key", None) or [])
+    if os.environ.get(API_KEY_ENV):
+        keys.extend(k for k in os.environ[API_KEY_ENV].split(",") if k)
+    return tuple(keys)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=_SERVER["host"], help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=_SERVER["port"], help="(default: %(default)s)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        help=f"required as 'Authorization: Bearer KEY' (repeatable; or {API_KEY_ENV}=k1,k2; "
+        "default: none, the server is open)",
+    )
+    for name, kind, text in (
+        ("storage_dir", str, "video jobs (SQLite) and files"),
+        ("video_timeout", float, "seconds a video job may take"),
+        ("video_concurrency", int, "video jobs running at once"),
+        ("url_ttl", float, "seconds image URLs live"),
+        ("file_ttl", float, "seconds finished video files live"),
+        ("drain_timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
+    ):
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=_SERVER[name],
+            help=f"{text} (default: %(default)s)",
+        )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=api_keys(args),
+        storage_dir=args.storage_dir,
+        video_timeout=args.video_timeout,
+        video_concurrency=args.video_concurrency,
+        url_ttl=args.url_ttl,
+        file_ttl=args.file_ttl,
+        drain_timeout=args.drain_timeout,
+        limits=limits(args),
+    )
