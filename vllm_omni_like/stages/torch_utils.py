@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zlib
 from typing import Any
@@ -13,13 +14,23 @@ import torch
 from vllm_omni_like.errors import InvalidRequestError
 
 
+def _not_torchvision_fallback(record: logging.LogRecord) -> bool:
+    # transformers falls back to its PIL image processors (which the edit pipelines' unused
+    # feature extractors name) without torchvision, and says so once per class, per process
+    return "requires torchvision (not installed)" not in record.getMessage()
+
+
 def quiet_loading() -> None:
-    """No progress bars from the hub libraries in worker logs."""
+    """No progress bars and no torchvision fallback notices from the hub libraries in worker
+    logs; their other warnings stay."""
     import diffusers
     import transformers
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
+    source = logging.getLogger("transformers.utils.import_utils")
+    if _not_torchvision_fallback not in source.filters:
+        source.addFilter(_not_torchvision_fallback)
 
 
 _DTYPES = {
