@@ -1,4 +1,4 @@
-"""Comparing the server's media with the reference's (../shared/BENCHMARKS.md: PSNR >= 35 dB)."""
+"""Comparing the server's media with the reference's (docs/benchmarks.md: PSNR >= 35 dB)."""
 
 from __future__ import annotations
 

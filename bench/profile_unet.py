@@ -1,4 +1,4 @@
-"""Where the GPU time of an SD1.5-architecture batch goes (../shared/BENCHMARKS.md, issue #6).
+"""Where the GPU time of an SD1.5-architecture batch goes (docs/benchmarks.md, issue #6).
 
     python bench/profile_unet.py --batch 32 --out-dir bench/results      # on a GPU machine
 

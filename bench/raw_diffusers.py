@@ -1,4 +1,4 @@
-"""Plain diffusers: the reference every GPU figure is compared with (../shared/BENCHMARKS.md).
+"""Plain diffusers: the reference every GPU figure is compared with (docs/benchmarks.md).
 
     python bench/raw_diffusers.py images --batch-sizes 1,2,4,8,16,32 --compile both
     python bench/raw_diffusers.py video

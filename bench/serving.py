@@ -1,4 +1,4 @@
-"""The server against plain diffusers, in the same run (../shared/BENCHMARKS.md).
+"""The server against plain diffusers, in the same run (docs/benchmarks.md).
 
     python bench/serving.py --compile both --video          # on a GPU machine
 
