@@ -47,3 +47,24 @@ def test_llm_text_becomes_the_next_prompt():
         True,
     )
     assert Pipeline.revised_prompt({"llm": prev}) == "a red circle at the top left"
+
+
+def test_model_limits_come_from_the_model_and_yaml_or_flags_override_them():
+    import argparse
+
+    from vllm_omni_like import flags
+    from vllm_omni_like.stages.model_limits import pipeline_limits
+
+    (yaml_pipeline,) = from_yaml("examples/pipeline.yaml")
+    limits = pipeline_limits(yaml_pipeline)
+    assert (limits.max_side, limits.max_pixels) == (96, 4 * 96 * 96)  # the YAML's max_side
+    own = pipeline_limits(builtin("tiny-image"))
+    assert (own.max_side, own.max_steps, own.size_multiple) == (128, 200, 8)
+    parser = argparse.ArgumentParser()
+    flags.add_engine_args(parser)
+    args = parser.parse_args(["--max-side", "64", "--max-steps", "30", "--max-frames", "17"])
+    video = pipeline_limits(builtin("tiny-video", **flags.stage_overrides(args)))
+    assert (video.max_side, video.max_steps, video.max_frames) == (64, 30, 17)
+    assert pipeline_limits(builtin("tiny-video")).max_frames == 33  # what it was trained for
+    with pytest.raises(InvalidRequestError, match="max_side must be an integer >= 1"):
+        builtin("tiny-image", max_side=0)
