@@ -24,6 +24,7 @@ class StageRequest:
     mask: Any | None = None  # HxW uint8, 255 = repaint (diffusers' convention)
     # a prompt written by an earlier stage is truncated to the encoder, not refused
     truncate_prompt: bool = False
+    client_id: str | None = None  # the client's x-request-id (logs, fault selection)
 
     def batch_key(self) -> tuple:
         if self.mode != "edit":
@@ -131,6 +132,8 @@ class OmniRequest:
     images: list[Any] = field(default_factory=list)
     mask: Any | None = None
     timeout: float | None = None  # seconds; the engine's default when None
+    # the client's own id (x-request-id), carried for logs; the engine keys on request_id
+    client_id: str | None = None
 
 
 @dataclass

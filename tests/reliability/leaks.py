@@ -56,6 +56,16 @@ def task_count(loop) -> int:
     return len([t for t in asyncio.all_tasks(loop) if not t.done()])
 
 
+def client_of(engine_id: str) -> str:
+    """The engine keys a request on `<x-request-id>~<token>`: the client's id, back."""
+    return engine_id.split("~")[0]
+
+
+def engine_id(mapping, client_id: str) -> str | None:
+    """The key in an engine map (requests, recent_final) of the request the client named."""
+    return next((k for k in list(mapping) if client_of(k) == client_id), None)
+
+
 def statuses(server, ids) -> dict[str, str]:
-    final = dict(server.engine.orchestrator.recent_final)
+    final = {client_of(k): v for k, v in list(server.engine.orchestrator.recent_final.items())}
     return {rid: final.get(rid) for rid in ids}

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.api.conftest import live_server
-from tests.reliability.leaks import Baseline, check_engine, statuses
+from tests.reliability.leaks import Baseline, check_engine, client_of, engine_id, statuses
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -42,7 +42,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
             """Wait (at most 60 s) until the request is in a batch its diffusion worker runs."""
             deadline = time.monotonic() + 60
             while not task.done() and time.monotonic() < deadline:
-                state = orch.requests.get(rid)
+                state = orch.requests.get(engine_id(orch.requests, rid) or "")
                 replica = None if state is None or state.stage_index != 1 else state.replica
                 if replica is not None and state in denoising.replicas[replica].batch:
                     return True
@@ -66,7 +66,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
             task.cancel()  # the client goes away: its connection closes
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.sleep(1.0)
-            if rid in orch.requests:  # the abort must have reached the engine within 1 s
+            if engine_id(orch.requests, rid):  # the abort must have reached the engine in 1 s
                 late_aborts.append(rid)
             return rid, None
 
@@ -92,7 +92,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         ran: dict[str, tuple[int, int | None]] = {}  # diffusion steps run, and after the abort
         for rid, stage, n, after in orch.recent_steps:
             if stage == "diffusion":
-                ran[rid] = (n, after)
+                ran[client_of(rid)] = (n, after)
         for rid in aborted:  # the worker's own count: no step after the abort reached it
             n, after = ran.get(rid, (0, None))
             assert after in (None, 0), (rid, n, after)

@@ -38,13 +38,20 @@ async def _respond(
     prefix: str = "image_generation",
 ):
     server = _server(request)
+    state = request.state
     omni = image_request(
-        server.engine, body, server.settings.limits, request.state.request_id, images, mask
+        server.engine,
+        body,
+        server.settings.limits,
+        state.engine_request_id,
+        images,
+        mask,
+        client_id=state.request_id,
     )
     if body.stream:
         stream = server.open(request, omni)  # admission errors still get their real status
         return StreamingResponse(
-            stream_images(server, stream, body, prefix),
+            stream_images(server, stream, body, prefix, request.state.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

@@ -30,8 +30,16 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or f"req_{secrets.token_hex(12)}"
-        scope.setdefault("state", {})["request_id"] = request_id
+        # the engine keys requests on an id of its own, so two requests that send the same
+        # x-request-id never share, overwrite or abort each other; the client's is echoed
+        client_id = headers.get("x-request-id")
+        if client_id:  # the client's id stays visible in the engine's logs
+            engine_id = f"{client_id}~{secrets.token_hex(6)}"
+        else:
+            engine_id = client_id = f"req_{secrets.token_hex(12)}"
+        request_id = client_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["engine_request_id"] = client_id, engine_id
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":

@@ -45,6 +45,7 @@ def image_request(
     images: list[Any] | None = None,
     mask: Any | None = None,
     timeout: float | None = None,
+    client_id: str | None = None,
 ) -> OmniRequest:
     pipeline = pick_pipeline(engine, body.model, "image")
     model = engine.model_limits(pipeline)
@@ -60,6 +61,7 @@ def image_request(
         images=images or [],
         mask=mask,
         timeout=timeout,
+        client_id=client_id,
     )
 
 

@@ -112,7 +112,7 @@ def _sse(event: str | None, data: dict[str, Any] | str) -> str:
 
 
 async def stream_images(
-    server: Server, stream: RequestStream, body: ImageRequest, prefix: str
+    server: Server, stream: RequestStream, body: ImageRequest, prefix: str, client_id: str
 ) -> AsyncIterator[str]:
     """SSE: partial images from real intermediate steps, then completed, then [DONE]."""
     index, keepalive = 0, server.settings.keepalive_s
@@ -149,7 +149,7 @@ async def stream_images(
                 index += 1
                 continue
             if event.error is not None:
-                yield _sse("error", envelope(event.error, stream.request_id))
+                yield _sse("error", envelope(event.error, client_id))
             else:
                 items = await asyncio.to_thread(
                     image_items, event, body.output_format, body.output_compression

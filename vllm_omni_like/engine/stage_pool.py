@@ -84,6 +84,9 @@ class StagePool:
         self.waiting: deque[RequestState] = deque()
         self.started = False
         self._stopping = threading.Event()
+        # executors of restarts under way (until on_restarted takes them): shutdown() stops them
+        self._starting: set[Executor] = set()
+        self._restart_lock = threading.Lock()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _make_executor(self, index: int) -> Executor:
@@ -118,10 +121,14 @@ class StagePool:
         self.started = True
 
     def shutdown(self) -> None:
-        self._stopping.set()
+        with self._restart_lock:
+            self._stopping.set()
+            starting = list(self._starting)
         for r in self.replicas:
             if r.executor is not None:
                 r.executor.shutdown()
+        for executor in starting:  # a restart under way, or done but not yet handed over
+            executor.shutdown()
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -302,10 +309,17 @@ class StagePool:
         def run() -> None:
             if self._stopping.wait(delay):
                 return
+            executor = None
             try:
                 executor = self._make_executor(replica.index)
+                with self._restart_lock:  # shutdown() sees it from here on: nothing outlives it
+                    if self._stopping.is_set():
+                        return
+                    self._starting.add(executor)
                 executor.start()
             except Exception as exc:
+                if executor is not None:
+                    self._starting.discard(executor)
                 err = classify(exc, self.name).info()
                 self.inbox.put(ReplicaRestartFailed(self.pipeline, self.index, replica.index, err))
                 return
@@ -317,6 +331,7 @@ class StagePool:
         threading.Thread(target=run, daemon=True, name=f"restart-{self.name}").start()
 
     def on_restarted(self, replica_index: int, executor: Executor) -> None:
+        self._starting.discard(executor)
         replica = self.replicas[replica_index]
         replica.executor, replica.restarting = executor, False
         replica.started_at = time.monotonic()

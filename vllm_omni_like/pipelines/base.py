@@ -47,6 +47,7 @@ class Pipeline:
             images=request.images,
             mask=request.mask,
             truncate_prompt=rewritten,
+            client_id=request.client_id,
         )
 
     @staticmethod

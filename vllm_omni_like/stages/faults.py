@@ -35,8 +35,9 @@ def hash_fraction(seed: int, request_id: str, stage: str, point: str) -> float:
 def selects(rule: FaultRule, request: _HasPrompt) -> bool:
     if rule.match is not None and rule.match not in request.prompt:
         return False
-    if rule.p is not None:
-        return hash_fraction(rule.seed, request.request_id, rule.stage, rule.point) < rule.p
+    if rule.p is not None:  # by the client's id where it gave one: drills can predict it
+        key = getattr(request, "client_id", None) or request.request_id
+        return hash_fraction(rule.seed, key, rule.stage, rule.point) < rule.p
     return True
 
 
