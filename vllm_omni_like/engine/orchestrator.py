@@ -11,7 +11,12 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
-from vllm_omni_like.engine.request_state import EngineStats, RequestState, final_status
+from vllm_omni_like.engine.request_state import (
+    EngineStats,
+    RequestState,
+    after_death,
+    final_status,
+)
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
     EngineDeadError,
@@ -275,7 +280,9 @@ class Orchestrator:
                 for rid in ids:
                     state = self.requests.get(rid)
                     if state is not None:
-                        state.emit(RequestProgress(rid, pool.name, step, total, previews.get(rid)))
+                        preview = previews.get(rid)
+                        state.partials_sent += preview is not None
+                        state.emit(RequestProgress(rid, pool.name, step, total, preview))
             case ReplicaDied() as event:
                 self._on_replica_death(pool, replica, event)
 
@@ -289,33 +296,15 @@ class Orchestrator:
             if self.pools[state.request.pipeline][state.stage_index] is not pool:
                 continue
             state.deaths += 1
-            if state.deaths >= 2:
-                self._finish(
-                    state,
-                    EngineGenerateError(
-                        "request crashed the worker twice; it is not retried", stage=pool.name
-                    ),
-                )
-            elif state.retries < self.config.max_request_retries and pool.state != "dead":
-                state.retries += 1
-                state.replica, state.isolate = None, True
-                pool.enqueue(state, front=True)  # reuses earlier stages' outputs
-            elif pool.state == "dead":
-                self._finish(
-                    state,
-                    EngineDeadError(
-                        f"worker {event.exit_desc}; no live replica and no restart left",
-                        stage=pool.name,
-                    ),
-                )
-            else:
-                self._finish(
-                    state,
-                    EngineGenerateError(
-                        f"worker {event.exit_desc} while running this request; no retry left",
-                        stage=pool.name,
-                    ),
-                )
+            verdict = after_death(
+                state, pool.name, pool.state, event.exit_desc, self.config.max_request_retries
+            )
+            if verdict is not None:
+                self._finish(state, verdict)
+                continue
+            state.retries += 1
+            state.replica, state.isolate = None, True
+            pool.enqueue(state, front=True)  # reuses earlier stages' outputs
         if pool.state == "dead":
             self._die(
                 EngineDeadError(

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.errors import EngineDeadError, EngineGenerateError, ErrorInfo, OmniError
 from vllm_omni_like.messages import OmniRequest, StageRequest
 from vllm_omni_like.outputs import StageOutput
 
@@ -40,10 +40,37 @@ class RequestState:
     replica: int | None = None  # where it runs now, if running
     stage_started: float = 0.0
     finished: bool = False
+    partials_sent: int = 0  # partial images emitted: such a stream is never re-run
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+def after_death(
+    state: RequestState, stage: str, pool_state: str, exit_desc: str, max_retries: int
+) -> OmniError | None:
+    """What becomes of a request its worker died under: None to re-run it (from this stage,
+    earlier stages' outputs reused), else the error it ends with."""
+    if state.partials_sent:  # a re-run would stream its partial images a second time
+        return EngineGenerateError(
+            f"worker {exit_desc} after {state.partials_sent} partial image(s) were streamed; "
+            "a stream is not re-run",
+            stage=stage,
+        )
+    if state.deaths >= 2:  # a poison request must not take every replica down
+        return EngineGenerateError(
+            "request crashed the worker twice; it is not retried", stage=stage
+        )
+    if pool_state == "dead":
+        return EngineDeadError(
+            f"worker {exit_desc}; no live replica and no restart left", stage=stage
+        )
+    if state.retries >= max_retries:
+        return EngineGenerateError(
+            f"worker {exit_desc} while running this request; no retry left", stage=stage
+        )
+    return None
 
 
 class EngineStats:
