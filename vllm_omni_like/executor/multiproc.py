@@ -34,6 +34,9 @@ from vllm_omni_like.outputs import StageOutput
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+# messages waiting for a worker's writer thread; a worker that lets this many pile up has
+# stopped reading its pipe (stopped, or hung) and is killed
+OUTBOX_MAX = 256
 
 
 def describe_exit(code: int | None) -> str:
@@ -54,6 +57,10 @@ class _WorkerHandle:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.reader: threading.Thread | None = None
+        # the one thread that writes to the worker's pipe, so that no thread of the engine
+        # (the orchestrator runs deadlines, stall checks and /health) blocks on a full pipe
+        self.outbox: queue.Queue[object | None] = queue.Queue(OUTBOX_MAX)
+        self.writer: threading.Thread | None = None
 
 
 class MultiprocExecutor(Executor):
@@ -106,6 +113,13 @@ class MultiprocExecutor(Executor):
                 name=f"reader-{proc.name}",
             )
             handle.reader.start()
+            handle.writer = threading.Thread(
+                target=self._write_forever,
+                args=(handle,),
+                daemon=True,
+                name=f"writer-{proc.name}",
+            )
+            handle.writer.start()
             self._workers.append(handle)
         try:
             self._wait_ready()
@@ -165,6 +179,10 @@ class MultiprocExecutor(Executor):
                 w.proc.kill()
                 w.proc.join(5)
         for w in self._workers:
+            with contextlib.suppress(queue.Full):  # full: the writer is mid-send, and errs
+                w.outbox.put_nowait(None)
+            if w.writer is not None:
+                w.writer.join(2)
             w.conn.close()
             if w.reader is not None:
                 w.reader.join(2)
@@ -188,10 +206,19 @@ class MultiprocExecutor(Executor):
         self._send_all(AbortRequests(list(request_ids)))
 
     def _send_all(self, msg: object) -> None:
+        """Never blocks: each worker's writer thread does the sending."""
         for w in self._workers:
-            # a dead worker's pipe refuses; the monitor handles that death
-            with contextlib.suppress(OSError, ValueError):
+            try:
+                w.outbox.put_nowait(msg)
+            except queue.Full:
+                self.kill(f"worker {w.rank} stopped reading its pipe ({OUTBOX_MAX} messages wait)")
+
+    def _write_forever(self, w: _WorkerHandle) -> None:
+        while (msg := w.outbox.get()) is not None:
+            try:
                 transport.send(w.conn, msg, w.send_lock)
+            except (OSError, ValueError):
+                return  # the worker is gone: its death is the monitor's to report
 
     def add_failure_callback(self, callback: FailureCallback) -> None:
         self._callbacks.append(callback)
