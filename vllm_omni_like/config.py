@@ -94,6 +94,8 @@ class StageConfig:
     # after a batch, an idle replica may wait this share of its run time for a full batch
     batch_wait: float = 0.1
     stall_timeout: float = 60.0
+    # the first step of a shape a replica has not run yet (warm-up; compilation with --compile)
+    first_step_timeout: float = 600.0
     load_timeout: float = 600.0
     # speed options of the diffusion stages (the denoiser): see stages/acceleration.py
     compile: bool = False

@@ -32,6 +32,7 @@ STAGE_FLAGS = (
     "max_batch_size",
     "batch_wait",
     "stall_timeout",
+    "first_step_timeout",
     "compile",
     "compile_mode",
     "attention",
@@ -110,7 +111,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _stage_flag(
         g,
         "stall_timeout",
-        "seconds a busy worker may report no progress before it is killed and restarted",
+        "seconds a busy worker may report no step before it is killed and restarted; a "
+        "step that the replica's measured speed expects to be slow gets 10x its expected time",
+        type=float,
+        metavar="S",
+    )
+    _stage_flag(
+        g,
+        "first_step_timeout",
+        "seconds the first step of a shape a replica has not run yet may take (warm-up, and "
+        "with --compile its compilation)",
         type=float,
         metavar="S",
     )

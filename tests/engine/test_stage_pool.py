@@ -130,7 +130,8 @@ def test_no_restart_left_makes_the_engine_dead():
 
 def test_stalled_worker_is_killed_and_handled_as_a_death():
     faults = "stage=diffusion,point=step,kind=hang,match=@hang"
-    with engine("null-image", faults, stage_kw={"stall_timeout": 0.5}, max_restarts=2) as e:
+    kw = {"stall_timeout": 0.5, "first_step_timeout": 1.0}
+    with engine("null-image", faults, stage_kw=kw, max_restarts=2) as e:
 
         async def run():
             t0 = time.monotonic()
@@ -138,10 +139,11 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
             return out, time.monotonic() - t0
 
         out, elapsed = asyncio.run(run())
-        # stalled once, re-queued, stalled again: the poison rule ends it
-        assert out.error.message == (
-            "stage 'diffusion': request crashed the worker twice; it is not retried"
+        # stalled once, re-queued, stalled again: the poison rule ends it, as a stall
+        assert out.error.message.startswith(
+            "stage 'diffusion': request stalled its worker twice (no progress for "
         )
+        assert out.error.message.endswith("s: first step of this shape)); it is not retried")
         wait_for(lambda: e.stats.worker_deaths == 2, 5, "two stalls counted as deaths")
         assert elapsed < 10
         assert wait_until(lambda: _states(e)["diffusion"] == "ready", 10)

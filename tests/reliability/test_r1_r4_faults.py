@@ -269,12 +269,9 @@ def test_r4_stopped_worker_is_killed_and_its_work_rerun(tmp_path_factory):
         engine_kw={"max_restarts": 2, "request_timeout": 20},
     ) as server:
         results, threads = _in_flight(server, 4, {**SLOW, "num_inference_steps": 20})
-        assert wait_until(
-            lambda: (
-                server.engine.orchestrator.pools["null-image"][0].replicas[0].batch_id is not None
-            ),
-            5,
-        )
+        replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]
+        # a hang mid-run: stopped after its first steps (the first step has its own bound)
+        wait_for(lambda: replica.batch_id is not None and replica.clock.shapes, 5, "a step")
         _kill(server, "null-image", 0, sig=signal.SIGSTOP)
         for t in threads:
             t.join(30)
@@ -291,7 +288,7 @@ def test_r4_hang_fault_ends_within_the_deadline(tmp_path_factory, stall, status)
         tmp_path_factory,
         "null-image",
         faults=faults,
-        stage_kw={"stall_timeout": stall},
+        stage_kw={"stall_timeout": stall, "first_step_timeout": stall},
         engine_kw={"max_restarts": 3, "request_timeout": 4.0},
     ) as server:
         t0 = time.monotonic()

@@ -11,12 +11,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
-from vllm_omni_like.engine.request_state import (
-    EngineStats,
-    RequestState,
-    after_death,
-    final_status,
-)
+from vllm_omni_like.engine import deaths
+from vllm_omni_like.engine.request_state import EngineStats, RequestState, final_status
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
     EngineDeadError,
@@ -247,7 +243,8 @@ class Orchestrator:
         pipeline = self.pipelines[state.request.pipeline]
         state.stage_index, state.replica, state.isolate = index, None, False
         state.stage_request = pipeline.stage_request(state.request, index, previous)
-        self.pools[pipeline.name][index].enqueue(state)
+        state.pool = self.pools[pipeline.name][index]
+        state.pool.enqueue(state)
 
     def _on_replica_message(self, pipe: str, stage: int, replica: int, msg: object) -> None:
         pool = self.pools[pipe][stage]
@@ -276,7 +273,8 @@ class Orchestrator:
                 )
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
-            case Progress(request_ids=ids, step=step, total=total, previews=previews):
+            case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):
+                pool.on_progress(replica, bid, time.monotonic())
                 for rid in ids:
                     state = self.requests.get(rid)
                     if state is not None:
@@ -288,23 +286,12 @@ class Orchestrator:
 
     def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
         self.stats.worker_deaths += 1
-        pool.on_death(replica)
-        lost = [self.requests.get(rid) for rid in event.in_flight]
-        for state in lost:
-            if state is None or state.finished or state.replica != replica:
-                continue
-            if self.pools[state.request.pipeline][state.stage_index] is not pool:
-                continue
-            state.deaths += 1
-            verdict = after_death(
-                state, pool.name, pool.state, event.exit_desc, self.config.max_request_retries
-            )
-            if verdict is not None:
-                self._finish(state, verdict)
-                continue
-            state.retries += 1
-            state.replica, state.isolate = None, True
-            pool.enqueue(state, front=True)  # reuses earlier stages' outputs
+        lost = deaths.lost_requests(self.requests, pool, replica, event)
+        culprit = deaths.proven_poison(lost)
+        pool.on_death(replica, charged=culprit is None)
+        if culprit is not None:
+            deaths.absolve(culprit, [p for pools in self.pools.values() for p in pools])
+        deaths.settle(lost, pool, event, self.config.max_request_retries, self._finish)
         if pool.state == "dead":
             self._die(
                 EngineDeadError(

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_omni_like.errors import EngineDeadError, EngineGenerateError, ErrorInfo, OmniError
 from vllm_omni_like.messages import OmniRequest, StageRequest
@@ -41,6 +42,9 @@ class RequestState:
     stage_started: float = 0.0
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
+    first_death: tuple[Any, int] | None = None  # (pool, replica) of the first death it saw
+    death_group: int | None = None  # the requests lost together with it in that death
+    pool: Any = None  # the StagePool of its current stage (set by the orchestrator)
 
     @property
     def request_id(self) -> str:
@@ -59,6 +63,12 @@ def after_death(
             stage=stage,
         )
     if state.deaths >= 2:  # a poison request must not take every replica down
+        if "stalled:" in exit_desc:  # a kill for a stall is reported as a stall
+            why = exit_desc.split("stalled: ", 1)[1]
+            why = why[:-1] if why.endswith(")") else why  # the kill reason's own parenthesis
+            return EngineGenerateError(
+                f"request stalled its worker twice ({why}); it is not retried", stage=stage
+            )
         return EngineGenerateError(
             "request crashed the worker twice; it is not retried", stage=stage
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine.request_state import RequestState
+from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.messages import (
@@ -46,6 +47,7 @@ class Replica:
     stall_killed: bool = False
     started_at: float = 0.0
     backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
+    clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
     # after a batch: wait (briefly) for that many requests - its clients coming back
     refill_target: int = 0
     refill_until: float = 0.0
@@ -80,7 +82,10 @@ class StagePool:
         self.faults = faults
         self.max_restarts = max_restarts
         self.factory = executor_factory
-        self.replicas = [Replica(i) for i in range(config.replicas)]
+        self.replicas = [
+            Replica(i, clock=StepClock(config.stall_timeout, config.first_step_timeout))
+            for i in range(config.replicas)
+        ]
         self.waiting: deque[RequestState] = deque()
         self.started = False
         self._stopping = threading.Event()
@@ -206,6 +211,7 @@ class StagePool:
             now = time.monotonic()
             replica.batch_id, replica.batch = batch_id, batch
             replica.busy_since = replica.last_dispatch = now
+            replica.clock.begin([s.stage_request for s in batch], now)
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
@@ -277,25 +283,41 @@ class StagePool:
         if replica.executor is not None and (state in replica.batch or state in replica.finishing):
             replica.executor.abort([state.request_id])
 
+    def on_progress(self, replica_index: int, batch_id: int, now: float) -> None:
+        """A step of a batch was reported: the replica's step clock calibrates on it."""
+        replica = self.replicas[replica_index]
+        if replica.batch_id == batch_id:
+            replica.clock.step(now)
+
     # ---- failures -------------------------------------------------------------------------------
-    def on_death(self, replica_index: int) -> None:
-        """The replica's executor died: free it, schedule a restart if any is left."""
+    def on_death(self, replica_index: int, charged: bool = True) -> None:
+        """The replica's executor died: free it, schedule a restart if any is left.
+
+        A replica that ran stably before it died gets its restart budget back; a death that a
+        proven poison request caused (`charged=False`) is that request's, not the replica's.
+        """
         replica = self.replicas[replica_index]
         replica.batch, replica.batch_id = [], None
         replica.finishing, replica.finishing_id = [], None
         replica.refill_target = 0
         if time.monotonic() - replica.started_at > STABLE_RUN_S:
-            replica.backoff = 0
+            replica.backoff = replica.restarts = 0
         if replica.executor is not None:
             replica.executor.shutdown()
         replica.executor, replica.stall_killed = None, False
-        if replica.restarts < self.max_restarts and not self._stopping.is_set():
-            self._restart(replica)
+        replica.clock.restarted()
+        if (replica.restarts < self.max_restarts or not charged) and not self._stopping.is_set():
+            self._restart(replica, charged)
 
-    def _restart(self, replica: Replica) -> None:
+    def refund(self, replica_index: int) -> None:
+        """An earlier death of this replica turned out to be a poison request's doing."""
+        replica = self.replicas[replica_index]
+        replica.restarts = max(0, replica.restarts - 1)
+
+    def _restart(self, replica: Replica, charged: bool = True) -> None:
         replica.restarting = True
         delay = RESTART_BACKOFF_S[min(replica.backoff, len(RESTART_BACKOFF_S) - 1)]
-        replica.restarts += 1
+        replica.restarts += charged
         replica.backoff += 1
         logger.warning(
             "stage %s: restarting replica %d in %.1fs (restart %d of %d)",
@@ -351,17 +373,14 @@ class StagePool:
         for r in self.replicas:
             if r.executor is None or r.stall_killed:
                 continue
-            quiet = 0.0
+            quiet, bound, why = 0.0, self.config.stall_timeout, "stall timeout"
             if r.batch_id is not None:
-                quiet = now - max(r.busy_since, r.executor.last_activity)
-            if r.finishing_id is not None:
-                quiet = max(quiet, now - r.finishing_since)
-            if quiet > self.config.stall_timeout:
-                logger.error(
-                    "stage %s replica %d: no progress for %.1fs, killing it",
-                    self.name,
-                    r.index,
-                    quiet,
-                )
+                quiet = now - r.clock.last_step
+                bound, why = r.clock.bound()
+            if r.finishing_id is not None and now - r.finishing_since > self.config.stall_timeout:
+                quiet, bound, why = now - r.finishing_since, self.config.stall_timeout, "decode"
+            if quiet > bound:
+                reason = f"stalled: no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
+                logger.error("stage %s replica %d: %s; killing it", self.name, r.index, reason)
                 r.stall_killed = True
-                r.executor.kill(f"stalled: no progress for {quiet:.1f}s")
+                r.executor.kill(reason)
