@@ -4,7 +4,10 @@
 
 Starts the real server (null pipelines, three replicas a stage) as its own process, drives
 closed-loop clients over HTTP, and at random moments SIGKILLs or SIGSTOPs a worker and drops
-client connections, while VLLM_OMNI_LIKE_FAULTS injects every fault kind at every point. It
+client connections, while VLLM_OMNI_LIKE_FAULTS injects every fault kind at every point. Among
+the requests: clients that share a few x-request-ids, 1 MB image edits (large messages to
+workers that may be stopped), steps slower than the stall timeout (must not be killed for it),
+and streams with partial images (a partial index seen twice is a re-run stream). It
 reports requests, faults by kind and point, final statuses, hung requests (must be 0), the time
 from a fault to its error reaching the client, and leaked processes, /dev/shm entries and fds
 (must be 0). Results: bench/results/chaos-cpu.json.
@@ -37,6 +40,23 @@ STAGES, POINTS = ("llm", "diffusion"), ("execute", "step", "output")
 KIND_P = {"raise": 0.006, "invalid": 0.006, "oom": 0.006, "exit": 0.004, "hang": 0.004}
 REQUEST_TIMEOUT = 10.0
 HUNG_AFTER = REQUEST_TIMEOUT + 10.0
+KINDS = ("plain", "dup", "edit", "slow", "stream")
+KIND_WEIGHTS = (0.8, 0.05, 0.05, 0.03, 0.07)
+
+
+def _edit_png() -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="PNG", compress_level=0)
+    return buf.getvalue()
+
+
+EDIT_PNG = _edit_png()
 
 
 def fault_rules() -> str:
@@ -93,6 +113,8 @@ class Chaos:
             "100000",
             "--stall-timeout",
             "0.5",
+            "--first-step-timeout",
+            "1.0",
             "--request-timeout",
             str(REQUEST_TIMEOUT),
             "--max-queue-size",
@@ -130,22 +152,54 @@ class Chaos:
         ]
 
     # ---- load -----------------------------------------------------------------------------------
+    def request(self, http: httpx.AsyncClient, rid: str, kind: str, body: dict):
+        """The call for one request of `kind` (plain, dup, edit, slow, stream)."""
+        headers = {"x-request-id": rid}
+        if kind == "edit":
+            form = {k: str(v) for k, v in body.items()}
+            files = {"image": ("in.png", EDIT_PNG, "image/png")}
+            return http.post("/v1/images/edits", data=form, files=files, headers=headers)
+        if kind == "stream":
+            return self.stream(http, {**body, "stream": True, "partial_images": 2}, headers)
+        return http.post("/v1/images/generations", json=body, headers=headers)
+
+    async def stream(self, http: httpx.AsyncClient, body: dict, headers: dict) -> httpx.Response:
+        """Reads the SSE stream; a partial image index seen twice means the stream was re-run."""
+        seen: list[int] = []
+        async with http.stream("POST", "/v1/images/generations", json=body, headers=headers) as r:
+            error = None
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    if "partial_image_index" in data:
+                        seen.append(data["partial_image_index"])
+                    error = data.get("error", error)
+        if len(seen) != len(set(seen)):
+            self.events["stream_rerun"] += 1
+        status = (
+            r.status_code if error is None else 500 if error["code"] != "invalid_request" else 400
+        )
+        return httpx.Response(status, json={"error": error} if error else {})
+
     async def client(self, http: httpx.AsyncClient, end: float) -> None:
         while time.monotonic() < end:
+            kind = self.rng.choices(KINDS, KIND_WEIGHTS)[0]
             rid = f"chaos-{uuid.uuid4().hex[:16]}"
-            prompt = f"p{self.rng.randrange(10_000)} @delay=0.004"
+            if kind == "dup":  # a few ids shared by many clients, in flight together
+                rid = f"chaos-dup-{self.rng.randrange(3)}"
+            delay = 0.7 if kind == "slow" else 0.004  # slow: each step over the stall timeout
+            prompt = f"p{self.rng.randrange(10_000)} @delay={delay}"
             rule = first_fault(self.rules, rid, prompt)
             body = {
                 "prompt": prompt,
                 "seed": self.rng.randrange(2**31),
-                "num_inference_steps": self.rng.randint(2, 6),
+                "num_inference_steps": 2 if kind == "slow" else self.rng.randint(2, 6),
             }
             leave = self.rng.uniform(0.01, 0.5) if self.rng.random() < 0.1 else None
             self.requests += 1
+            self.events[f"kind:{kind}"] += 1
             t0 = time.monotonic()
-            call = asyncio.create_task(
-                http.post("/v1/images/generations", json=body, headers={"x-request-id": rid})
-            )
+            call = asyncio.create_task(self.request(http, rid, kind, body))
             try:
                 if leave is not None:
                     await asyncio.sleep(leave)
@@ -162,6 +216,8 @@ class Chaos:
                 self.statuses[f"transport:{type(exc).__name__}"] += 1
                 continue
             self.statuses[str(r.status_code)] += 1
+            if kind == "slow" and r.status_code == 200:
+                self.events["slow_ok"] += 1
             if r.status_code in (429, 503) and "retry-after" in r.headers:
                 await asyncio.sleep(0.2)  # refused at admission: back off as the SDK would
                 continue
