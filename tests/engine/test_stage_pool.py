@@ -195,3 +195,39 @@ def test_a_stage_that_was_idle_takes_a_request_at_once():
 
         out, took = asyncio.run(run())
         assert out.ok and took < 0.1
+
+
+def test_once_the_culprit_is_known_its_neighbours_rerun_together_at_once():
+    """A batch of four with one hang: all four re-run alone after the first death; the culprit
+    (sorted last, so first in the queue) hangs again and is proven, and its three innocent
+    neighbours then run as one batch instead of one at a time."""
+    faults = "stage=diffusion,point=execute,kind=hang,match=@hang"
+    kw = {"stall_timeout": 0.5, "first_step_timeout": 1.0, "max_batch_size": 8}
+    with engine("null-image", faults, stage_kw=kw, max_restarts=1) as e:
+        pool = e.orchestrator.pools["null-image"][0]
+
+        async def run():
+            blocker = asyncio.create_task(  # holds the replica while the four queue together
+                final(e, req("blocker", pipeline="null-image", steps=6, delay=0.05))
+            )
+            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].batch, 5, "the blocker")
+            reqs = [req(f"a{i}", f"p{i}", pipeline="null-image", steps=3) for i in range(3)]
+            reqs.append(req("z-culprit", "x @hang", pipeline="null-image", steps=3))
+            before = dict(e.stats.snapshot()["batch_sizes"])
+            outs = await asyncio.gather(*(final(e, r) for r in reqs))
+            return outs, before, await blocker
+
+        (*innocent, culprit), before, blocker = asyncio.run(run())
+        assert blocker.ok and all(o.ok for o in innocent), [o.error for o in innocent]
+        assert culprit.error.message.startswith(
+            "stage 'diffusion': request stalled its worker twice (no progress for "
+        )
+
+        def grown():
+            now = e.stats.snapshot()["batch_sizes"]
+            return {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+
+        # the three innocents ran as one batch of 3 after the culprit was proven, not 1, 1, 1
+        wait_for(lambda: grown().get(3, 0) >= 1, 5, "a batch of the three innocents")
+        assert grown().get(1, 0) <= 1  # the blocker's batch at most; no innocent ran alone
+        assert pool.replicas[0].restarts == 0  # both deaths were charged to the culprit

@@ -106,20 +106,12 @@ class MultiprocExecutor(Executor):
             proc.start()
             child_conn.close()  # so the reader sees EOF when the worker dies
             handle = _WorkerHandle(rank, proc, parent_conn)
-            handle.reader = threading.Thread(
-                target=self._read_forever,
-                args=(handle,),
-                daemon=True,
-                name=f"reader-{proc.name}",
-            )
-            handle.reader.start()
-            handle.writer = threading.Thread(
-                target=self._write_forever,
-                args=(handle,),
-                daemon=True,
-                name=f"writer-{proc.name}",
-            )
-            handle.writer.start()
+            for role, loop in (("reader", self._read_forever), ("writer", self._write_forever)):
+                thread = threading.Thread(
+                    target=loop, args=(handle,), daemon=True, name=f"{role}-{proc.name}"
+                )
+                setattr(handle, role, thread)
+                thread.start()
             self._workers.append(handle)
         try:
             self._wait_ready()
