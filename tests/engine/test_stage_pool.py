@@ -232,3 +232,39 @@ def test_once_the_culprit_is_known_its_neighbours_rerun_together_at_once():
         # batches of one: the blocker's and the culprit's second (fatal) run; no innocent's
         assert grown().get(1, 0) <= 2, grown()
         assert pool.replicas[0].restarts == 0  # both deaths were charged to the culprit
+
+
+def test_a_culprits_error_goes_out_as_soon_as_bisection_finds_it():
+    """A batch of eight whose first request raises at its first step: bisection finds it after
+    three short failing runs, and its error goes out then, not after its seven innocent
+    neighbours have re-run (about 1.5 s of steps)."""
+    faults = "stage=diffusion,point=step,kind=raise,match=@bad"
+    with engine("null-image", faults, stage_kw={"max_batch_size": 8}) as e:
+        pool = e.orchestrator.pools["null-image"][0]
+
+        async def run():
+            blocker = asyncio.create_task(
+                final(e, req("blocker", pipeline="null-image", steps=6, delay=0.05))
+            )
+            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].batch, 5, "the blocker")
+            reqs = [req("a0", "x @bad", pipeline="null-image", steps=10, delay=0.05)]
+            reqs += [
+                req(f"a{i}", f"p{i}", pipeline="null-image", steps=10, delay=0.05)
+                for i in range(1, 8)
+            ]
+            done: dict[str, float] = {}
+
+            async def timed(r):
+                out = await final(e, r)
+                done[r.request_id] = time.monotonic()
+                return out
+
+            outs = await asyncio.gather(*(timed(r) for r in reqs))
+            await blocker
+            return outs, done
+
+        outs, done = asyncio.run(run())
+        assert outs[0].error is not None and outs[0].error.status == 500
+        assert all(o.ok for o in outs[1:]), [o.error for o in outs[1:]]
+        first_peer = min(t for rid, t in done.items() if rid != "a0")
+        assert done["a0"] < first_peer - 0.4, (done["a0"], first_peer)

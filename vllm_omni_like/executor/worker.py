@@ -149,12 +149,13 @@ class _Worker:
                 valid.append(req)
             except InvalidRequestError as exc:
                 self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
+        report = self._reporter(job.batch_id)
         if not self.stage.defers_finish:
-            outputs = self._guard(run_isolated, self.stage, valid, self.control)
+            outputs = self._guard(run_isolated, self.stage, valid, self.control, report)
             job.model_batch = self.control.max_model_batch
             self._complete(job, outputs)
             return
-        job.parts = self._guard(begin_isolated, self.stage, valid, self.control)
+        job.parts = self._guard(begin_isolated, self.stage, valid, self.control, report)
         job.model_batch = self.control.max_model_batch
         # one batch at a time is finished: wait for the one before, then say this one may be
         # followed (its decode runs beside the next batch's denoising)
@@ -183,7 +184,8 @@ class _Worker:
             if isinstance(part, StageOutput):
                 outputs.append(part)
             else:
-                outputs.extend(self._guard(finish_isolated, self.stage, part, self.control))
+                report = self._reporter(job.batch_id)
+                outputs.extend(self._guard(finish_isolated, self.stage, part, self.control, report))
         self._complete(job, outputs)
 
     def _guard(self, run: Callable[..., T], *args: Any) -> T:
@@ -194,12 +196,19 @@ class _Worker:
             sys.stderr.flush()
             os._exit(EXIT_FATAL)
 
+    def _reporter(self, batch_id: int) -> Callable[[StageOutput], None]:
+        """Sends a culprit's error the moment bisection finds it (its peers still re-run)."""
+        return lambda out: self._deliver(batch_id, out)
+
+    def _deliver(self, batch_id: int, out: StageOutput) -> None:
+        out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
+        if not self.control.is_aborted(out.request_id):
+            self._result(batch_id, out)
+
     def _complete(self, job: _Job, outputs: list[StageOutput]) -> None:
         """The batch's results (not the aborted ones), then its BatchDone."""
         for out in outputs:
-            out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
-            if not self.control.is_aborted(out.request_id):
-                self._result(job.batch_id, out)
+            self._deliver(job.batch_id, out)
         if self.reports:
             elapsed = time.monotonic() - job.started
             steps = {rid: self.control.steps_run.get(rid, 0) for rid in job.ids}

@@ -45,14 +45,21 @@ def _as_request_error(exc: BaseException, stage: str) -> OmniError:
     return EngineGenerateError(f"{type(exc).__name__}: {exc}", stage=stage)
 
 
+Report = Callable[[StageOutput], None] | None
+
+
 def _bisect(
     stage: str,
     batch: list[StageRequest],
     control: StageControl,
     run: Callable[[list[StageRequest]], list[T]],
+    report: Report = None,
 ) -> list[T | StageOutput]:
     """`run(live)` over the live requests of `batch`; on failure re-run halves, so only the
-    culprit gets the error (O(log B) extra calls); a fatal device error raises FatalStageError."""
+    culprit gets the error (O(log B) extra calls); a fatal device error raises FatalStageError.
+
+    With `report`, a culprit's error goes out through it the moment it is known, not after
+    the re-runs of its innocent neighbours."""
     live = control.live(batch)
     if not live:
         return []
@@ -68,16 +75,20 @@ def _bisect(
         if len(live) == 1:
             if not isinstance(exc, InvalidRequestError):
                 logger.warning("stage %s: request %s failed: %r", stage, live[0].request_id, exc)
-            return [
-                StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage), stage)
-            ]
+            err = StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage), stage)
+            if report is None:
+                return [err]
+            report(err)
+            return []
         logger.info("stage %s: batch of %d raised %r; bisecting", stage, len(live), exc)
         mid = len(live) // 2
-        return _bisect(stage, live[:mid], control, run) + _bisect(stage, live[mid:], control, run)
+        return _bisect(stage, live[:mid], control, run, report) + _bisect(
+            stage, live[mid:], control, run, report
+        )
 
 
 def run_isolated(
-    stage: Stage, batch: list[StageRequest], control: StageControl
+    stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[StageOutput]:
     """Run `batch` whole (`execute`), each failure confined to the request that caused it."""
 
@@ -86,17 +97,20 @@ def run_isolated(
         control.faults.fire("output", live)
         return outputs
 
-    return _bisect(stage.name, batch, control, run)
+    return _bisect(stage.name, batch, control, run, report)
 
 
 def begin_isolated(
-    stage: Stage, batch: list[StageRequest], control: StageControl
+    stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:
     """The critical-path part of `batch` (`begin`): Deferred parts, and errors of culprits."""
-    return _bisect(stage.name, batch, control, lambda live: [stage.begin(live, control)])
+    begin = lambda live: [stage.begin(live, control)]  # noqa: E731
+    return _bisect(stage.name, batch, control, begin, report)
 
 
-def finish_isolated(stage: Stage, part: Deferred, control: StageControl) -> list[StageOutput]:
+def finish_isolated(
+    stage: Stage, part: Deferred, control: StageControl, report: Report = None
+) -> list[StageOutput]:
     """The deferred rest of a part (aborted requests skipped), each failure confined likewise."""
 
     def run(live: list[StageRequest]) -> list[StageOutput]:
@@ -104,4 +118,4 @@ def finish_isolated(stage: Stage, part: Deferred, control: StageControl) -> list
         control.faults.fire("output", live)
         return outputs
 
-    return _bisect(stage.name, part.requests, control, run)
+    return _bisect(stage.name, part.requests, control, run, report)
