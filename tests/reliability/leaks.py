@@ -61,11 +61,6 @@ def client_of(engine_id: str) -> str:
     return engine_id.split("~")[0]
 
 
-def engine_id(mapping, client_id: str) -> str | None:
-    """The key in an engine map (requests, recent_final) of the request the client named."""
-    return next((k for k in list(mapping) if client_of(k) == client_id), None)
-
-
 def statuses(server, ids) -> dict[str, str]:
     final = {client_of(k): v for k, v in list(server.engine.orchestrator.recent_final.items())}
     return {rid: final.get(rid) for rid in ids}
