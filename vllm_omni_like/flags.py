@@ -22,6 +22,7 @@ from vllm_omni_like.config import (
     StageConfig,
     faults_from_env,
 )
+from vllm_omni_like.errors import InvalidRequestError
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 STAGE_FLAGS = (
@@ -246,9 +247,16 @@ def limits(args: argparse.Namespace) -> Limits:
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of --api-key and VLLM_OMNI_LIKE_API_KEY; an empty one is a start-up error (it
+    would leave the server open while its operator believes it is closed)."""
     keys = list(getattr(args, "api_key", None) or [])
-    if os.environ.get(API_KEY_ENV):
-        keys.extend(k for k in os.environ[API_KEY_ENV].split(",") if k)
+    if API_KEY_ENV in os.environ:
+        keys.extend(os.environ[API_KEY_ENV].split(","))
+    if any(not k.strip() for k in keys):
+        raise InvalidRequestError(
+            f"an empty API key (--api-key '' or an empty entry in {API_KEY_ENV}) would leave "
+            "the server open; give non-empty keys, or none for an open server"
+        )
     return tuple(keys)
 
 

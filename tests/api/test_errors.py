@@ -281,3 +281,33 @@ def test_503_restarting_then_healthy_again(tmp_path_factory, monkeypatch):
         assert "x-should-retry" not in refused.headers
         assert wait_until(lambda: http.get("/health").status_code == 200, 10)
         assert http.post("/v1/images/generations", json={"prompt": "x"}).status_code == 200
+
+
+def test_a_header_that_is_not_utf8_is_no_500(null_server):
+    import socket
+
+    for path in ("/health", "/v1/models"):
+        with socket.create_connection(("127.0.0.1", null_server.port), timeout=5) as sock:
+            sock.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Note: caf\xe9 \xff\r\n"
+                "Connection: close\r\n\r\n".encode("latin-1")
+            )
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+        assert head.startswith("http/1.1 200"), head
+        assert "x-request-id: req_" in head
+
+
+def test_an_empty_api_key_is_a_startup_error(tmp_path, capsys, monkeypatch):
+    from vllm_omni_like.cli import main
+
+    args = ["serve", "null-image", "--storage-dir", str(tmp_path), "--port", "1"]
+    assert main([*args, "--api-key", ""]) == 2
+    assert "an empty API key (--api-key '' or an empty entry in VLLM_OMNI_LIKE_API_KEY)" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("VLLM_OMNI_LIKE_API_KEY", "k1,,k2")
+    assert main(args) == 2
+    assert "would leave the server open" in capsys.readouterr().err

@@ -99,6 +99,15 @@ def test_idempotency_key_returns_the_same_job(null_server):
     assert a.id == b.id
     c = client.videos.create(prompt="x", seconds="1")
     assert c.id != a.id
+    with null_server.http() as http:  # the same key with another body: never the first job
+        r = http.post("/v1/videos", json={"prompt": "y", "seconds": "1"}, headers=headers)
+    assert r.status_code == 409 and r.headers["x-should-retry"] == "false"
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("idempotency_key_reused", "Idempotency-Key")
+    assert err["message"] == (
+        f"Idempotency-Key 'same-key-1' was used for another request ({a.id}); "
+        "use a new key for a new video"
+    )
 
 
 def test_list_pages_with_a_cursor(null_server):

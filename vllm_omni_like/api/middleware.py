@@ -29,7 +29,8 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        # latin-1 decodes any byte: a header that is not UTF-8 must not turn into a 500
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         # the engine keys requests on an id of its own, so two requests that send the same
         # x-request-id never share, overwrite or abort each other; the client's is echoed
         client_id = headers.get("x-request-id")

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import ConflictError, EngineDeadError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS videos (
@@ -111,7 +111,15 @@ class VideoStore:
                     f"SELECT {cols} FROM videos WHERE idempotency_key = ?", (idempotency_key,)
                 ).fetchone()
                 if row:
-                    return dict(zip(COLUMNS, row, strict=True))
+                    found = dict(zip(COLUMNS, row, strict=True))
+                    if json.loads(found["params"]) != json.loads(json.dumps(params)):
+                        raise ConflictError(
+                            f"Idempotency-Key {idempotency_key!r} was used for another request "
+                            f"({found['id']}); use a new key for a new video",
+                            param="Idempotency-Key",
+                            code="idempotency_key_reused",
+                        )
+                    return found
             self.db.execute(
                 "INSERT INTO videos (id, model, status, created_at, seconds, size, prompt, params,"
                 " idempotency_key) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
