@@ -114,11 +114,8 @@ def video_size(body: VideoRequest, model: ModelLimits, name: str) -> tuple[int, 
     size = parse_size(body.size)
     if size is None:
         return model.default_width, model.default_height
-    if body.size in OPENAI_VIDEO_SIZES:
-        try:
-            model.check_size(name, *size)
-        except InvalidRequestError:
-            return model.nearest_size(*size)
+    if body.size in OPENAI_VIDEO_SIZES and not model.supports(*size):
+        return model.nearest_size(*size)
     model.check_size(name, *size)
     return size
 

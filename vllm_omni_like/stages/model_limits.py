@@ -50,15 +50,18 @@ class ModelLimits:
         m = self.size_multiple
         return f"width and height multiples of {m} from {m} to {self.max_side}"
 
+    def supports(self, width: int, height: int) -> bool:
+        m = self.size_multiple
+        return all(m <= side <= self.max_side and side % m == 0 for side in (width, height))
+
     def check_size(self, model: str, width: int, height: int) -> None:
-        for side in (width, height):
-            if side > self.max_side or side % self.size_multiple or side < self.size_multiple:
-                raise InvalidRequestError(
-                    f"size {width}x{height} is not supported by {model}: it makes "
-                    f"{self.sizes_text()} (max_side {self.max_side})",
-                    param="size",
-                    code="invalid_size",
-                )
+        if not self.supports(width, height):
+            raise InvalidRequestError(
+                f"size {width}x{height} is not supported by {model}: it makes "
+                f"{self.sizes_text()} (max_side {self.max_side})",
+                param="size",
+                code="invalid_size",
+            )
 
     def nearest_size(self, width: int, height: int) -> tuple[int, int]:
         """The supported size closest to WxH with its aspect ratio (scaled down to fit)."""
