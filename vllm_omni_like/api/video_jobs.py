@@ -164,7 +164,7 @@ class VideoService:
             self.running[video_id] = (self.running[video_id][0], stream)
             await asyncio.to_thread(self.store.update, video_id, status="in_progress")
             output = await self._follow(video_id, stream)
-            await self._finish(video_id, output)
+            await self._finish(row, output)
         except asyncio.CancelledError:
             raise
         except OmniError as exc:
@@ -193,20 +193,20 @@ class VideoService:
                     pct = min(99, int(100 * event.step / event.total))
                     await asyncio.to_thread(self.store.update, video_id, progress=pct)
 
-    async def _finish(self, video_id: str, output: OmniRequestOutput) -> None:
+    async def _finish(self, row: dict[str, Any], output: OmniRequestOutput) -> None:
         if output.error is not None:
             raise output.error.to_exception()  # recorded as the job's failure by _run
-        await asyncio.to_thread(self._write_files, video_id, output)
+        await asyncio.to_thread(self._write_files, row, output)
 
-    def _write_files(self, video_id: str, output: OmniRequestOutput) -> None:
-        video = output.output.video
+    def _write_files(self, row: dict[str, Any], output: OmniRequestOutput) -> None:
+        video_id, video = row["id"], output.output.video
         path = self.store.media_path(video_id, "mp4")
         thumb = self.store.media_path(video_id, "png")
         write_durably(path, encode_video(video.frames, video.fps))
         write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
         now = int(time.time())
         frames, h, w = video.frames.shape[:3]
-        params = {**json.loads(self.store.get(video_id)["params"]), "num_frames": frames}
+        made = {"num_frames": frames, "fps": video.fps}  # what was made, not what was asked
         # the row says completed only once both files are whole on disk
         self.store.update(
             video_id,
@@ -218,7 +218,7 @@ class VideoService:
             thumbnail=thumb,
             size=f"{w}x{h}",
             seconds=f"{frames / video.fps:g}",
-            params=json.dumps({**params, "fps": video.fps}),
+            params=json.dumps({**json.loads(row["params"]), **made}),
         )
 
     async def _sweep_forever(self) -> None:
