@@ -38,9 +38,9 @@ class GatewayMiddleware:
             engine_id = f"{client_id}~{secrets.token_hex(6)}"
         else:
             engine_id = client_id = f"req_{secrets.token_hex(12)}"
-        request_id = client_id
+        request_id = client_id  # what every response echoes
         state = scope.setdefault("state", {})
-        state["request_id"], state["engine_request_id"] = client_id, engine_id
+        state["request_id"], state["engine_request_id"] = request_id, engine_id
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":

@@ -7,6 +7,7 @@ denoises the next one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -149,7 +150,7 @@ class _Worker:
                 valid.append(req)
             except InvalidRequestError as exc:
                 self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
-        report = self._reporter(job.batch_id)
+        report = functools.partial(self._deliver, job.batch_id)
         if not self.stage.defers_finish:
             outputs = self._guard(run_isolated, self.stage, valid, self.control, report)
             job.model_batch = self.control.max_model_batch
@@ -184,7 +185,7 @@ class _Worker:
             if isinstance(part, StageOutput):
                 outputs.append(part)
             else:
-                report = self._reporter(job.batch_id)
+                report = functools.partial(self._deliver, job.batch_id)
                 outputs.extend(self._guard(finish_isolated, self.stage, part, self.control, report))
         self._complete(job, outputs)
 
@@ -196,11 +197,8 @@ class _Worker:
             sys.stderr.flush()
             os._exit(EXIT_FATAL)
 
-    def _reporter(self, batch_id: int) -> Callable[[StageOutput], None]:
-        """Sends a culprit's error the moment bisection finds it (its peers still re-run)."""
-        return lambda out: self._deliver(batch_id, out)
-
     def _deliver(self, batch_id: int, out: StageOutput) -> None:
+        """One result out now (bisection calls it for a culprit the moment it is found)."""
         out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
         if not self.control.is_aborted(out.request_id):
             self._result(batch_id, out)
