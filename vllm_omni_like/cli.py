@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 
 from vllm_omni_like import flags as cfg
@@ -55,22 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # SIGTERM/SIGINT: stop accepting, drain in-flight requests, then exit 0
-            # (uvicorn would re-raise the signal afterwards and die by it)
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
     from vllm_omni_like.api.app import create_app
+    from vllm_omni_like.api.http_server import build_server
     from vllm_omni_like.engine import AsyncOmni
 
     settings = cfg.server_settings(args)
@@ -82,16 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(engine, settings, on_fatal)
-    server = Server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="info",
-            timeout_graceful_shutdown=int(settings.drain_timeout),
-            access_log=False,
-        )
-    )
+    server = build_server(app, settings)
     server.run()
     if fatal:
         print(f"error: the engine failed to start: {fatal[0]}", file=sys.stderr)

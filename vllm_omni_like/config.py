@@ -12,8 +12,10 @@ from vllm_omni_like.errors import InvalidRequestError
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
-FAULT_POINTS = ("load", "execute", "step", "output")
-FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang")
+FAULT_POINTS = ("load", "execute", "step", "output", "store")
+FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
+# point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
+STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
@@ -49,6 +51,14 @@ class FaultRule:
             raise ValueError(f"fault rule {text!r}: point must be one of {FAULT_POINTS}")
         if fields["kind"] not in FAULT_KINDS:
             raise ValueError(f"fault rule {text!r}: kind must be one of {FAULT_KINDS}")
+        at_store, kind = fields["point"] == "store", fields["kind"]
+        if (at_store and kind not in ("enospc", "raise")) or (kind == "enospc" and not at_store):
+            raise ValueError(
+                f"fault rule {text!r}: point=store takes kind=enospc or kind=raise, "
+                "and kind=enospc only point=store"
+            )
+        if fields["point"] == "store" and fields["stage"] not in STORES:
+            raise ValueError(f"fault rule {text!r}: point=store needs stage= one of {STORES}")
         p = float(fields["p"]) if "p" in fields else None
         if p is not None and not 0.0 <= p <= 1.0:
             raise ValueError(f"fault rule {text!r}: p must be within [0, 1]")
@@ -188,6 +198,8 @@ class ServerSettings:
     file_ttl: float = 24 * 3600.0  # finished video files expire after this
     keepalive_s: float = 15.0
     drain_timeout: float = 30.0
+    header_timeout: float = 10.0  # a request's headers must arrive within this
+    body_timeout: float = 60.0  # and its whole body within this after the headers
     limits: Limits = field(default_factory=Limits)
 
 

@@ -138,6 +138,14 @@ class RequestTimeoutError(OmniError):
     default_code = "timeout"
 
 
+class ClientTimeoutError(OmniError):
+    """The client did not send its request (headers or body) in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 _BY_NAME: dict[str, type[OmniError]] = {
     cls.__name__: cls
     for cls in (
@@ -151,6 +159,7 @@ _BY_NAME: dict[str, type[OmniError]] = {
         EngineGenerateError,
         EngineDeadError,
         RequestTimeoutError,
+        ClientTimeoutError,
     )
 }
 

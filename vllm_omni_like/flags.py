@@ -277,6 +277,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         ("url_ttl", float, "seconds image URLs live"),
         ("file_ttl", float, "seconds finished video files live"),
         ("drain_timeout", float, "seconds in-flight requests get to finish on SIGTERM"),
+        ("header_timeout", float, "seconds a request's headers may take to arrive (else 408)"),
+        ("body_timeout", float, "seconds a request's whole body may take after its headers"),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),
@@ -297,5 +299,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         url_ttl=args.url_ttl,
         file_ttl=args.file_ttl,
         drain_timeout=args.drain_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
         limits=limits(args),
     )

@@ -134,6 +134,9 @@ class OmniRequest:
     timeout: float | None = None  # seconds; the engine's default when None
     # the client's own id (x-request-id), carried for logs; the engine keys on request_id
     client_id: str | None = None
+    # the API writes the output to a file: success is counted once the write is done
+    # (EngineStats.finished from the API), a failed write counted as an error
+    stores_output: bool = False
 
 
 @dataclass
@@ -154,7 +157,7 @@ class Submit:
 @dataclass
 class Abort:
     request_id: str
-    reason: str = "aborted"  # aborted | timeout
+    reason: str = "aborted"  # aborted | timeout | shutting_down
 
 
 @dataclass
@@ -171,6 +174,13 @@ class ReplicaRestartFailed:
     stage: int
     replica: int
     error: ErrorInfo
+
+
+@dataclass
+class CutOff:
+    """The drain timeout passed: every request still in the engine ends now (503)."""
+
+    message: str
 
 
 @dataclass

@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from vllm_omni_like.api.app import create_app
+from vllm_omni_like.api.http_server import build_server
 from vllm_omni_like.config import EngineConfig, Limits, ServerSettings, parse_faults
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.pipelines.catalog import resolve
@@ -44,14 +44,12 @@ class LiveServer:
             EngineConfig(pipelines=pipelines, faults=parse_faults(faults), **(engine_kw or {}))
         )
         self.port = free_port()
-        self.settings = ServerSettings(port=self.port, storage_dir=storage, **(settings_kw or {}))
+        self.settings = ServerSettings(
+            host="127.0.0.1", port=self.port, storage_dir=storage, **(settings_kw or {})
+        )
         self.fatal: list[str] = []
         self.app = create_app(self.engine, self.settings, self.fatal.append)
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False
-            )
-        )
+        self.server = build_server(self.app, self.settings, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

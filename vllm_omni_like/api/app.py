@@ -19,6 +19,7 @@ from vllm_omni_like.api.serving import Server
 from vllm_omni_like.api.video_jobs import VideoService
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.stages.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 SWEEP_S = 30.0
@@ -32,9 +33,12 @@ def create_app(
     If loading fails, `on_fatal` is called with the reason (the serve command exits non-zero).
     """
     os.makedirs(settings.storage_dir, exist_ok=True)
-    server = Server(
-        engine, settings, FileStore(os.path.join(settings.storage_dir, "images"), settings.url_ttl)
+    files = FileStore(
+        os.path.join(settings.storage_dir, "images"),
+        settings.url_ttl,
+        FaultInjector(engine.config.faults, "files"),
     )
+    server = Server(engine, settings, files)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,7 +52,7 @@ def create_app(
         finally:
             sweeper.cancel()
             starter.cancel()
-            await server.videos.stop()
+            await server.videos.stop(server.drain_deadline)
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="vllm_omni_like", version=__version__, lifespan=lifespan)

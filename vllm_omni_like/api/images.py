@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,7 @@ from vllm_omni_like.api.serving import (
     image_response,
     raise_for_error,
     run_to_output,
+    stored,
     stream_images,
 )
 from vllm_omni_like.errors import InvalidRequestError
@@ -39,6 +41,7 @@ async def _respond(
 ):
     server = _server(request)
     state = request.state
+    since = time.monotonic()
     omni = image_request(
         server.engine,
         body,
@@ -47,6 +50,7 @@ async def _respond(
         images,
         mask,
         client_id=state.request_id,
+        stores_output=body.response_format == "url" and not body.stream,
     )
     if body.stream:
         stream = server.open(request, omni)  # admission errors still get their real status
@@ -57,8 +61,8 @@ async def _respond(
         )
     output = await run_to_output(request, server, omni)
     raise_for_error(output)
-    payload = await asyncio.to_thread(image_response, server, output, body, str(request.base_url))
-    return JSONResponse(payload)
+    write = asyncio.to_thread(image_response, server, output, body, str(request.base_url), omni)
+    return JSONResponse(await stored(server.engine, omni, write, since, "image"))
 
 
 @router.post("/v1/images/generations")

@@ -46,6 +46,7 @@ def image_request(
     mask: Any | None = None,
     timeout: float | None = None,
     client_id: str | None = None,
+    stores_output: bool = False,
 ) -> OmniRequest:
     pipeline = pick_pipeline(engine, body.model, "image")
     model = engine.model_limits(pipeline)
@@ -62,6 +63,7 @@ def image_request(
         mask=mask,
         timeout=timeout,
         client_id=client_id,
+        stores_output=stores_output,
     )
 
 
@@ -81,6 +83,7 @@ def video_request(
         video_params(body, limits, engine.model_limits(pipeline), pipeline),
         images=images or [],
         timeout=timeout,
+        stores_output=True,  # the video job writes the file; it counts the request
     )
 
 

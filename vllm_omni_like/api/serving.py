@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -24,6 +25,9 @@ from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Server:
@@ -34,6 +38,22 @@ class Server:
     files: FileStore
     videos: Any = None  # api.video_jobs.VideoService
     start_error: str | None = None
+    drain_deadline: float | None = None  # event-loop time the drain ends (set on SIGTERM)
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
+    def begin_drain(self, deadline: float) -> None:
+        """Shutdown began: no new video job starts; what runs may finish until `deadline`."""
+        self.drain_deadline = deadline
+        if self.videos is not None:
+            self.videos.begin_drain()
+
+    def cut_off(self, message: str) -> None:
+        """The drain is over: every request still in the engine ends now with a 503."""
+        if self.engine.started:
+            self.engine.cut_off(message)
 
     def ensure_ready(self) -> None:
         if self.start_error is not None:
@@ -51,6 +71,26 @@ class Server:
         if request is not None:
             request.state.admitted = True
         return stream
+
+
+async def stored(
+    engine: AsyncOmni, omni: OmniRequest, write: Awaitable[T], since: float, what: str
+) -> T:
+    """Await the write of a finished request's output. Such a request is counted here: a
+    success once its file is whole, an error (500 `storage_error`) if it could not be written."""
+    if not omni.stores_output:
+        return await write
+    try:
+        result = await write
+    except Exception as exc:
+        engine.stats.finished(omni.pipeline, "error", time.monotonic() - since)
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        logger.warning("request %s: the %s could not be stored: %s", omni.request_id, what, exc)
+        raise EngineGenerateError(
+            f"the {what} was made but could not be stored: {detail}", code="storage_error"
+        ) from None
+    engine.stats.finished(omni.pipeline, "success", time.monotonic() - since)
+    return result
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -88,14 +128,18 @@ def raise_for_error(output: OmniRequestOutput) -> None:
 
 
 def image_response(
-    server: Server, output: OmniRequestOutput, body: ImageRequest, base_url: str
+    server: Server,
+    output: OmniRequestOutput,
+    body: ImageRequest,
+    base_url: str,
+    omni: OmniRequest,
 ) -> dict[str, Any]:
     """Encode and package the images (CPU work: runs in a thread)."""
     as_url = body.response_format == "url"
     items = image_items(output, body.output_format, body.output_compression, as_b64=not as_url)
     if as_url:
         for item in items:
-            name = server.files.put(item.pop("bytes"), body.output_format)
+            name = server.files.put(item.pop("bytes"), body.output_format, omni)
             item["url"] = f"{base_url}v1/files/{name}"
     first = output.output.images[0].pixels
     return {

@@ -13,19 +13,25 @@ from typing import Any
 
 from vllm_omni_like.api.protocol import VideoRequest
 from vllm_omni_like.api.requests import video_request
+from vllm_omni_like.api.serving import stored
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
-from vllm_omni_like.errors import OmniError, QueueFullError
+from vllm_omni_like.errors import EngineDeadError, OmniError, QueueFullError, RequestTimeoutError
 from vllm_omni_like.media import encode_image, encode_video
+from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.stages.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_WRITE_S = 0.2  # at most this often a progress write to SQLite
 POLL_AFTER_MS = 100
 SWEEP_S = 30.0
+DISPATCH_POLL_S = 0.5  # the dispatcher looks at the queue this often without a wake-up
+HOLD_S = 0.25  # after the engine had no room (queue full, stage restarting): wait this long
+CUTOFF_SETTLE_S = 2.0  # after the drain's cut-off: time for cut jobs to record themselves
 
 
 def video_object(row: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +68,12 @@ class VideoService:
         self.engine = engine
         self.settings = settings
         self.store = VideoStore(settings.storage_dir)
+        self.faults = FaultInjector(engine.config.faults, "videos")  # point=store rules
         self.running: dict[str, tuple[asyncio.Task, RequestStream | None]] = {}
+        self.draining = False
         self._wake = asyncio.Event()
+        self._held_until = 0.0  # the engine refused room: no dispatch before this (loop time)
+        self._refused_since: dict[str, float] = {}  # job -> when the engine first had no room
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -76,13 +86,30 @@ class VideoService:
             asyncio.create_task(self._sweep_forever()),
         ]
 
-    async def stop(self) -> None:
+    def begin_drain(self) -> None:
+        """Shutdown began: queued jobs stay queued for the next start; running ones go on."""
+        self.draining = True
+
+    async def stop(self, deadline: float | None = None) -> None:
+        """Running jobs may finish until `deadline` (loop time; at it the server's cut-off ends
+        them and they are queued again); any still running after that is queued again too."""
+        self.draining = True
         for task in self._tasks:
             task.cancel()
         jobs = [task for task, _ in self.running.values()]
-        for task in jobs:
+        if jobs and deadline is not None:
+            left = deadline - asyncio.get_running_loop().time() + CUTOFF_SETTLE_S
+            await asyncio.wait(jobs, timeout=max(0.0, left))
+        unfinished = list(self.running)
+        for task, stream in list(self.running.values()):
             task.cancel()
+            if stream is not None:
+                stream.close()
         await asyncio.gather(*self._tasks, *jobs, return_exceptions=True)
+        for video_id in unfinished:
+            await asyncio.to_thread(self.store.requeue, video_id)
+        if unfinished:
+            logger.warning("%d video jobs cut off by the shutdown: queued again", len(unfinished))
         await asyncio.to_thread(self.store.close)
 
     # ---- API -----------------------------------------------------------------------------------
@@ -108,6 +135,7 @@ class VideoService:
         return await asyncio.to_thread(self.store.get, video_id)
 
     async def delete(self, video_id: str) -> bool:
+        self._refused_since.pop(video_id, None)
         task, stream = self.running.pop(video_id, (None, None))
         if stream is not None:
             stream.close()  # the engine aborts it
@@ -128,11 +156,13 @@ class VideoService:
 
     # ---- the queue ------------------------------------------------------------------------------
     async def _dispatch_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+            held = self._held_until - loop.time()
+            with contextlib.suppress(TimeoutError):  # a wake-up, or a slow poll; never a spin
+                await asyncio.wait_for(self._wake.wait(), held if held > 0 else DISPATCH_POLL_S)
             self._wake.clear()
-            if not self.engine.started:
+            if self.draining or not self.engine.started or loop.time() < self._held_until:
                 continue
             room = self.settings.video_concurrency - len(self.running)
             if room <= 0:
@@ -144,7 +174,8 @@ class VideoService:
                 self.running[row["id"]] = (task, None)
 
     async def _run(self, row: dict[str, Any]) -> None:
-        video_id = row["id"]
+        video_id, stream, wake = row["id"], None, True
+        since = time.monotonic()
         try:
             body = VideoRequest.model_validate_json(row["params"])
             omni = video_request(
@@ -154,31 +185,66 @@ class VideoService:
                 video_id,
                 timeout=self.settings.video_timeout,
             )
-            try:
-                stream = self.engine.open(omni)
-            except QueueFullError:
-                return  # stays queued; the next dispatch tries again
+            stream = self._open(video_id, omni)
+            if stream is None:  # no room in the engine now: stays queued, tried again later
+                wake = False
+                return
             if video_id not in self.running:  # deleted meanwhile
-                stream.close()
                 return
             self.running[video_id] = (self.running[video_id][0], stream)
             await asyncio.to_thread(self.store.update, video_id, status="in_progress")
             output = await self._follow(video_id, stream)
-            await self._finish(row, output)
+            if output.error is not None:
+                raise output.error.to_exception()
+            write = asyncio.to_thread(self._write_files, row, output, omni)
+            await stored(self.engine, omni, write, since, "video")
         except asyncio.CancelledError:
             raise
         except OmniError as exc:
-            await asyncio.to_thread(
-                self.store.update,
-                video_id,
-                status="failed",
-                error_code=exc.code,
-                error_message=exc.message,
-                completed_at=int(time.time()),
-            )
+            if exc.code == "shutting_down":  # cut off by the drain: the next start runs it
+                await asyncio.to_thread(self.store.requeue, video_id)
+            else:
+                await self._fail(video_id, exc.code, exc.message)
+        except Exception as exc:  # never left in_progress, whatever went wrong
+            logger.exception("video job %s failed", video_id)
+            await self._fail(video_id, "internal_error", f"{type(exc).__name__}: {exc}")
         finally:
+            if stream is not None:
+                stream.close()  # a no-op once finished; else the engine aborts it
             self.running.pop(video_id, None)
-            self._wake.set()
+            if wake:
+                self._wake.set()
+
+    def _open(self, video_id: str, omni: OmniRequest) -> RequestStream | None:
+        """Submit the job; None while the engine has no room for it (its queue is full, or its
+        stage restarts), for at most --video-timeout; then the refusal is the job's failure."""
+        loop = asyncio.get_running_loop()
+        try:
+            stream = self.engine.open(omni)
+        except (QueueFullError, EngineDeadError) as exc:
+            if exc.code not in ("queue_full", "restarting"):
+                raise
+            first = self._refused_since.setdefault(video_id, loop.time())
+            if loop.time() - first > self.settings.video_timeout:
+                self._refused_since.pop(video_id, None)
+                raise RequestTimeoutError(
+                    f"the job found no room in the engine for {self.settings.video_timeout:g}s "
+                    f"(--video-timeout): {exc.message}"
+                ) from None
+            self._held_until = loop.time() + HOLD_S
+            return None
+        self._refused_since.pop(video_id, None)
+        return stream
+
+    async def _fail(self, video_id: str, code: str, message: str) -> None:
+        await asyncio.to_thread(
+            self.store.update,
+            video_id,
+            status="failed",
+            error_code=code,
+            error_message=message,
+            completed_at=int(time.time()),
+        )
 
     async def _follow(self, video_id: str, stream: RequestStream) -> OmniRequestOutput:
         last_write = 0.0
@@ -193,17 +259,21 @@ class VideoService:
                     pct = min(99, int(100 * event.step / event.total))
                     await asyncio.to_thread(self.store.update, video_id, progress=pct)
 
-    async def _finish(self, row: dict[str, Any], output: OmniRequestOutput) -> None:
-        if output.error is not None:
-            raise output.error.to_exception()  # recorded as the job's failure by _run
-        await asyncio.to_thread(self._write_files, row, output)
-
-    def _write_files(self, row: dict[str, Any], output: OmniRequestOutput) -> None:
+    def _write_files(
+        self, row: dict[str, Any], output: OmniRequestOutput, omni: OmniRequest
+    ) -> None:
         video_id, video = row["id"], output.output.video
         path = self.store.media_path(video_id, "mp4")
         thumb = self.store.media_path(video_id, "png")
-        write_durably(path, encode_video(video.frames, video.fps))
-        write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
+        try:
+            self.faults.fire("store", [omni])
+            write_durably(path, encode_video(video.frames, video.fps))
+            write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
+        except BaseException:
+            for done in (path, thumb):  # a failed job leaves no file behind
+                with contextlib.suppress(OSError):
+                    os.unlink(done)
+            raise
         now = int(time.time())
         frames, h, w = video.frames.shape[:3]
         made = {"num_frames": frames, "fps": video.fps}  # what was made, not what was asked

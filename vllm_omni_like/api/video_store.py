@@ -5,6 +5,7 @@ Every method is blocking: callers run them in a thread, never on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -168,6 +169,14 @@ class VideoStore:
             (limit,),
         )
 
+    def requeue(self, video_id: str) -> None:
+        """A job cut off by a graceful shutdown runs again, from the start, at the next one."""
+        self._exec(
+            "UPDATE videos SET status = 'queued', progress = 0 WHERE id = ? "
+            "AND status IN ('queued', 'in_progress')",
+            (video_id,),
+        )
+
     def fail_interrupted(self) -> int:
         """Jobs that were running when the server died are failed, never left in_progress."""
         return self._exec(
@@ -191,8 +200,13 @@ class VideoStore:
 def write_durably(path: str, data: bytes) -> None:
     """Temporary name, fsync, rename: a reader sees the whole file or none."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no partial file
+            os.unlink(tmp)
+        raise

@@ -104,6 +104,10 @@ class AsyncOmni:
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self.orchestrator.abort(request_id, reason)
 
+    def cut_off(self, message: str) -> None:
+        """End every request still running with a 503 `shutting_down` carrying `message`."""
+        self.orchestrator.cut_off(message)
+
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
 

@@ -27,6 +27,7 @@ from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import (
     Abort,
     BatchDone,
+    CutOff,
     Denoised,
     FromReplica,
     OmniRequest,
@@ -150,6 +151,10 @@ class Orchestrator:
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self.inbox.put(Abort(request_id, reason))
 
+    def cut_off(self, message: str) -> None:
+        """End every request in the engine now with a 503 `shutting_down` (the drain is over)."""
+        self.inbox.put(CutOff(message))
+
     def health(self) -> list[dict[str, object]]:
         return [pool.health() for pools in self.pools.values() for pool in pools]
 
@@ -206,6 +211,9 @@ class Orchestrator:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
                 elif state is not None:
                     self._abort(state, reason)
+            case CutOff(message=message):
+                for state in list(self.requests.values()):
+                    self._abort(state, "shutting_down", message)
             case FromReplica(pipeline=pipe, stage=stage, replica=replica, msg=inner):
                 self._on_replica_message(pipe, stage, replica, inner)
             case ReplicaRestarted(pipeline=pipe, stage=stage, replica=replica, executor=ex):
@@ -308,11 +316,14 @@ class Orchestrator:
         for state in list(self.requests.values()):
             self._finish(state, EngineDeadError(self._dead.message))
 
-    def _abort(self, state: RequestState, reason: str) -> None:
+    def _abort(self, state: RequestState, reason: str, message: str = "") -> None:
         pool = self.pools[state.request.pipeline][state.stage_index]
         if not pool.remove(state):
             pool.abort_running(state)
-        if reason == "timeout":
+        if reason == "shutting_down":
+            error = EngineDeadError(message, code="shutting_down")
+            self._finish(state, error, status="aborted")
+        elif reason == "timeout":
             timeout = state.deadline - state.created
             self._finish(
                 state,
@@ -373,5 +384,6 @@ class Orchestrator:
         self.recent_final.move_to_end(rid)
         if len(self.recent_final) > ENDED_MEMORY:
             self.recent_final.popitem(last=False)
-        self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
+        if status != "success" or not state.request.stores_output:  # else the API counts it
+            self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
         state.emit(output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -77,6 +78,8 @@ class FaultInjector:
         match rule.kind:
             case "raise":
                 raise InjectedFault(where)
+            case "enospc":
+                raise OSError(errno.ENOSPC, f"No space left on device ({where})")
             case "invalid":
                 raise InvalidRequestError(f"{where}: the request is invalid", stage=self.stage)
             case "oom":
