@@ -52,6 +52,8 @@ def create_app(
         finally:
             sweeper.cancel()
             starter.cancel()
+            if not engine.started and server.start_error is None:
+                logger.info("shut down while the stages load: the load is stopped")
             await server.videos.stop(server.drain_deadline)
             await asyncio.to_thread(engine.shutdown)
 
@@ -79,6 +81,9 @@ async def _start_engine(server: Server, on_fatal: Callable[[str], None] | None) 
         logger.info("engine ready: %s", ", ".join(server.engine.pipeline_names))
     except Exception as exc:
         server.start_error = str(exc)
+        if server.draining:  # SIGTERM during the load stopped it: not a failure
+            logger.info("loading stopped: the server is shutting down")
+            return
         logger.error("engine failed to start: %s", exc)
         if on_fatal is not None:
             on_fatal(str(exc))

@@ -84,7 +84,10 @@ async def stored(
         result = await write
     except Exception as exc:
         engine.stats.finished(omni.pipeline, "error", time.monotonic() - since)
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        if isinstance(exc, OSError):  # "No space left on device", without the errno
+            detail = exc.strerror or str(exc)
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
         logger.warning("request %s: the %s could not be stored: %s", omni.request_id, what, exc)
         raise EngineGenerateError(
             f"the {what} was made but could not be stored: {detail}", code="storage_error"

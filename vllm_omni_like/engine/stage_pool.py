@@ -107,13 +107,20 @@ class StagePool:
         errors: list[BaseException] = []
 
         def start_one(replica: Replica) -> None:
+            executor = None
             try:
                 executor = self._make_executor(replica.index)
+                if not self._track_start(executor):
+                    raise EngineDeadError(
+                        "the engine shut down while loading", code="shutting_down", stage=self.name
+                    )
                 executor.start()
                 replica.executor = executor
                 replica.started_at = time.monotonic()
             except BaseException as exc:
                 errors.append(exc)
+            finally:
+                self._starting.discard(executor)
 
         threads = [threading.Thread(target=start_one, args=(r,)) for r in self.replicas]
         for t in threads:
@@ -124,6 +131,15 @@ class StagePool:
             self.shutdown()
             raise errors[0]
         self.started = True
+
+    def _track_start(self, executor: Executor) -> bool:
+        """From here on shutdown() stops this starting executor too (a load it interrupts);
+        False if the pool is already shutting down (then nothing is started)."""
+        with self._restart_lock:
+            if self._stopping.is_set():
+                return False
+            self._starting.add(executor)
+            return True
 
     def shutdown(self) -> None:
         with self._restart_lock:
@@ -334,10 +350,8 @@ class StagePool:
             executor = None
             try:
                 executor = self._make_executor(replica.index)
-                with self._restart_lock:  # shutdown() sees it from here on: nothing outlives it
-                    if self._stopping.is_set():
-                        return
-                    self._starting.add(executor)
+                if not self._track_start(executor):
+                    return
                 executor.start()
             except Exception as exc:
                 if executor is not None:

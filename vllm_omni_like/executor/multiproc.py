@@ -84,6 +84,7 @@ class MultiprocExecutor(Executor):
         self._lock = threading.Lock()
         self._inflight: dict[int, set[str]] = {}
         self._startup: queue.Queue[object] = queue.Queue()
+        self._ready: set[int] = set()  # ranks whose load finished
         self._dead = False
         self._stopping = False
         self._kill_reason: str | None = None
@@ -95,24 +96,10 @@ class MultiprocExecutor(Executor):
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         for rank in range(self.config.workers_per_replica):
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            device = self.device
-            proc = ctx.Process(
-                target=worker_main,
-                args=(child_conn, self.config, rank, device, self.faults, os.getpid()),
-                name=f"{self.config.name}-r{self.replica}-w{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_conn.close()  # so the reader sees EOF when the worker dies
-            handle = _WorkerHandle(rank, proc, parent_conn)
-            for role, loop in (("reader", self._read_forever), ("writer", self._write_forever)):
-                thread = threading.Thread(
-                    target=loop, args=(handle,), daemon=True, name=f"{role}-{proc.name}"
-                )
-                setattr(handle, role, thread)
-                thread.start()
-            self._workers.append(handle)
+            with self._lock:  # shutdown() either sees this worker or stops the spawning
+                if self._stopping:
+                    break
+                self._spawn(ctx, rank)
         try:
             self._wait_ready()
         except BaseException:
@@ -125,17 +112,44 @@ class MultiprocExecutor(Executor):
         )
         self._monitor.start()
 
+    def _spawn(self, ctx, rank: int) -> None:
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(child_conn, self.config, rank, self.device, self.faults, os.getpid()),
+            name=f"{self.config.name}-r{self.replica}-w{rank}",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()  # so the reader sees EOF when the worker dies
+        handle = _WorkerHandle(rank, proc, parent_conn)
+        for role, loop in (("reader", self._read_forever), ("writer", self._write_forever)):
+            thread = threading.Thread(
+                target=loop, args=(handle,), daemon=True, name=f"{role}-{proc.name}"
+            )
+            setattr(handle, role, thread)
+            thread.start()
+        self._workers.append(handle)
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.load_timeout
-        ready: set[int] = set()
+        ready = self._ready
         where = f"replica {self.replica}"
-        while len(ready) < len(self._workers):
+        while len(ready) < self.config.workers_per_replica:
+            if self._stopping:  # shutdown() during the load: it ends the workers
+                raise EngineDeadError(
+                    f"{where}: loading stopped: the engine is shutting down",
+                    stage=self.config.name,
+                    code="shutting_down",
+                )
             try:
                 msg = self._startup.get(timeout=0.05)
             except queue.Empty:
                 msg = None
             if msg is None:
                 for w in self._workers:
+                    if self._stopping:
+                        break  # the check above says why
                     if w.proc.exitcode is not None and w.rank not in ready:
                         time.sleep(0.05)  # a load failure message may still be in the pipe
                         if self._startup.empty():
@@ -166,7 +180,8 @@ class MultiprocExecutor(Executor):
         self._send_all(Shutdown())
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for w in self._workers:
-            w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.rank in self._ready:  # a loading worker reads no message: killed at once
+                w.proc.join(max(0.0, deadline - time.monotonic()))
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join(5)
