@@ -174,6 +174,7 @@ class ReplicaRestartFailed:
     stage: int
     replica: int
     error: ErrorInfo
+    lacked_room: bool = False  # descriptors or memory ran out: not the model's fault
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -15,11 +17,23 @@ from tests.api.conftest import free_port
 
 
 class ServeProcess:
-    def __init__(self, args: list[str], storage: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        storage: str,
+        env: dict[str, str] | None = None,
+        nofile: int | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.marker = uuid.uuid4().hex  # finds this server's processes, orphans included
         full_env = {**os.environ, "VLLM_OMNI_LIKE_TEST_MARKER": self.marker, **(env or {})}
+        # the log goes to a file: a test can read it while the server runs
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in cleanup()
+
+        def limit() -> None:  # in the child, before exec: at most `nofile` descriptors
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -33,9 +47,10 @@ class ServeProcess:
                 storage,
             ],
             env=full_env,
-            stdout=subprocess.PIPE,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=limit if nofile else None,
         )
 
     def wait_healthy(self, timeout: float = 60) -> None:
@@ -51,11 +66,12 @@ class ServeProcess:
         raise AssertionError("server never became healthy")
 
     def output(self) -> str:
-        if self.proc.poll() is None:
+        """What the server printed so far."""
+        if self.log.closed:
             return ""
-        out = self.proc.stdout.read()
-        self.proc.stdout.close()
-        return out
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
 
     def processes(self) -> list[psutil.Process]:
         """Every live process carrying this server's marker (the server and its workers)."""
@@ -80,5 +96,4 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        if not self.proc.stdout.closed:
-            self.proc.stdout.close()
+        self.log.close()

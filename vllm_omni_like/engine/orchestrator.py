@@ -222,7 +222,7 @@ class Orchestrator:
             case ReplicaRestartFailed(pipeline=pipe, stage=stage, replica=replica, error=err):
                 logger.error("restart of %s replica %d failed: %s", pipe, replica, err.message)
                 pool = self.pools[pipe][stage]
-                pool.on_restart_failed(replica)
+                pool.on_restart_failed(replica, err.message, msg.lacked_room)
                 if pool.state == "dead":
                     self._die(
                         EngineDeadError(

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.engine.replica_start import ReplicaStarter, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
@@ -30,6 +30,7 @@ from vllm_omni_like.messages import (
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0)
+NO_ROOM_RETRY_S = 1.0  # a restart that lacked descriptors or memory: tried again this often
 STABLE_RUN_S = 30.0  # a replica that lived this long starts its back-off from the beginning
 ExecutorFactory = Callable[..., Executor]
 
@@ -47,6 +48,8 @@ class Replica:
     stall_killed: bool = False
     started_at: float = 0.0
     backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
+    no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
+    restart_error: str | None = None  # why the last restart failed (until one succeeds)
     clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
     # after a batch: wait (briefly) for that many requests - its clients coming back
     refill_target: int = 0
@@ -88,10 +91,8 @@ class StagePool:
         ]
         self.waiting: deque[RequestState] = deque()
         self.started = False
-        self._stopping = threading.Event()
-        # executors of restarts under way (until on_restarted takes them): shutdown() stops them
-        self._starting: set[Executor] = set()
-        self._restart_lock = threading.Lock()
+        self.starter = ReplicaStarter(self.name, self._make_executor)
+        self._stopping = self.starter.stopping
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _make_executor(self, index: int) -> Executor:
@@ -104,51 +105,22 @@ class StagePool:
 
     def start(self) -> None:
         """Start every replica (in parallel); raise the first failure."""
-        errors: list[BaseException] = []
-
-        def start_one(replica: Replica) -> None:
-            executor = None
-            try:
-                executor = self._make_executor(replica.index)
-                if not self._track_start(executor):
-                    raise EngineDeadError(
-                        "the engine shut down while loading", code="shutting_down", stage=self.name
-                    )
-                executor.start()
-                replica.executor = executor
-                replica.started_at = time.monotonic()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                self._starting.discard(executor)
-
-        threads = [threading.Thread(target=start_one, args=(r,)) for r in self.replicas]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        started, errors = self.starter.start_all([r.index for r in self.replicas])
+        for index, executor in started.items():
+            replica = self.replicas[index]
+            replica.executor, replica.started_at = executor, time.monotonic()
+            self.starter.handed_over(executor)
         if errors:
             self.shutdown()
             raise errors[0]
         self.started = True
 
-    def _track_start(self, executor: Executor) -> bool:
-        """From here on shutdown() stops this starting executor too (a load it interrupts);
-        False if the pool is already shutting down (then nothing is started)."""
-        with self._restart_lock:
-            if self._stopping.is_set():
-                return False
-            self._starting.add(executor)
-            return True
-
     def shutdown(self) -> None:
-        with self._restart_lock:
-            self._stopping.set()
-            starting = list(self._starting)
+        starting = self.starter.shutdown()
         for r in self.replicas:
             if r.executor is not None:
                 r.executor.shutdown()
-        for executor in starting:  # a restart under way, or done but not yet handed over
+        for executor in starting:  # a start under way, or done but not yet handed over
             executor.shutdown()
 
     # ---- state -----------------------------------------------------------------------------------
@@ -165,13 +137,18 @@ class StagePool:
         return "restarting" if any(r.restarting for r in self.replicas) else "dead"
 
     def health(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "pipeline": self.pipeline,
             "name": self.name,
             "state": self.state,
             "replicas_live": self.live_count,
             "replicas_total": len(self.replicas),
+            "restarts": sum(r.restarts for r in self.replicas),
         }
+        errors = [r.restart_error for r in self.replicas if r.restart_error]
+        if errors:
+            body["restart_error"] = errors[0]  # why a restart under way is not done yet
+        return body
 
     @property
     def capacity(self) -> int:
@@ -330,54 +307,57 @@ class StagePool:
         replica = self.replicas[replica_index]
         replica.restarts = max(0, replica.restarts - 1)
 
-    def _restart(self, replica: Replica, charged: bool = True) -> None:
+    def _restart(self, replica: Replica, charged: bool = True, delay: float | None = None) -> None:
         replica.restarting = True
-        delay = RESTART_BACKOFF_S[min(replica.backoff, len(RESTART_BACKOFF_S) - 1)]
+        if delay is None:
+            delay = RESTART_BACKOFF_S[min(replica.backoff, len(RESTART_BACKOFF_S) - 1)]
+            replica.backoff += 1
         replica.restarts += charged
-        replica.backoff += 1
         logger.warning(
-            "stage %s: restarting replica %d in %.1fs (restart %d of %d)",
+            "stage %s: restarting replica %d in %.1fs (restart %d of %d%s)",
             self.name,
             replica.index,
             delay,
             replica.restarts,
             self.max_restarts,
+            "" if charged else "; this try is not counted",
         )
+        index = replica.index
 
-        def run() -> None:
-            if self._stopping.wait(delay):
-                return
-            executor = None
-            try:
-                executor = self._make_executor(replica.index)
-                if not self._track_start(executor):
-                    return
-                executor.start()
-            except Exception as exc:
-                if executor is not None:
-                    self._starting.discard(executor)
-                err = classify(exc, self.name).info()
-                self.inbox.put(ReplicaRestartFailed(self.pipeline, self.index, replica.index, err))
-                return
-            if self._stopping.is_set():
-                executor.shutdown()
-                return
-            self.inbox.put(ReplicaRestarted(self.pipeline, self.index, replica.index, executor))
+        def started(executor: Executor) -> None:
+            self.inbox.put(ReplicaRestarted(self.pipeline, self.index, index, executor))
 
-        threading.Thread(target=run, daemon=True, name=f"restart-{self.name}").start()
+        def failed(exc: BaseException) -> None:
+            err = classify(exc, self.name).info()
+            self.inbox.put(
+                ReplicaRestartFailed(self.pipeline, self.index, index, err, lacks_room(exc))
+            )
+
+        self.starter.restart_later(index, delay, started, failed)
 
     def on_restarted(self, replica_index: int, executor: Executor) -> None:
-        self._starting.discard(executor)
+        self.starter.handed_over(executor)
         replica = self.replicas[replica_index]
         replica.executor, replica.restarting = executor, False
-        replica.started_at = time.monotonic()
+        replica.started_at, replica.no_room_since, replica.restart_error = time.monotonic(), 0, None
         if self._stopping.is_set():
             executor.shutdown()
 
-    def on_restart_failed(self, replica_index: int) -> None:
+    def on_restart_failed(self, replica_index: int, message: str, lacked_room: bool) -> None:
+        """A restart that lacked room on the host (descriptors, memory) is tried again each
+        second without spending the budget, for up to the stage's load timeout; any other
+        failure spends one restart."""
         replica = self.replicas[replica_index]
-        replica.restarting = False
-        if replica.restarts < self.max_restarts and not self._stopping.is_set():
+        replica.restarting, replica.restart_error = False, message
+        if self._stopping.is_set():
+            return
+        now = time.monotonic()
+        if lacked_room:
+            replica.no_room_since = replica.no_room_since or now
+            if now - replica.no_room_since <= self.config.load_timeout:
+                self._restart(replica, charged=False, delay=NO_ROOM_RETRY_S)
+                return
+        if replica.restarts < self.max_restarts:
             self._restart(replica)
 
     def check_stalls(self, now: float) -> None:

@@ -95,14 +95,14 @@ class MultiprocExecutor(Executor):
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        for rank in range(self.config.workers_per_replica):
-            with self._lock:  # shutdown() either sees this worker or stops the spawning
-                if self._stopping:
-                    break
-                self._spawn(ctx, rank)
         try:
+            for rank in range(self.config.workers_per_replica):
+                with self._lock:  # shutdown() either sees this worker or stops the spawning
+                    if self._stopping:
+                        break
+                    self._spawn(ctx, rank)
             self._wait_ready()
-        except BaseException:
+        except BaseException:  # out of descriptors, a load failure, a shutdown: nothing left
             self.shutdown()
             raise
         self._monitor = threading.Thread(
@@ -120,7 +120,12 @@ class MultiprocExecutor(Executor):
             name=f"{self.config.name}-r{self.replica}-w{rank}",
             daemon=True,
         )
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:  # e.g. out of descriptors: the pipe goes too
+            parent_conn.close()
+            child_conn.close()
+            raise
         child_conn.close()  # so the reader sees EOF when the worker dies
         handle = _WorkerHandle(rank, proc, parent_conn)
         for role, loop in (("reader", self._read_forever), ("writer", self._write_forever)):
