@@ -220,6 +220,18 @@ class _Worker:
             self.send(RequestResult(batch_id, out))
 
 
+def _process_local_locks() -> None:
+    """Progress bars (tqdm, inside diffusers and transformers) lock through a multiprocessing
+    RLock by default: in a spawned process, a named semaphore in /dev/shm that a killed worker
+    leaves behind, one per death. No other process shares this worker's progress bars: a
+    thread lock does, and nothing of a dead worker outlives it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with diffusers and transformers
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(
     conn: Connection,
     config: StageConfig,
@@ -234,6 +246,7 @@ def worker_main(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
     )
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _process_local_locks()
     worker = _Worker(conn, config, rank, device, faults)
     if not worker.load():
         sys.exit(1)

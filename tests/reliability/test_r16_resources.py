@@ -1,9 +1,11 @@
-"""R16: the server out of file descriptors (a low `ulimit -n` and many half-sent requests)
-when its worker dies. Restarts that fail for lack of descriptors wait for room without
-spending the restart budget; once the connections close, the stage comes back."""
+"""R16, host resources: the server out of file descriptors (a low `ulimit -n` and many
+half-sent requests) when its worker dies: restarts that fail for lack of descriptors wait for
+room without spending the restart budget, and the stage comes back once the connections
+close. And nothing of a dead worker outlives it (/dev/shm)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 
@@ -11,7 +13,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.api.conftest import live_server
 from tests.conftest import wait_for
+from tests.reliability.leaks import shm_entries
 from tests.reliability.procs import ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -71,3 +75,29 @@ def test_r16_restarts_that_lack_descriptors_wait_for_room(tmp_path):
         for sock in socks:
             sock.close()
         server.cleanup()
+
+
+def test_r16_a_killed_torch_worker_leaves_nothing_in_dev_shm(tmp_path_factory):
+    before = shm_entries()
+    with live_server(tmp_path_factory, "tiny-image") as server, server.http() as http:
+        pool = server.engine.orchestrator.pools["tiny-image"][0]
+        for round_ in range(3):  # a request (its progress bar), then the worker dies
+            r = http.post(
+                "/v1/images/generations", json={"prompt": "a red circle", "size": "64x64"}
+            )
+            assert r.status_code == 200, r.text
+            if round_ == 2:
+                break
+            pid = pool.replicas[0].executor.pids[0]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda p=pid: not psutil.pid_exists(p) or _zombie(p), 10, "the worker gone")
+            wait_for(lambda: http.get("/health").status_code == 200, 60, "the stage back")
+            assert shm_entries() <= before, f"left in /dev/shm: {shm_entries() - before}"
+        assert server.engine.stats.restarts == 2
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
