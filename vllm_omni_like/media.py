@@ -13,7 +13,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from vllm_omni_like.errors import InvalidRequestError, PayloadTooLargeError
 
@@ -41,9 +41,7 @@ def open_upload(data: bytes, max_bytes: int, max_pixels: int, param: str = "imag
     """An uploaded PNG/JPEG/WebP as a PIL image, its pixels loaded; bad or oversized uploads are
     refused (413 over the byte limit, 400 otherwise)."""
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(
-            f"{param} is {len(data)} bytes; at most {max_bytes}", param=param
-        )
+        raise upload_too_large(param, max_bytes)
     try:
         image = Image.open(io.BytesIO(data))
         if image.format not in ("PNG", "JPEG", "WEBP"):
@@ -62,10 +60,23 @@ def open_upload(data: bytes, max_bytes: int, max_pixels: int, param: str = "imag
         return image
     except InvalidRequestError:
         raise
-    except Exception as exc:
+    except UnidentifiedImageError:
         raise InvalidRequestError(
-            f"{param} is not a readable image: {exc}", param=param, code="invalid_image"
-        ) from exc
+            f"{param} is not a readable image: not a PNG, JPEG or WebP file",
+            param=param,
+            code="invalid_image",
+        ) from None
+    except Exception as exc:  # PIL names its file object (`<_io.BytesIO object at 0x..>`)
+        detail = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the file", str(exc))
+        raise InvalidRequestError(
+            f"{param} is not a readable image: {detail}", param=param, code="invalid_image"
+        ) from None
+
+
+def upload_too_large(param: str, max_bytes: int, size: int | None = None) -> PayloadTooLargeError:
+    """413 for an upload over the byte limit; its size where known (else only that it is over)."""
+    said = f"{size} bytes, over" if size is not None else "over"
+    return PayloadTooLargeError(f"{param} is {said} the limit of {max_bytes} bytes", param=param)
 
 
 def decode_upload(data: bytes, max_bytes: int, max_pixels: int, param: str = "image") -> np.ndarray:

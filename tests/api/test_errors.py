@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from PIL import Image
 
 from tests.api.conftest import live_server
 from tests.conftest import wait_for, wait_until
@@ -90,12 +92,49 @@ def test_413_body_and_upload_limits(null_server):
         )
         body = _err(r, 413, "payload_too_large")
         assert body["param"] == "image"
+        # the size sent, never the read cap (300001) as if it were the upload's size
+        assert body["message"] == "image is 400000 bytes, over the limit of 300000 bytes"
         bad = http.post(
             "/v1/images/edits",
             files={"image": ("a.png", b"not an image", "image/png")},
             data={"prompt": "x", "model": "null-image"},
         )
-        assert _err(bad, 400, "invalid_image")["param"] == "image"
+        body = _err(bad, 400, "invalid_image")
+        assert body["param"] == "image"
+        assert body["message"] == "image is not a readable image: not a PNG, JPEG or WebP file"
+        png = io.BytesIO()
+        Image.new("RGB", (64, 64), (255, 0, 0)).save(png, "PNG")
+        cut = http.post(  # a PNG whose end is missing: PIL's own words, no object repr
+            "/v1/images/edits",
+            files={"image": ("a.png", png.getvalue()[:-40], "image/png")},
+            data={"prompt": "x", "model": "null-image"},
+        )
+        message = _err(cut, 400, "invalid_image")["message"]
+        assert (
+            message.startswith("image is not a readable image: ") and "object at 0x" not in message
+        )
+
+
+def test_a_truncated_multipart_body_is_named_so(null_server):
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(png, "PNG")
+    whole = httpx.Request(
+        "POST",
+        f"{null_server.url}/v1/images/edits",
+        files={"image": ("a.png", png.getvalue(), "image/png")},
+        data={"prompt": "x", "model": "null-image"},
+    )
+    body, kind = whole.read(), whole.headers["content-type"]
+    with null_server.http() as http:
+        for size in (len(body) - 10, len(body) // 2):
+            r = http.post("/v1/images/edits", content=body[:size], headers={"content-type": kind})
+            assert _err(r, 400, "invalid_multipart")["message"] == (
+                f"the multipart body is truncated: its {size} bytes end before the closing boundary"
+            )
+        assert (
+            http.post("/v1/images/edits", content=body, headers={"content-type": kind}).status_code
+            == 200
+        )
 
 
 def test_500_carries_no_retry_and_names_the_stage(null_server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from vllm_omni_like.api.serving import (
     stream_images,
 )
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.media import decode_mask, decode_upload
+from vllm_omni_like.media import decode_mask, decode_upload, upload_too_large
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -86,15 +87,33 @@ async def read_upload(server: Server, upload: Any, param: str, decode=decode_upl
             f"{param} must be a file upload", param=param, code="invalid_image"
         )
     limits = server.settings.limits
-    data = await upload.read(limits.max_upload_bytes + 1)
+    if upload.size is not None and upload.size > limits.max_upload_bytes:
+        raise upload_too_large(param, limits.max_upload_bytes, upload.size)
+    data = await upload.read(limits.max_upload_bytes + 1)  # over it: "over the limit"
     return await asyncio.to_thread(
         decode, data, limits.max_upload_bytes, limits.max_upload_pixels, param
     )
 
 
+async def _complete_multipart(request: Request) -> None:
+    """A multipart body cut short (no closing boundary) is named as such: the parser would
+    drop its unfinished part and the route would report a missing field instead."""
+    found = re.search(r'boundary="?([^";]+)"?', request.headers.get("content-type", ""))
+    if found is None:
+        return  # not multipart: the form parser says what is wrong
+    body = await request.body()  # kept by the request: the form parser reads it from there
+    if not body.rstrip(b"\r\n").endswith(b"--" + found.group(1).encode("latin-1") + b"--"):
+        raise InvalidRequestError(
+            f"the multipart body is truncated: its {len(body)} bytes end before the closing "
+            "boundary",
+            code="invalid_multipart",
+        )
+
+
 @router.post("/v1/images/edits")
 async def edits(request: Request):
     server = _server(request)
+    await _complete_multipart(request)
     form = await request.form(max_files=16, max_fields=64)
     try:
         uploads = form.getlist("image") + form.getlist("image[]")
