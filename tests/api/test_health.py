@@ -34,6 +34,7 @@ def test_health_models_version(null_server):
             "state": "ready",
             "replicas_live": 1,
             "replicas_total": 1,
+            "restarts": 0,
         } in body["stages"]
         assert http.get("/version").json() == {"version": __version__}
 

@@ -43,6 +43,29 @@ def _response(data: bytes) -> tuple[str, dict]:
     return head.decode("latin-1").lower(), json.loads(body)
 
 
+def _trickle(sock: socket.socket, pieces) -> tuple[bytes, float]:
+    """Send a piece every 0.3 s until the server answers and closes: its answer, and how long
+    after the first piece it came."""
+    start, data = time.monotonic(), b""
+    sock.settimeout(0.3)
+    for piece in pieces:
+        try:
+            sock.sendall(piece)
+            chunk = sock.recv(65536)
+        except (TimeoutError, BlockingIOError):
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        data += chunk
+        if not chunk:
+            break
+    took = time.monotonic() - start
+    sock.settimeout(5)
+    with contextlib.suppress(ConnectionResetError):
+        data += _read_all(sock)
+    return data, took
+
+
 def _open_connections(server) -> int:
     return len(server.server.server_state.connections)
 
@@ -51,25 +74,8 @@ def test_headers_that_trickle_get_a_408_at_the_header_timeout(slow_server):
     before = slow_server.engine.stats.snapshot()
     rejected = before["rejected"].get(408, 0)
     with _connect(slow_server) as sock:
-        start = time.monotonic()
         sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n")
-        sock.settimeout(0.3)
-        data = b""
-        for i in range(20):  # a header line every 0.3 s: never finished
-            try:
-                sock.sendall(f"X-Slow-{i}: 1\r\n".encode())
-                chunk = sock.recv(65536)
-            except (TimeoutError, BlockingIOError):
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            data += chunk
-            if not chunk:
-                break
-        took = time.monotonic() - start
-        sock.settimeout(5)
-        with contextlib.suppress(ConnectionResetError):
-            data += _read_all(sock)
+        data, took = _trickle(sock, (f"X-Slow-{i}: 1\r\n".encode() for i in range(20)))
     head, body = _response(data)
     assert head.startswith("http/1.1 408"), head
     assert "x-request-id: req_" in head and "connection: close" in head
@@ -94,24 +100,8 @@ def test_a_body_that_trickles_gets_a_408_at_the_body_timeout(slow_server):
             b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nX-Request-Id: trickle-1\r\n"
             b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n"
         )
-        start = time.monotonic()
-        sock.settimeout(0.3)
-        data = b""
-        for _ in range(30):  # a byte every 0.3 s: 200 bytes would take a minute
-            try:
-                sock.sendall(b" ")
-                chunk = sock.recv(65536)
-            except (TimeoutError, BlockingIOError):
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            data += chunk
-            if not chunk:
-                break
-        took = time.monotonic() - start
-        sock.settimeout(5)
-        with contextlib.suppress(ConnectionResetError):
-            data += _read_all(sock)
+        # a byte every 0.3 s: the 200 bytes would take a minute
+        data, took = _trickle(sock, (b" " for _ in range(30)))
     head, body = _response(data)
     assert head.startswith("http/1.1 408"), head
     assert "x-request-id: trickle-1" in head  # the client's own id, as on every response

@@ -37,6 +37,18 @@ def _job(http, video_id: str) -> dict:
     return http.get(f"/v1/videos/{video_id}").json()
 
 
+def _ended(http, video_id: str, seen: set | None = None) -> dict:
+    """The job once it completed or failed (within 15 s); `seen` collects the states polled."""
+
+    def ended():
+        job = _job(http, video_id)
+        if seen is not None:
+            seen.add(job["status"])
+        return job["status"] in ("completed", "failed") and job
+
+    return wait_for(ended, 15, f"{video_id} to end")
+
+
 def _media_files(server) -> list[str]:
     return os.listdir(os.path.join(server.settings.storage_dir, "videos"))
 
@@ -45,11 +57,7 @@ def test_a_video_that_cannot_be_written_fails_and_counts_as_an_error(store_serve
     before = _final(store_server)
     with store_server.http() as http:
         vid = http.post("/v1/videos", json={"prompt": "a dot @full", "seconds": "1"}).json()["id"]
-        job = wait_for(
-            lambda: (j := _job(http, vid))["status"] in ("completed", "failed") and j,
-            15,
-            "the job to end",
-        )
+        job = _ended(http, vid)
         assert job["status"] == "failed", job
         assert job["error"]["code"] == "storage_error"
         assert job["error"]["message"].startswith(
@@ -71,13 +79,7 @@ def test_a_video_that_cannot_be_written_fails_and_counts_as_an_error(store_serve
 def test_any_other_write_failure_fails_the_job_too(store_server):
     with store_server.http() as http:
         vid = http.post("/v1/videos", json={"prompt": "x @broken", "seconds": "1"}).json()["id"]
-        job = wait_for(
-            lambda: (
-                (j := _job(http, vid))["status"] != "queued" and j["status"] != "in_progress" and j
-            ),
-            15,
-            "the job to end",
-        )
+        job = _ended(http, vid)
     assert job["status"] == "failed" and job["error"]["code"] == "storage_error"
     assert "InjectedFault: injected raise fault at store" in job["error"]["message"]
 
@@ -129,11 +131,7 @@ def test_a_full_tmpfs_fails_the_job(tmp_path_factory):
         try:
             with server.http() as http:
                 vid = http.post("/v1/videos", json={"prompt": "x", "seconds": "1"}).json()["id"]
-                job = wait_for(
-                    lambda: (j := _job(http, vid))["status"] in ("completed", "failed") and j,
-                    15,
-                    "the job to end",
-                )
+                job = _ended(http, vid)
         finally:
             server.stop()
         assert job["status"] == "failed" and job["error"]["code"] == "storage_error"
@@ -152,12 +150,7 @@ def test_a_job_created_while_its_stage_restarts_waits_for_it(tmp_path_factory, m
         vid = http.post("/v1/videos", json={"prompt": "x", "seconds": "1"}).json()["id"]
         seen = set()
 
-        def ended():
-            job = _job(http, vid)
-            seen.add(job["status"])
-            return job["status"] in ("completed", "failed") and job
-
-        job = wait_for(ended, 15, "the job to end")
+        job = _ended(http, vid, seen)
         assert job["status"] == "completed", job
         assert "queued" in seen and "failed" not in seen
         assert server.engine.stats.restarts == 1

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths
+from vllm_omni_like.engine.replica_start import in_parallel
 from vllm_omni_like.engine.request_state import EngineStats, RequestState, final_status
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
@@ -86,19 +87,7 @@ class Orchestrator:
     # ---- any thread --------------------------------------------------------------------------
     def start(self) -> None:
         pools = [pool for pools in self.pools.values() for pool in pools]
-        errors: list[BaseException] = []
-
-        def start(pool: StagePool) -> None:
-            try:
-                pool.start()
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(p,)) for p in pools]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = in_parallel(StagePool.start, pools)
         if errors:
             for pool in pools:
                 pool.shutdown()

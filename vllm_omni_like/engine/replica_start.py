@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
@@ -13,6 +14,7 @@ from vllm_omni_like.executor import Executor
 # a start that failed for these lacked room on the host (descriptors, memory, processes),
 # which frees up on its own: it is retried without spending the replica's restart budget
 NO_ROOM_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
+T = TypeVar("T")
 NO_ROOM_TEXTS = ("Too many open files", "Cannot allocate memory")  # as a worker reports them
 
 
@@ -23,6 +25,24 @@ def lacks_room(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in NO_ROOM_ERRNOS:
         return True
     return any(text in str(exc) for text in NO_ROOM_TEXTS)
+
+
+def in_parallel(start: Callable[[T], object], items: Iterable[T]) -> list[BaseException]:
+    """Call `start` on every item, each on a thread of its own; the failures."""
+    errors: list[BaseException] = []
+
+    def run(item: T) -> None:
+        try:
+            start(item)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(item,)) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 class ReplicaStarter:
@@ -54,20 +74,11 @@ class ReplicaStarter:
     def start_all(self, indices: list[int]) -> tuple[dict[int, Executor], list[BaseException]]:
         """The first start: every replica in parallel; the executors and the failures."""
         started: dict[int, Executor] = {}
-        errors: list[BaseException] = []
 
         def start_one(index: int) -> None:
-            try:
-                started[index] = self.start(index)
-            except BaseException as exc:
-                errors.append(exc)
+            started[index] = self.start(index)
 
-        threads = [threading.Thread(target=start_one, args=(i,)) for i in indices]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return started, errors
+        return started, in_parallel(start_one, indices)
 
     def restart_later(
         self,
