@@ -10,7 +10,8 @@ from typing import Any
 from vllm_omni_like.api.errors import envelope, headers_for
 from vllm_omni_like.errors import AuthenticationError, OmniError, PayloadTooLargeError
 
-PUBLIC_PREFIXES = ("/health", "/metrics", "/version", "/v1/files/")
+PUBLIC_PREFIXES = ("/health", "/metrics", "/version", "/v1/files/", "/playground/")
+PUBLIC_PATHS = ("/", "/favicon.ico")  # the playground page: it asks for the key itself
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -49,7 +50,8 @@ class GatewayMiddleware:
             await send(message)
 
         # 1) API key, except on probes and the unguessable file URLs
-        if self.api_keys and not scope["path"].startswith(PUBLIC_PREFIXES):
+        path = scope["path"]
+        if self.api_keys and not (path.startswith(PUBLIC_PREFIXES) or path in PUBLIC_PATHS):
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if token not in self.api_keys:
