@@ -150,6 +150,32 @@ def test_generate_renders_images_with_their_revised_prompt(browser, server, shot
     assert _errors(browser) == []
 
 
+def test_partial_images_fill_the_grid_while_it_streams(browser, server, shots):
+    _open(browser, server)
+    browser.execute_script("arguments[0].value = 'null-image'", _model_select(browser))
+    _set(browser, "image-prompt", "a slow square @delay=0.15")
+    _set(browser, "image-steps", "12")
+    browser.find_element(By.ID, "image-generate").click()
+    img = wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#image-grid img.pending"), 10, "a cell"
+    )[0]
+    wait_for(  # a real intermediate step, shown before the image is done
+        lambda: (
+            (img.get_attribute("src") or "").startswith("data:image/png;base64,")
+            and "pending" in img.get_attribute("class")
+        ),
+        10,
+        "a partial image in the pending cell",
+    )
+    browser.save_screenshot(os.path.join(shots, "2b-partial.png"))
+    wait_for(lambda: _rendered(browser, "#image-grid"), 20, "the final image")
+    assert img.get_attribute("src").startswith("blob:")
+
+
+def _model_select(browser):
+    return browser.find_element(By.ID, "image-model")
+
+
 def test_a_bad_size_shows_the_apis_own_message(browser, server, shots):
     _open(browser, server)
     _set(browser, "image-size", "4096x4096")
