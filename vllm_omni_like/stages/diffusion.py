@@ -228,7 +228,6 @@ class DiffusionStage(Stage):
         self, batch: list[StageRequest], control: StageControl
     ) -> tuple[Any, dict[str, Any], int, list[int]]:
         """The pipeline and its call for `batch`, the number of real rows and their seeds."""
-        control.faults.fire("execute", batch)
         first = batch[0]
         p = first.params
         prompts, negatives, generators, seeds = [], [], [], []

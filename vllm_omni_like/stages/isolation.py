@@ -93,6 +93,7 @@ def run_isolated(
     """Run `batch` whole (`execute`), each failure confined to the request that caused it."""
 
     def run(live: list[StageRequest]) -> list[StageOutput]:
+        control.faults.fire("execute", live)  # here, so that no stage can forget it
         outputs = stage.execute(live, control)
         control.faults.fire("output", live)
         return outputs
@@ -104,7 +105,10 @@ def begin_isolated(
     stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:
     """The critical-path part of `batch` (`begin`): Deferred parts, and errors of culprits."""
-    begin = lambda live: [stage.begin(live, control)]  # noqa: E731
+    def begin(live: list[StageRequest]) -> list[Deferred]:
+        control.faults.fire("execute", live)  # here, so that no stage can forget it
+        return [stage.begin(live, control)]
+
     return _bisect(stage.name, batch, control, begin, report)
 
 

@@ -119,7 +119,6 @@ class LLMStage(Stage):
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        control.faults.fire("execute", batch)
         max_new = batch[0].params.max_new_tokens or self.default_max_new
         enc = self.tokenizer([self._text(r) for r in batch], return_tensors="pt", padding=True)
         enc = {k: v.to(self.device) for k, v in enc.items()}

@@ -54,7 +54,6 @@ class NullStage(Stage):
         return part.finish(control.live(part.requests))
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
-        control.faults.fire("execute", batch)
         control.saw_model_batch(len(batch))
         steps = batch[0].params.num_inference_steps or self.default_steps
         delay = max(batch[0].params.step_delay, max(_prompt_delay(r.prompt) for r in batch))
