@@ -250,8 +250,6 @@ class Orchestrator:
                 state = self.requests.get(out.request_id)
                 if state is None or state.stage_index != stage or state.replica != replica:
                     return  # finished or aborted already
-                if out.error is not None and out.error.error_class == "EngineDeadError":
-                    return  # the replica died: handled once its ReplicaDied arrives
                 if out.error is not None:
                     self._finish(state, out.error.to_exception())
                     return

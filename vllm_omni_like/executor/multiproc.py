@@ -29,7 +29,6 @@ from vllm_omni_like.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
-from vllm_omni_like.outputs import StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -310,19 +309,12 @@ class MultiprocExecutor(Executor):
         for w in self._workers:
             if w.reader is not None:
                 w.reader.join(0.05)
-        # 3) fail what was in flight; from now on nothing new is accepted
+        # 3) from now on nothing new is accepted; what was in flight is lost with the worker
+        # (ReplicaDied lists it: no result and no BatchDone are made up for it)
         with self._lock:
             self._dead = True
             inflight, self._inflight = self._inflight, {}
-        lost: list[str] = []
-        for bid, ids in inflight.items():
-            for rid in sorted(ids):
-                err = EngineDeadError(
-                    f"replica {self.replica} worker {desc}", stage=self.config.name
-                )
-                self.sink(RequestResult(bid, StageOutput.from_error(rid, err, self.config.name)))
-                lost.append(rid)
-            self.sink(BatchDone(bid, len(ids), 0, 0.0))
+        lost = [rid for ids in inflight.values() for rid in sorted(ids)]
         # 4) tell the owner, once
         event = ReplicaDied(self.config.name, self.replica, desc, lost)
         for cb in self._callbacks:
