@@ -187,6 +187,3 @@ class CutOff:
 @dataclass
 class StopOrchestrator:
     pass
-
-
-WorkerMessage = WorkerReady | WorkerLoadFailed | Progress | Denoised | RequestResult | BatchDone

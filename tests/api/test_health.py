@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.api.conftest import LiveServer, live_server
-from tests.conftest import wait_until
+from tests.conftest import wait_for, wait_until
 from vllm_omni_like import __version__
 from vllm_omni_like.errors import EngineDeadError
 
@@ -69,6 +69,27 @@ def test_metrics_balance_and_cover_the_engine(null_server):
     ):
         assert family in text
     assert 'vllm_omni_like_e2e_latency_seconds_count{pipeline="null-image",status="error"}' in text
+
+
+def test_metrics_count_the_steps_run_after_an_abort(null_server):
+    with null_server.http() as http:
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves mid-denoising
+            http.post(
+                "/v1/images/generations",
+                json={"prompt": "x @delay=0.05", "model": "null-image", "num_inference_steps": 60},
+                timeout=1.0,
+            )
+
+        def counted():
+            text = http.get("/metrics").text
+            return 'vllm_omni_like_steps_after_abort_count{stage="diffusion"}' in text
+
+        wait_for(counted, 10, "the aborted batch reported")
+        text = http.get("/metrics").text
+    # the abort stopped the denoising at the next step boundary
+    assert _metric(
+        text, "vllm_omni_like_steps_after_abort_bucket", '{le="1.0",stage="diffusion"}'
+    ) == _metric(text, "vllm_omni_like_steps_after_abort_count", '{stage="diffusion"}')
 
 
 def test_health_says_starting_until_the_models_load(tmp_path):

@@ -9,6 +9,7 @@ import signal
 
 from vllm_omni_like.config import EngineConfig, parse_faults
 from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.engine.request_state import BatchReport
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.params import GenerationParams
@@ -21,6 +22,7 @@ def engine(spec: str = "null-omni", faults: str = "", stage_kw: dict | None = No
         pipelines=tuple(resolve(spec, **(stage_kw or {}))), faults=parse_faults(faults), **kw
     )
     eng = AsyncOmni(config)
+    eng.batches = record_batches(eng)
     eng.start()
     try:
         yield eng
@@ -78,5 +80,13 @@ def kill_worker(eng: AsyncOmni, pipeline: str, stage: int, replica: int = 0) -> 
     return pid
 
 
+def record_batches(eng: AsyncOmni) -> list[BatchReport]:
+    """Every batch the engine's stages finish from now on (an observer of its stats)."""
+    reports: list[BatchReport] = []
+    eng.stats.batch_observers.append(reports.append)
+    return reports
+
+
 def steps_of(eng: AsyncOmni, rid: str, stage: str) -> list[int]:
-    return [n for r, s, n, _ in eng.orchestrator.recent_steps if r == rid and s == stage]
+    """Steps request `rid` ran in `stage`, per batch it was in (engines made by `engine()`)."""
+    return [b.steps_run[rid] for b in eng.batches if b.stage == stage and rid in b.steps_run]

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.api.conftest import live_server
+from tests.engine.helpers import record_batches
 from tests.reliability.leaks import Baseline, check_engine, client_of, statuses
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         engine_kw={"max_queue_size": 1000},
     ) as server:
         orch = server.engine.orchestrator
+        batches = record_batches(server.engine)
         late_aborts: list[str] = []
 
         denoising = orch.pools["tiny-omni"][1]
@@ -106,9 +108,10 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         aborted = [rid for rid in left if final[rid] == "aborted"]
         assert len(aborted) >= len(left) // 2  # most left before their image was done
         ran: dict[str, tuple[int, int | None]] = {}  # diffusion steps run, and after the abort
-        for rid, stage, n, after in orch.recent_steps:
-            if stage == "diffusion":
-                ran[client_of(rid)] = (n, after)
+        for batch in batches:
+            if batch.stage == "diffusion":
+                for rid, n in batch.steps_run.items():
+                    ran[client_of(rid)] = (n, batch.steps_after_abort.get(rid))
         for rid in aborted:  # the worker's own count: no step after the abort reached it
             n, after = ran.get(rid, (0, None))
             assert after in (None, 0), (rid, n, after)

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from vllm_omni_like.engine import AsyncOmni
-from vllm_omni_like.engine.request_state import FINAL_STATUSES
+from vllm_omni_like.engine.request_state import FINAL_STATUSES, BatchReport
 
 PREFIX = "vllm_omni_like"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
@@ -55,7 +55,8 @@ class _EngineCollector:
             for pool in pools:
                 key = [name, pool.name]
                 waiting.add_metric(key, len(pool.waiting))
-                running.add_metric(key, sum(len(r.batch) for r in pool.replicas))
+                # denoising and still decoding (the batch beside it) both run
+                running.add_metric(key, sum(len(r.batch) + len(r.finishing) for r in pool.replicas))
                 alive.add_metric(key, pool.live_count)
         yield from (waiting, running, alive)
 
@@ -85,10 +86,22 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=self.registry,
         )
+        self.after_abort = Histogram(
+            f"{PREFIX}_steps_after_abort",
+            "Steps a stage ran for a request after its abort reached the worker",
+            ["stage"],
+            buckets=(0, 1, 2, 4, 8, 16, 32),
+            registry=self.registry,
+        )
         stats = engine.stats
         stats.observers.append(lambda p, s, t: self.e2e.labels(p, s).observe(t))
         stats.stage_observers.append(lambda st, t: self.stage.labels(st).observe(t))
-        stats.batch_observers.append(lambda st, n: self.batch.labels(st).observe(n))
+        stats.batch_observers.append(self._batch)
+
+    def _batch(self, report: BatchReport) -> None:
+        self.batch.labels(report.stage).observe(report.size)
+        for steps in report.steps_after_abort.values():
+            self.after_abort.labels(report.stage).observe(steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

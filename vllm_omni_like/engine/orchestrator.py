@@ -7,13 +7,18 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths
 from vllm_omni_like.engine.replica_start import in_parallel
-from vllm_omni_like.engine.request_state import EngineStats, RequestState, final_status
+from vllm_omni_like.engine.request_state import (
+    BatchReport,
+    EngineStats,
+    RequestState,
+    final_status,
+)
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
     EngineDeadError,
@@ -72,7 +77,6 @@ class Orchestrator:
         self.stats = EngineStats()
         # bounded record for tests and drills: (request, stage, steps the worker ran, steps it
         # ran after the abort reached it or None)
-        self.recent_steps: deque[tuple[str, str, int, int | None]] = deque(maxlen=4096)
         # request id -> final status of the last ENDED_MEMORY requests; a late abort for one of
         # them (a client that left while its final output was on the way) is a no-op, not an
         # "abort before submit" to remember
@@ -261,11 +265,7 @@ class Orchestrator:
                     self._finish(state, None)
             case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
                 pool.batch_done(replica, bid)
-                self.stats.batch_done(pool.name, size)
-                after = done.steps_after_abort
-                self.recent_steps.extend(
-                    (rid, pool.name, n, after.get(rid)) for rid, n in steps.items()
-                )
+                self.stats.batch_done(BatchReport(pool.name, size, steps, done.steps_after_abort))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):

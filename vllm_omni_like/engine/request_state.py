@@ -83,6 +83,16 @@ def after_death(
     return None
 
 
+@dataclass(frozen=True)
+class BatchReport:
+    """A batch a stage finished, as its worker counted it: for metrics and observers."""
+
+    stage: str
+    size: int
+    steps_run: dict[str, int]  # per request, aborted ones included
+    steps_after_abort: dict[str, int]  # per aborted request: steps run after the abort arrived
+
+
 class EngineStats:
     """Counters every admitted request ends in exactly once; read from any thread."""
 
@@ -98,17 +108,17 @@ class EngineStats:
         self.latency_s: dict[str, list[float]] = {s: [] for s in FINAL_STATUSES}
         self.observers: list[Callable[[str, str, float], None]] = []  # pipeline, status, s
         self.stage_observers: list[Callable[[str, float], None]] = []  # stage, seconds
-        self.batch_observers: list[Callable[[str, int], None]] = []  # stage, batch size
+        self.batch_observers: list[Callable[[BatchReport], None]] = []
 
     def stage_done(self, stage: str, seconds: float) -> None:
         for observe in self.stage_observers:
             observe(stage, seconds)
 
-    def batch_done(self, stage: str, size: int) -> None:
+    def batch_done(self, report: BatchReport) -> None:
         with self._lock:
-            self.batch_sizes[size] += 1
+            self.batch_sizes[report.size] += 1
         for observe in self.batch_observers:
-            observe(stage, size)
+            observe(report)
 
     def admitted(self) -> None:
         with self._lock:

@@ -105,6 +105,7 @@ def begin_isolated(
     stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:
     """The critical-path part of `batch` (`begin`): Deferred parts, and errors of culprits."""
+
     def begin(live: list[StageRequest]) -> list[Deferred]:
         control.faults.fire("execute", live)  # here, so that no stage can forget it
         return [stage.begin(live, control)]
