@@ -51,13 +51,11 @@ class _EngineCollector:
         alive = GaugeMetricFamily(
             f"{PREFIX}_replicas_alive", "Live replicas per stage", labels=labels
         )
-        for name, pools in self.engine.orchestrator.pools.items():
-            for pool in pools:
-                key = [name, pool.name]
-                waiting.add_metric(key, len(pool.waiting))
-                # denoising and still decoding (the batch beside it) both run
-                running.add_metric(key, sum(len(r.batch) + len(r.finishing) for r in pool.replicas))
-                alive.add_metric(key, pool.live_count)
+        for stage in self.engine.orchestrator.snapshot.stages:  # never the pools themselves
+            key = [stage.pipeline, stage.name]
+            waiting.add_metric(key, stage.waiting)
+            running.add_metric(key, stage.running)  # denoising, and batches still decoding
+            alive.add_metric(key, stage.replicas_live)
         yield from (waiting, running, alive)
 
 

@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
-from vllm_omni_like.engine import deaths
+from vllm_omni_like.engine import deaths, snapshot
 from vllm_omni_like.engine.replica_start import in_parallel
 from vllm_omni_like.engine.request_state import (
     BatchReport,
@@ -19,6 +19,7 @@ from vllm_omni_like.engine.request_state import (
     RequestState,
     final_status,
 )
+from vllm_omni_like.engine.snapshot import EngineSnapshot
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
     EngineDeadError,
@@ -75,8 +76,6 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}
         self.early_aborts: dict[str, float] = {}
         self.stats = EngineStats()
-        # bounded record for tests and drills: (request, stage, steps the worker ran, steps it
-        # ran after the abort reached it or None)
         # request id -> final status of the last ENDED_MEMORY requests; a late abort for one of
         # them (a client that left while its final output was on the way) is a no-op, not an
         # "abort before submit" to remember
@@ -85,27 +84,38 @@ class Orchestrator:
         self._admit_lock = threading.Lock()
         self._batch_ids = itertools.count(1)
         self._dead: ErrorInfo | None = None
+        # all that other threads read of the pools and of the engine's death (published by
+        # the orchestrator thread each tick)
+        self.snapshot: EngineSnapshot = snapshot.take(self._all_pools(), None)
         self._thread: threading.Thread | None = None
         self._stopped = False
 
     # ---- any thread --------------------------------------------------------------------------
     def start(self) -> None:
-        pools = [pool for pools in self.pools.values() for pool in pools]
+        pools = self._all_pools()
         errors = in_parallel(StagePool.start, pools)
         if errors:
             for pool in pools:
                 pool.shutdown()
             raise errors[0]
+        self._publish()
         self._thread = threading.Thread(target=self._run, name="orchestrator", daemon=True)
         self._thread.start()
 
+    def _all_pools(self) -> list[StagePool]:
+        return [pool for pools in self.pools.values() for pool in pools]
+
+    def _publish(self) -> None:
+        self.snapshot = snapshot.take(self._all_pools(), self._dead)
+
     @property
     def errored(self) -> bool:
-        return self._dead is not None or (self._thread is not None and not self._thread.is_alive())
+        dead = self.snapshot.dead is not None
+        return dead or (self._thread is not None and not self._thread.is_alive())
 
     @property
     def dead_error(self) -> EngineDeadError:
-        info = self._dead
+        info = self.snapshot.dead
         return EngineDeadError(info.message if info else "the engine is not running")
 
     def submit(self, request: OmniRequest, emit: Callable[[object], None]) -> None:
@@ -120,11 +130,11 @@ class Orchestrator:
                 code="model_not_found",
                 param="model",
             )
-        for pool in self.pools[pipeline.name]:
-            if pool.state == "restarting":  # nothing can run it now: say when to come back
+        for stage in self.snapshot.of(pipeline.name):
+            if stage.state == "restarting":  # nothing can run it now: say when to come back
                 raise EngineDeadError(
                     "no live replica; a restart is under way",
-                    stage=pool.name,
+                    stage=stage.name,
                     code="restarting",
                     retry_after=RESTART_RETRY_AFTER_S,
                 )
@@ -149,7 +159,7 @@ class Orchestrator:
         self.inbox.put(CutOff(message))
 
     def health(self) -> list[dict[str, object]]:
-        return [pool.health() for pools in self.pools.values() for pool in pools]
+        return [stage.health() for stage in self.snapshot.stages]
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -188,8 +198,9 @@ class Orchestrator:
                 for pools in self.pools.values():
                     for pool in pools:
                         pool.check_stalls(now)
-                # 4) hand queued work to idle replicas
+                # 4) hand queued work to idle replicas; 5) tell the other threads
                 self._dispatch()
+                self._publish()
         except BaseException as exc:
             logger.exception("orchestrator thread died")
             self._die(EngineDeadError(f"the orchestrator thread died: {type(exc).__name__}: {exc}"))
@@ -211,7 +222,7 @@ class Orchestrator:
                 self._on_replica_message(pipe, stage, replica, inner)
             case ReplicaRestarted(pipeline=pipe, stage=stage, replica=replica, executor=ex):
                 self.pools[pipe][stage].on_restarted(replica, ex)
-                self.stats.restarts += 1
+                self.stats.restarted()
             case ReplicaRestartFailed(pipeline=pipe, stage=stage, replica=replica, error=err):
                 logger.error("restart of %s replica %d failed: %s", pipe, replica, err.message)
                 pool = self.pools[pipe][stage]
@@ -280,7 +291,7 @@ class Orchestrator:
                 self._on_replica_death(pool, replica, event)
 
     def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
-        self.stats.worker_deaths += 1
+        self.stats.worker_died()
         lost = deaths.lost_requests(self.requests, pool, replica, event)
         culprit = deaths.proven_poison(lost)
         pool.on_death(replica, charged=culprit is None)
@@ -299,6 +310,7 @@ class Orchestrator:
         """A stage is dead: the engine is dead for good; every waiting request ends now."""
         if self._dead is None:
             self._dead = error.info()
+            self._publish()
             logger.error("engine is dead: %s", error.message)
         for state in list(self.requests.values()):
             self._finish(state, EngineDeadError(self._dead.message))
@@ -339,7 +351,7 @@ class Orchestrator:
                 if downstream is not None and len(downstream.waiting) >= downstream.capacity:
                     continue  # back-pressure: hold work here rather than refuse it later
                 for batch in pool.dispatch(lambda: next(self._batch_ids)):
-                    self.stats.stage_requests[pool.name] += len(batch)
+                    self.stats.dispatched(pool.name, len(batch))
 
     def _finish(
         self, state: RequestState, error: OmniError | None, status: str | None = None

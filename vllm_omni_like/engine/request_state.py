@@ -120,6 +120,18 @@ class EngineStats:
         for observe in self.batch_observers:
             observe(report)
 
+    def restarted(self) -> None:
+        with self._lock:
+            self.restarts += 1
+
+    def worker_died(self) -> None:
+        with self._lock:
+            self.worker_deaths += 1
+
+    def dispatched(self, stage: str, n: int) -> None:
+        with self._lock:
+            self.stage_requests[stage] += n
+
     def admitted(self) -> None:
         with self._lock:
             self.requests_total += 1

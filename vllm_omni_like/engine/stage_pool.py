@@ -136,20 +136,6 @@ class StagePool:
             return "ready"
         return "restarting" if any(r.restarting for r in self.replicas) else "dead"
 
-    def health(self) -> dict[str, object]:
-        body: dict[str, object] = {
-            "pipeline": self.pipeline,
-            "name": self.name,
-            "state": self.state,
-            "replicas_live": self.live_count,
-            "replicas_total": len(self.replicas),
-            "restarts": sum(r.restarts for r in self.replicas),
-        }
-        errors = [r.restart_error for r in self.replicas if r.restart_error]
-        if errors:
-            body["restart_error"] = errors[0]  # why a restart under way is not done yet
-        return body
-
     @property
     def capacity(self) -> int:
         """How much may wait here before the stage before it holds back (back-pressure)."""
