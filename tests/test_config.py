@@ -2,6 +2,7 @@ import pytest
 
 from vllm_omni_like.config import FAULTS_ENV, FaultRule, StageConfig, faults_from_env, parse_faults
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.stage_options import DiffusionOptions, NullOptions
 
 
 def test_fault_rules_parse_both_selectors():
@@ -44,3 +45,47 @@ def test_stage_config_checks_its_fields():
     with pytest.raises(InvalidRequestError, match="replicas"):
         StageConfig(name="x", kind="null", replicas=0)
     assert StageConfig(name="x", kind="tests.stage_helpers:CountingStage").kind.endswith("Stage")
+
+
+def test_stage_options_are_typed_and_checked_when_the_config_is_built():
+    stage = StageConfig(name="d", kind="diffusion", options={"default_steps": "20"})
+    assert stage.options == DiffusionOptions(default_steps=20)
+    with pytest.raises(InvalidRequestError) as info:  # misspelt: never silently ignored
+        StageConfig(name="d", kind="diffusion", options={"default_step": 20})
+    assert info.value.message.startswith(
+        "stage 'd': unknown option default_step for a diffusion stage; known: batch_buckets,"
+    )
+    with pytest.raises(InvalidRequestError, match="option default_steps='many' is not a valid int"):
+        StageConfig(name="d", kind="diffusion", options={"default_steps": "many"})
+    with pytest.raises(InvalidRequestError, match="option max_new_tokens=2.5 is not a valid int"):
+        StageConfig(name="l", kind="llm", options={"max_new_tokens": 2.5})
+    with pytest.raises(InvalidRequestError, match="output must be one of image, video, text"):
+        StageConfig(name="n", kind="null", options={"output": "audio"})
+    assert StageConfig(name="n", kind="null", options={"steps": 3}).options.steps == 3
+
+
+def test_a_stage_class_of_ones_own_types_its_options_itself():
+    from vllm_omni_like.stages.base import create_stage
+
+    config = StageConfig(name="s", kind="tests.stage_helpers:CountingStage", options={"steps": 3})
+    assert config.options == {"steps": 3}  # the config cannot know the class's options
+    assert create_stage(config).options == NullOptions(steps=3)
+    bad = StageConfig(name="s", kind="tests.stage_helpers:CountingStage", options={"stepz": 3})
+    with pytest.raises(InvalidRequestError, match="unknown option stepz for a null stage"):
+        create_stage(bad)
+
+
+def test_a_misspelt_option_in_a_yaml_pipeline_is_a_startup_error(tmp_path, capsys):
+    from vllm_omni_like.cli import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipelines:\n  - name: p\n    stages:\n"
+        "      - {name: diffusion, kind: 'null', options: {stpes: 3}}\n"
+    )
+    args = ["generate", str(path), "--input", "x", "--output-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert "stage 'diffusion': unknown option stpes for a null stage" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("'null'", "null"))  # YAML's null: nothing
+    assert main(args) == 2
+    assert "not None (in YAML, write kind: 'null')" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
 from vllm_omni_like.pipelines.catalog import builtin, from_yaml, resolve
+from vllm_omni_like.stage_options import LLMOptions
 
 
 def test_example_yaml_describes_a_two_stage_pipeline():
@@ -12,7 +13,7 @@ def test_example_yaml_describes_a_two_stage_pipeline():
     assert p.name == "my-omni" and p.output == "image"
     llm, diffusion = p.stages
     assert (llm.kind, llm.model) == ("llm", "tiny-llm")
-    assert llm.options == {"max_new_tokens": 24, "prompt_template": "{prompt} <sep>"}
+    assert llm.options == LLMOptions(max_new_tokens=24, prompt_template="{prompt} <sep>")
     assert (diffusion.replicas, diffusion.max_batch_size, diffusion.stall_timeout) == (2, 8, 60)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
@@ -123,13 +124,20 @@ class StageConfig:
     max_pixels: int | None = None
     max_frames: int | None = None
     max_steps: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    # given as a mapping (YAML, the catalog); typed per kind once built (stage_options.py)
+    options: Any = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):  # YAML reads a bare `kind: null` as nothing
+            raise InvalidRequestError(
+                f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class', "
+                f"not {self.kind!r} (in YAML, write kind: 'null')"
+            )
         if self.kind not in STAGE_KINDS and ":" not in self.kind:
             raise InvalidRequestError(
                 f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class'"
             )
+        object.__setattr__(self, "options", parse_options(self.kind, self.name, self.options))
         if self.replicas < 1 or self.workers_per_replica < 1 or self.max_batch_size < 1:
             raise InvalidRequestError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         if self.load_format not in ("auto", "dummy"):

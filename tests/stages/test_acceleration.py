@@ -61,7 +61,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
     assert stage.channels_last == "off" and stage.batch_wait == 0.2
     assert stage.batched_cfg is False and stage.decode_overlap is False
     assert stage.warmup_sizes == ("512x512", "768x512") and stage.batch_buckets == (1, 8, 32)
-    assert stage.options["default_steps"] == 30  # the architecture's own defaults stay
+    assert stage.options.default_steps == 30  # the architecture's own defaults stay
 
 
 def test_without_speed_flags_nothing_is_overridden():
@@ -197,7 +197,7 @@ def test_an_architecture_without_weights_needs_dummy_load():
     with pytest.raises(InvalidRequestError, match="serve it with --load-format dummy"):
         catalog.resolve("sd15")
     (video,) = catalog.resolve("wan2.1-t2v-1.3b", load_format="dummy")
-    assert video.output == "video" and video.stages[0].options["default_frames"] == 33
+    assert video.output == "video" and video.stages[0].options.default_frames == 33
 
 
 # ---- compiled, padded batches --------------------------------------------------------------

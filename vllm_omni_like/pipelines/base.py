@@ -10,7 +10,7 @@ from vllm_omni_like.outputs import StageOutput
 
 
 def _writes_text(stage: StageConfig) -> bool:
-    return stage.kind == "llm" or (stage.kind == "null" and stage.options.get("output") == "text")
+    return stage.kind == "llm" or (stage.kind == "null" and stage.options.output == "text")
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stage_options import typed
 from vllm_omni_like.stages.faults import FaultInjector
 
 
@@ -121,9 +122,14 @@ class Deferred:
 class Stage(ABC):
     """A model that runs batches of requests inside a worker process."""
 
+    # the dataclass its options are typed and checked as (stage_options.py); None: a dict
+    options_type: ClassVar[type | None] = None
+
     def __init__(self, config: StageConfig) -> None:
         self.config = config
         self.name = config.name
+        given = config.options
+        self.options = typed(self.options_type, self.name, given) if self.options_type else given
 
     @property
     def defers_finish(self) -> bool:

@@ -17,6 +17,7 @@ from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import edits, latent_decode, model_limits
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
@@ -39,11 +40,13 @@ logger = logging.getLogger(__name__)
 class DiffusionStage(Stage):
     """Runs text2img / edit (img2img or inpaint, same components) / text2video batches."""
 
+    options_type = DiffusionOptions
+
     # 1. load -----------------------------------------------------------------------------------
     def load(self, device: str) -> None:
         import diffusers
 
-        opts = self.config.options
+        opts = self.options
         quiet_loading()
         path = self.config.model or "tiny-image"
         if path in TINY_NAMES:
@@ -68,8 +71,9 @@ class DiffusionStage(Stage):
         self.default_width = self.limits.default_width
         self.default_height = self.limits.default_height
         self.default_steps = self.limits.default_steps
-        self.default_guidance = float(
-            opts.get("default_guidance", 7.5 if not self.is_video else 5.0)
+        guidance = opts.default_guidance
+        self.default_guidance = (
+            guidance if guidance is not None else (5.0 if self.is_video else 7.5)
         )
         self.default_frames = self.limits.default_frames or 9
         # speed: kernels, memory format, compilation (none of them changes the maths)
@@ -90,10 +94,10 @@ class DiffusionStage(Stage):
         )
         self.buckets: tuple[int, ...] = ()
         if cfg.compile:
-            backend = opts.get("compile_backend", "inductor")
+            backend = opts.compile_backend
             compiled = accel.compile_denoiser(pipe, cfg.compile_mode, backend)
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
-            configured = cfg.batch_buckets or opts.get("batch_buckets")
+            configured = cfg.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
         self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg else None
         self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
@@ -121,7 +125,7 @@ class DiffusionStage(Stage):
         dim = int(getattr(self.denoiser.config, "text_dim", 0) or 0) or int(
             self.denoiser.config.cross_attention_dim
         )
-        return int(self.config.options.get("max_sequence_length", 512)), dim
+        return self.options.max_sequence_length, dim
 
     def _warm_up(self) -> None:
         """Compile now, for every warm-up size and batch bucket, so no request pays for it."""

@@ -9,6 +9,7 @@ import torch
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Stage, StageControl
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
@@ -18,8 +19,6 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_device,
     resolve_dtype,
 )
-
-DEFAULT_MAX_NEW_TOKENS = 24
 
 
 class RowSampler:
@@ -71,6 +70,8 @@ class _StepHook:
 
 
 class LLMStage(Stage):
+    options_type = LLMOptions
+
     def load(self, device: str) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -96,9 +97,9 @@ class LLMStage(Stage):
         self.model.eval()
         self.probe = BatchDimProbe()
         self.probe.attach(self.model)
-        opts = self.config.options
-        self.template = str(opts.get("prompt_template", "{prompt}"))
-        self.default_max_new = int(opts.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        opts = self.options
+        self.template = opts.prompt_template
+        self.default_max_new = opts.max_new_tokens
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 4096)
 
     def _text(self, request: StageRequest) -> str:

@@ -133,27 +133,27 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
     g = _geometry(model_path(stage))
     video = g["video"]
     native = g["native"] or (64 if stage.model in ("", "tiny-image", "tiny-video") else 512)
-    size = int(opts.get("default_size", native))
-    width = int(opts.get("default_width", size))
-    height = int(opts.get("default_height", size))
+    size = _first(opts.default_size, native)
+    width = _first(opts.default_width, size)
+    height = _first(opts.default_height, size)
     # a model draws well up to about twice what it was trained for; a transformer no further
     # than its rotary positions reach
-    side = int(_first(stage.max_side, opts.get("max_side"), 2 * max(width, height)))
+    side = int(_first(stage.max_side, opts.max_side, 2 * max(width, height)))
     if g["side_cap"]:
         side = min(side, g["side_cap"])
     side -= side % g["multiple"]
     frames = fps = default_frames = None
     if video:
         cap = g["frames_cap"] or DEFAULT_MAX_FRAMES
-        frames = min(int(_first(stage.max_frames, opts.get("max_frames"), DEFAULT_MAX_FRAMES)), cap)
-        default_frames = min(int(opts.get("default_frames", 9)), frames)
-        fps = int(opts.get("default_fps", DEFAULT_FPS))
+        frames = min(int(_first(stage.max_frames, opts.max_frames, DEFAULT_MAX_FRAMES)), cap)
+        default_frames = min(_first(opts.default_frames, 9), frames)
+        fps = _first(opts.default_fps, DEFAULT_FPS)
     return ModelLimits(
         output="video" if video else "image",
         max_side=side,
-        max_pixels=int(_first(stage.max_pixels, opts.get("max_pixels"), 4 * side * side)),
-        max_steps=int(_first(stage.max_steps, opts.get("max_steps"), DEFAULT_MAX_STEPS)),
-        default_steps=int(opts.get("default_steps", DEFAULT_STEPS)),
+        max_pixels=int(_first(stage.max_pixels, opts.max_pixels, 4 * side * side)),
+        max_steps=int(_first(stage.max_steps, opts.max_steps, DEFAULT_MAX_STEPS)),
+        default_steps=_first(opts.default_steps, DEFAULT_STEPS),
         size_multiple=g["multiple"],
         default_width=width,
         default_height=height,
@@ -165,15 +165,15 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
 
 
 def null_limits(stage: StageConfig) -> ModelLimits:
-    output = stage.options.get("output", "image")
-    side = int(_first(stage.max_side, stage.options.get("max_side"), NULL_MAX_SIDE))
+    output = stage.options.output
+    side = int(_first(stage.max_side, stage.options.max_side, NULL_MAX_SIDE))
     video = output == "video"
     return ModelLimits(
         output=output,
         max_side=side,
         max_pixels=int(_first(stage.max_pixels, 16 * 1024 * 1024)),
         max_steps=int(_first(stage.max_steps, DEFAULT_MAX_STEPS)),
-        default_steps=int(stage.options.get("steps", 4)),
+        default_steps=stage.options.steps,
         size_multiple=1,
         default_width=64,
         default_height=64,
@@ -188,7 +188,7 @@ def stage_limits(stage: StageConfig) -> ModelLimits | None:
     """None for stages that make text or are users' own classes (no limits known)."""
     if stage.kind == "diffusion":
         return diffusion_limits(stage)
-    if stage.kind == "null" and stage.options.get("output") != "text":
+    if stage.kind == "null" and stage.options.output != "text":
         return null_limits(stage)
     return None
 

@@ -11,6 +11,7 @@ import numpy as np
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.stage_options import NullOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 
 MAX_SIDE = 2048
@@ -30,10 +31,12 @@ def _digest(seed: int | None, prompt: str, index: int) -> int:
 class NullStage(Stage):
     """Control-plane stand-in for an LLM (output=text) or a diffusion model (image/video)."""
 
+    options_type = NullOptions
+
     def load(self, device: str) -> None:
-        self.output_kind = self.config.options.get("output", "image")
-        self.default_steps = int(self.config.options.get("steps", 4))
-        self.decode_delay = float(self.config.options.get("decode_delay", 0.0))
+        opts = self.options
+        self.output_kind, self.default_steps = opts.output, opts.steps
+        self.decode_delay = opts.decode_delay
         self.device = device
 
     def validate(self, request: StageRequest) -> None:
