@@ -57,7 +57,7 @@ def test_stage_options_are_typed_and_checked_when_the_config_is_built():
     )
     with pytest.raises(InvalidRequestError, match="option default_steps='many' is not a valid int"):
         StageConfig(name="d", kind="diffusion", options={"default_steps": "many"})
-    with pytest.raises(InvalidRequestError, match="option max_new_tokens=2.5 is not a valid int"):
+    with pytest.raises(InvalidRequestError, match=r"option max_new_tokens=2\.5 is not a valid int"):
         StageConfig(name="l", kind="llm", options={"max_new_tokens": 2.5})
     with pytest.raises(InvalidRequestError, match="output must be one of image, video, text"):
         StageConfig(name="n", kind="null", options={"output": "audio"})

@@ -18,6 +18,7 @@ FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")
+BATCH_POLICIES = ("refill", "request")
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -102,8 +103,12 @@ class StageConfig:
     replicas: int = 1
     workers_per_replica: int = 1
     max_batch_size: int = 8
-    # after a batch, an idle replica may wait this share of its run time for a full batch
+    # when an idle replica takes its next batch (engine/batching.py): "refill" waits after a
+    # batch up to `batch_wait` x its run time for the batch's clients to come back; "request"
+    # waits up to `batch_max_wait` seconds from the oldest queued request for a full batch
+    batch_policy: str = "refill"
     batch_wait: float = 0.1
+    batch_max_wait: float = 0.0
     stall_timeout: float = 60.0
     # the first step of a shape a replica has not run yet (warm-up; compilation with --compile)
     first_step_timeout: float = 600.0
@@ -151,6 +156,12 @@ class StageConfig:
                 raise InvalidRequestError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
+        if self.batch_policy not in BATCH_POLICIES:
+            raise InvalidRequestError(
+                f"stage {self.name!r}: batch_policy must be one of {', '.join(BATCH_POLICIES)}"
+            )
+        if self.batch_max_wait < 0:
+            raise InvalidRequestError(f"stage {self.name!r}: batch_max_wait must be >= 0")
         if not 0.0 <= self.batch_wait <= 1.0:
             raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):

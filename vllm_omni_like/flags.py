@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
+    BATCH_POLICIES,
     CHANNELS_LAST_MODES,
     COMPILE_MODES,
     EngineConfig,
@@ -31,7 +32,9 @@ STAGE_FLAGS = (
     "device",
     "replicas",
     "max_batch_size",
+    "batch_policy",
     "batch_wait",
+    "batch_max_wait",
     "stall_timeout",
     "first_step_timeout",
     "compile",
@@ -103,11 +106,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _stage_flag(g, "max_batch_size", "requests per batch", type=int)
     _stage_flag(
         g,
+        "batch_policy",
+        "when an idle replica takes its next batch: refill (after a batch, wait for its "
+        "clients to come back: --batch-wait) or request (wait for a full batch at most "
+        "--batch-max-wait seconds from the oldest queued request)",
+        choices=BATCH_POLICIES,
+    )
+    _stage_flag(
+        g,
         "batch_wait",
-        "after a batch of N, a replica waits up to SHARE x that batch's run time for N requests "
-        "to queue (closed-loop clients coming back), so batches stay whole; 0 = never wait",
+        "refill policy: after a batch of N, a replica waits up to SHARE x that batch's run time "
+        "for N requests to queue (closed-loop clients coming back), so batches stay whole; "
+        "0 = never wait",
         type=float,
         metavar="SHARE",
+    )
+    _stage_flag(
+        g,
+        "batch_max_wait",
+        "request policy: seconds the oldest queued request may wait for a full batch "
+        "(0 = never wait)",
+        type=float,
+        metavar="S",
     )
     _stage_flag(
         g,

@@ -40,6 +40,7 @@ class RequestState:
     isolate: bool = False  # run alone (it was present at a death)
     replica: int | None = None  # where it runs now, if running
     stage_started: float = 0.0
+    enqueued_at: float = 0.0  # when it joined its stage's queue (the batch policy's clock)
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
     first_death: tuple[Any, int] | None = None  # (pool, replica) of the first death it saw

@@ -7,7 +7,6 @@ through the orchestrator's inbox.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from collections import deque
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.engine.batching import make_policy, take_compatible
 from vllm_omni_like.engine.replica_start import ReplicaStarter, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
@@ -51,9 +51,6 @@ class Replica:
     no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
     clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
-    # after a batch: wait (briefly) for that many requests - its clients coming back
-    refill_target: int = 0
-    refill_until: float = 0.0
     # the batch whose rest (decode) runs beside `batch`, after its Denoised and until its
     # BatchDone; its requests still belong to this replica
     finishing_id: int | None = None
@@ -90,6 +87,7 @@ class StagePool:
             for i in range(config.replicas)
         ]
         self.waiting: deque[RequestState] = deque()
+        self.policy = make_policy(config)
         self.started = False
         self.starter = ReplicaStarter(self.name, self._make_executor)
         self._stopping = self.starter.stopping
@@ -143,6 +141,7 @@ class StagePool:
 
     # ---- queue and batching ------------------------------------------------------------------
     def enqueue(self, state: RequestState, front: bool = False) -> None:
+        state.enqueued_at = time.monotonic()
         if front:
             self.waiting.appendleft(state)
         else:
@@ -157,22 +156,6 @@ class StagePool:
                 return True
         return False
 
-    def _take_batch(self) -> list[RequestState]:
-        head = self.waiting.popleft()
-        if head.isolate:
-            return [head]  # re-queued after a death: runs alone
-        key = head.stage_request.batch_key()
-        batch, keep = [head], deque()
-        while self.waiting and len(batch) < self.config.max_batch_size:
-            s = self.waiting.popleft()
-            if not s.isolate and s.stage_request.batch_key() == key:
-                batch.append(s)
-            else:
-                keep.append(s)
-        keep.extend(self.waiting)
-        self.waiting = keep
-        return batch
-
     def dispatch(self, next_batch_id: Callable[[], int]) -> list[list[RequestState]]:
         """Give each idle live replica whatever compatible work is queued; no waiting."""
         sent = []
@@ -183,11 +166,11 @@ class StagePool:
         for replica in idle:
             if not self.waiting:
                 break
-            if self._refilling(replica):
-                continue
-            batch = self._take_batch()
-            batch_id = next_batch_id()
             now = time.monotonic()
+            if self.policy.hold(replica.index, self.waiting, now):
+                continue
+            batch, self.waiting = take_compatible(self.waiting, self.config.max_batch_size)
+            batch_id = next_batch_id()
             replica.batch_id, replica.batch = batch_id, batch
             replica.busy_since = replica.last_dispatch = now
             replica.clock.begin([s.stage_request for s in batch], now)
@@ -204,23 +187,6 @@ class StagePool:
             sent.append(batch)
         return sent
 
-    def _refilling(self, replica: Replica) -> bool:
-        """Hold an idle replica back while the clients of its last batch are coming back.
-
-        Closed-loop clients answered together return within moments of each other; a replica
-        that took the first of them at once would run a fragment, then the rest as another,
-        and every batch after that stays split. So after a batch of N, with W already waiting,
-        the replica waits until N + W requests (at most a full batch) are queued, for at most
-        `batch_wait` x that batch's run time (10%: 0.6 s after a 6 s GPU batch, under a
-        millisecond after a null stage's). With the decode deferred, the hold starts when the
-        batch is denoised and the window when its results are out (BatchDone). A stage that was
-        idle takes a new request at once: the wait starts only when a batch ends.
-        """
-        if replica.refill_target <= len(self.waiting) or time.monotonic() >= replica.refill_until:
-            replica.refill_target = 0
-            return False
-        return True
-
     def denoised(self, replica_index: int, batch_id: int) -> None:
         """The replica's batch left the critical path: the replica may take the next one now."""
         replica = self.replicas[replica_index]
@@ -228,10 +194,7 @@ class StagePool:
             replica.finishing_id, replica.finishing = batch_id, replica.batch
             replica.finishing_started = replica.busy_since
             replica.finishing_since = time.monotonic()
-            if self.config.batch_wait > 0:
-                # its clients come back only after its decode: until its BatchDone opens the
-                # refill window, a fragment waiting now does not go ahead alone
-                self._hold_for_clients(replica, len(replica.batch), math.inf)
+            self.policy.denoised(replica.index, len(replica.batch), len(self.waiting))
             replica.batch_id, replica.batch = None, []
 
     def batch_done(self, replica_index: int, batch_id: int) -> None:
@@ -247,13 +210,7 @@ class StagePool:
         else:
             return
         now = time.monotonic()
-        self._hold_for_clients(replica, size, now + self.config.batch_wait * (now - started))
-
-    def _hold_for_clients(self, replica: Replica, size: int, until: float) -> None:
-        """Hold `replica` back until its last batch's `size` clients and those already waiting
-        (answered by an earlier batch) are queued - a full batch at most - or until `until`."""
-        replica.refill_target = min(size + len(self.waiting), self.config.max_batch_size)
-        replica.refill_until = until
+        self.policy.batch_done(replica.index, size, started, now, len(self.waiting))
 
     def abort_running(self, state: RequestState) -> None:
         if state.replica is None:
@@ -278,7 +235,7 @@ class StagePool:
         replica = self.replicas[replica_index]
         replica.batch, replica.batch_id = [], None
         replica.finishing, replica.finishing_id = [], None
-        replica.refill_target = 0
+        self.policy.forget(replica.index)
         if time.monotonic() - replica.started_at > STABLE_RUN_S:
             replica.backoff = replica.restarts = 0
         if replica.executor is not None:
