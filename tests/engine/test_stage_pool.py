@@ -24,7 +24,7 @@ def test_death_reroutes_to_the_live_replica_without_rerunning_the_llm():
             tasks = [asyncio.create_task(final(e, r)) for r in reqs]
             pool = e.orchestrator.pools["null-omni"][1]
             assert await asyncio.to_thread(
-                wait_until, lambda: pool.replicas[0].batch_id is not None, 5
+                wait_until, lambda: pool.replicas[0].critical is not None, 5
             )
             kill_worker(e, "null-omni", 1, replica=0)
             await asyncio.sleep(0.3)
@@ -210,7 +210,7 @@ def test_once_the_culprit_is_known_its_neighbours_rerun_together_at_once():
             blocker = asyncio.create_task(  # holds the replica while the four queue together
                 final(e, req("blocker", pipeline="null-image", steps=6, delay=0.05))
             )
-            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].batch, 5, "the blocker")
+            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].running, 5, "the blocker")
             reqs = [req(f"a{i}", f"p{i}", pipeline="null-image", steps=3) for i in range(3)]
             reqs.append(req("z-culprit", "x @hang", pipeline="null-image", steps=3))
             before = dict(e.stats.snapshot()["batch_sizes"])
@@ -246,7 +246,7 @@ def test_a_culprits_error_goes_out_as_soon_as_bisection_finds_it():
             blocker = asyncio.create_task(
                 final(e, req("blocker", pipeline="null-image", steps=6, delay=0.05))
             )
-            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].batch, 5, "the blocker")
+            await asyncio.to_thread(wait_for, lambda: pool.replicas[0].running, 5, "the blocker")
             reqs = [req("a0", "x @bad", pipeline="null-image", steps=10, delay=0.05)]
             reqs += [
                 req(f"a{i}", f"p{i}", pipeline="null-image", steps=10, delay=0.05)

@@ -64,7 +64,7 @@ def test_the_decode_on_the_side_stream_equals_the_pipelines_own(sd15):
     from another thread (as the worker's finisher does) while the main stream runs on."""
     import threading
 
-    assert sd15.side_stream is not None and sd15.defers_finish
+    assert sd15.side_stream is not None and sd15.config.decode_overlap
     control = StageControl(FaultInjector((), "diffusion"))
     reqs = [
         StageRequest(f"s{s}", "a red circle", GenerationParams(seed=s, num_inference_steps=3))

@@ -38,7 +38,7 @@ def check_engine(server) -> None:
     assert all(not p.waiting for pools in orch.pools.values() for p in pools)
     assert wait_until(
         lambda: all(
-            not r.batch for pools in orch.pools.values() for p in pools for r in p.replicas
+            not r.inflight for pools in orch.pools.values() for p in pools for r in p.replicas
         ),
         5,
     )

@@ -63,7 +63,7 @@ def test_r11_a_stopped_worker_with_a_large_message_on_the_way(tmp_path_factory):
         t0 = time.monotonic()
         threads = [threading.Thread(target=edit), threading.Thread(target=later)]
         threads[0].start()
-        wait_for(lambda: pool.replicas[0].batch, 5, "the edit dispatched to the stopped worker")
+        wait_for(lambda: pool.replicas[0].running, 5, "the edit dispatched to the stopped worker")
         threads[1].start()
         # the engine keeps answering while the send waits on the stopped worker's pipe
         health = httpx.get(f"{server.url}/health", timeout=1)

@@ -227,7 +227,7 @@ def test_r3_two_replicas_reroute_and_poison(tmp_path_factory):
         body = {"prompt": "x @delay=0.03", "num_inference_steps": 30, "model": "null-omni"}
         results, threads = _in_flight(server, 8, body)
         pool = server.engine.orchestrator.pools["null-omni"][1]
-        assert wait_until(lambda: pool.replicas[0].batch_id is not None, 10)
+        assert wait_until(lambda: pool.replicas[0].critical is not None, 10)
         health = []
         watcher = threading.Thread(
             target=lambda: [
@@ -271,7 +271,7 @@ def test_r4_stopped_worker_is_killed_and_its_work_rerun(tmp_path_factory):
         results, threads = _in_flight(server, 4, {**SLOW, "num_inference_steps": 20})
         replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]
         # a hang mid-run: stopped after its first steps (the first step has its own bound)
-        wait_for(lambda: replica.batch_id is not None and replica.clock.shapes, 5, "a step")
+        wait_for(lambda: replica.critical is not None and replica.clock.shapes, 5, "a step")
         _kill(server, "null-image", 0, sig=signal.SIGSTOP)
         for t in threads:
             t.join(30)

@@ -62,7 +62,8 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
             while not task.done() and time.monotonic() < deadline:
                 state = orch.requests.get(ids.get(rid) or "")
                 replica = None if state is None or state.stage_index != 1 else state.replica
-                if replica is not None and state in denoising.replicas[replica].batch:
+                critical = None if replica is None else denoising.replicas[replica].critical
+                if critical is not None and state in critical.requests:
                     return True
                 await asyncio.sleep(0.005)
             return False

@@ -57,7 +57,7 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
                 name=pool.name,
                 state=pool.state,
                 waiting=len(pool.waiting),
-                running=sum(len(r.batch) + len(r.finishing) for r in replicas),
+                running=sum(len(r.running) for r in replicas),
                 replicas_live=pool.live_count,
                 replicas_total=len(replicas),
                 restarts=sum(r.restarts for r in replicas),

@@ -11,10 +11,10 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine.batching import make_policy, take_compatible
+from vllm_omni_like.engine.replica import Replica
 from vllm_omni_like.engine.replica_start import ReplicaStarter, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
@@ -33,34 +33,6 @@ RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0)
 NO_ROOM_RETRY_S = 1.0  # a restart that lacked descriptors or memory: tried again this often
 STABLE_RUN_S = 30.0  # a replica that lived this long starts its back-off from the beginning
 ExecutorFactory = Callable[..., Executor]
-
-
-@dataclass
-class Replica:
-    index: int
-    executor: Executor | None = None
-    batch_id: int | None = None
-    batch: list[RequestState] = field(default_factory=list)
-    busy_since: float = 0.0
-    restarts: int = 0
-    restarting: bool = False
-    last_dispatch: float = 0.0
-    stall_killed: bool = False
-    started_at: float = 0.0
-    backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
-    no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
-    restart_error: str | None = None  # why the last restart failed (until one succeeds)
-    clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
-    # the batch whose rest (decode) runs beside `batch`, after its Denoised and until its
-    # BatchDone; its requests still belong to this replica
-    finishing_id: int | None = None
-    finishing: list[RequestState] = field(default_factory=list)
-    finishing_started: float = 0.0  # when it was dispatched
-    finishing_since: float = 0.0  # when it left the critical path
-
-    @property
-    def live(self) -> bool:
-        return self.executor is not None and self.executor.alive and not self.restarting
 
 
 class StagePool:
@@ -159,10 +131,7 @@ class StagePool:
     def dispatch(self, next_batch_id: Callable[[], int]) -> list[list[RequestState]]:
         """Give each idle live replica whatever compatible work is queued; no waiting."""
         sent = []
-        idle = sorted(
-            (r for r in self.replicas if r.live and r.batch_id is None),
-            key=lambda r: r.last_dispatch,
-        )
+        idle = sorted((r for r in self.replicas if r.can_take), key=lambda r: r.last_dispatch)
         for replica in idle:
             if not self.waiting:
                 break
@@ -171,15 +140,13 @@ class StagePool:
                 continue
             batch, self.waiting = take_compatible(self.waiting, self.config.max_batch_size)
             batch_id = next_batch_id()
-            replica.batch_id, replica.batch = batch_id, batch
-            replica.busy_since = replica.last_dispatch = now
-            replica.clock.begin([s.stage_request for s in batch], now)
+            replica.dispatched(batch_id, batch, now)
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
                 replica.executor.execute(ExecuteBatch(batch_id, [s.stage_request for s in batch]))
             except EngineDeadError:  # it died just now; its ReplicaDied is on the way
-                replica.batch_id, replica.batch = None, []
+                replica.undispatched(batch_id)
                 for s in reversed(batch):
                     s.replica = None
                     self.waiting.appendleft(s)
@@ -189,40 +156,31 @@ class StagePool:
 
     def denoised(self, replica_index: int, batch_id: int) -> None:
         """The replica's batch left the critical path: the replica may take the next one now."""
-        replica = self.replicas[replica_index]
-        if replica.batch_id == batch_id:
-            replica.finishing_id, replica.finishing = batch_id, replica.batch
-            replica.finishing_started = replica.busy_since
-            replica.finishing_since = time.monotonic()
-            self.policy.denoised(replica.index, len(replica.batch), len(self.waiting))
-            replica.batch_id, replica.batch = None, []
+        batch = self.replicas[replica_index].denoised(batch_id, time.monotonic())
+        if batch is not None:
+            self.policy.denoised(replica_index, len(batch.requests), len(self.waiting))
 
     def batch_done(self, replica_index: int, batch_id: int) -> None:
         replica = self.replicas[replica_index]
-        if replica.batch_id == batch_id:
-            size, started = len(replica.batch), replica.busy_since
-            replica.batch_id, replica.batch = None, []
-        elif replica.finishing_id == batch_id:
-            size, started = len(replica.finishing), replica.finishing_started
-            replica.finishing_id, replica.finishing = None, []
-            if replica.batch_id is not None:
-                return  # busy with the next batch already: nothing to wait for
-        else:
-            return
+        batch = replica.done(batch_id)
+        if batch is None or replica.critical is not None:
+            return  # not ours, or busy with the next batch already: nothing to wait for
         now = time.monotonic()
-        self.policy.batch_done(replica.index, size, started, now, len(self.waiting))
+        size = len(batch.requests)
+        self.policy.batch_done(replica_index, size, batch.dispatched, now, len(self.waiting))
 
     def abort_running(self, state: RequestState) -> None:
         if state.replica is None:
             return
         replica = self.replicas[state.replica]
-        if replica.executor is not None and (state in replica.batch or state in replica.finishing):
+        if replica.executor is not None and replica.holds(state):
             replica.executor.abort([state.request_id])
 
     def on_progress(self, replica_index: int, batch_id: int, now: float) -> None:
         """A step of a batch was reported: the replica's step clock calibrates on it."""
         replica = self.replicas[replica_index]
-        if replica.batch_id == batch_id:
+        critical = replica.critical
+        if critical is not None and critical.batch_id == batch_id:
             replica.clock.step(now)
 
     # ---- failures -------------------------------------------------------------------------------
@@ -233,8 +191,7 @@ class StagePool:
         proven poison request caused (`charged=False`) is that request's, not the replica's.
         """
         replica = self.replicas[replica_index]
-        replica.batch, replica.batch_id = [], None
-        replica.finishing, replica.finishing_id = [], None
+        replica.lost()
         self.policy.forget(replica.index)
         if time.monotonic() - replica.started_at > STABLE_RUN_S:
             replica.backoff = replica.restarts = 0
@@ -304,18 +261,19 @@ class StagePool:
             self._restart(replica)
 
     def check_stalls(self, now: float) -> None:
-        """Kill a replica whose running batch reports no progress for `stall_timeout`, or whose
-        finishing batch (its decode) is not done that long after it left the critical path: a
-        death follows, failing or re-routing both batches."""
+        """Kill a replica whose batch on the critical path reports no progress within its step
+        clock's bound, or whose batch being finished (its decode) is not done `stall_timeout`
+        after it left the critical path: a death follows, failing or re-routing both."""
         for r in self.replicas:
-            if r.executor is None or r.stall_killed:
+            if r.executor is None or r.stall_killed or not r.inflight:
                 continue
             quiet, bound, why = 0.0, self.config.stall_timeout, "stall timeout"
-            if r.batch_id is not None:
+            if r.critical is not None:
                 quiet = now - r.clock.last_step
                 bound, why = r.clock.bound()
-            if r.finishing_id is not None and now - r.finishing_since > self.config.stall_timeout:
-                quiet, bound, why = now - r.finishing_since, self.config.stall_timeout, "decode"
+            oldest = next(iter(r.inflight.values()))  # the oldest batch in flight
+            if oldest.denoised is not None and now - oldest.denoised > self.config.stall_timeout:
+                quiet, bound, why = now - oldest.denoised, self.config.stall_timeout, "decode"
             if quiet > bound:
                 reason = f"stalled: no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
                 logger.error("stage %s replica %d: %s; killing it", self.name, r.index, reason)

@@ -41,8 +41,7 @@ from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.isolation import (
     FatalStageError,
     begin_isolated,
-    finish_isolated,
-    run_isolated,
+    finish_parts,
 )
 
 logger = logging.getLogger("vllm_omni_like.worker")
@@ -151,16 +150,15 @@ class _Worker:
             except InvalidRequestError as exc:
                 self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
         report = functools.partial(self._deliver, job.batch_id)
-        if not self.stage.defers_finish:
-            outputs = self._guard(run_isolated, self.stage, valid, self.control, report)
-            job.model_batch = self.control.max_model_batch
-            self._complete(job, outputs)
-            return
         job.parts = self._guard(begin_isolated, self.stage, valid, self.control, report)
         job.model_batch = self.control.max_model_batch
-        # one batch at a time is finished: wait for the one before, then say this one may be
-        # followed (its decode runs beside the next batch's denoising)
+        # one batch at a time is finished: wait for the one before
         self.finisher_free.acquire()
+        if not self.config.decode_overlap:  # its rest here, before the next batch begins
+            self._finish_job(job)
+            self.finisher_free.release()
+            return
+        # say this one may be followed: its rest (the decode) runs beside the next batch
         if self.reports:
             self.send(Denoised(job.batch_id))
         self.finishing.put(job)
@@ -180,13 +178,8 @@ class _Worker:
 
     def _finish_job(self, job: _Job) -> None:
         assert self.stage is not None
-        outputs: list[StageOutput] = []
-        for part in job.parts:
-            if isinstance(part, StageOutput):
-                outputs.append(part)
-            else:
-                report = functools.partial(self._deliver, job.batch_id)
-                outputs.extend(self._guard(finish_isolated, self.stage, part, self.control, report))
+        report = functools.partial(self._deliver, job.batch_id)
+        outputs = self._guard(finish_parts, self.stage, job.parts, self.control, report)
         self._complete(job, outputs)
 
     def _guard(self, run: Callable[..., T], *args: Any) -> T:

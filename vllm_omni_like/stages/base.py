@@ -118,6 +118,12 @@ class Deferred:
     requests: list[StageRequest]
     finish: Callable[[list[StageRequest]], list[StageOutput]]
 
+    @classmethod
+    def done(cls, batch: list[StageRequest], outputs: list[StageOutput]) -> Deferred:
+        """A batch that ran whole in `begin`: `finish` only hands its outputs out."""
+        by_id = {out.request_id: out for out in outputs}
+        return cls(batch, lambda requests: [by_id[r.request_id] for r in requests])
+
 
 class Stage(ABC):
     """A model that runs batches of requests inside a worker process."""
@@ -131,11 +137,6 @@ class Stage(ABC):
         given = config.options
         self.options = typed(self.options_type, self.name, given) if self.options_type else given
 
-    @property
-    def defers_finish(self) -> bool:
-        """Whether the worker runs `begin` and the `finish` of its result apart (overlapped)."""
-        return False
-
     @abstractmethod
     def load(self, device: str) -> None:
         """Load weights (or build them, for `load_format=dummy`) onto `device`."""
@@ -144,18 +145,16 @@ class Stage(ABC):
         """Raise InvalidRequestError for what this stage cannot do; runs before batching."""
 
     @abstractmethod
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """Run one batch; return one output per request, in order."""
-
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
-        """Run the part of `batch` that the next batch must wait for; the rest is deferred.
+        """Run the part of `batch` that the next batch must wait for (a diffusion stage: the
+        denoising loop); the rest (its decode) is `finish` of the returned part, which the
+        worker runs beside the next batch. A stage with nothing to defer returns
+        `Deferred.done(batch, outputs)`."""
 
-        The default runs all of it: its outputs are only handed out by `finish`.
-        """
-        done = {out.request_id: out for out in self.execute(batch, control)}
-        return Deferred(
-            batch, lambda requests: [done[r.request_id] for r in requests if r.request_id in done]
-        )
+    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+        """The whole batch at once: `begin`, then `finish` of the requests still live."""
+        part = self.begin(batch, control)
+        return part.finish(control.live(part.requests))
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what `load` took."""

@@ -182,18 +182,6 @@ class DiffusionStage(Stage):
         check_prompt_length(self.tokenizer, request, self.name)
 
     # 3. execute -----------------------------------------------------------------------------------
-    @property
-    def defers_finish(self) -> bool:
-        return self.config.decode_overlap
-
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """The whole batch in one pipeline call, decode included."""
-        pipe, kwargs, rows, seeds = self._prepare(batch, control)
-        result = self._denoise(pipe, kwargs, control)
-        with torch.inference_mode():
-            pixels = tensor_to_uint8(self._media(result)[:rows])
-        return self._split(batch, pixels, seeds)
-
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
         pipe, kwargs, rows, seeds = self._prepare(batch, control)

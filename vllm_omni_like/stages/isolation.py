@@ -87,20 +87,6 @@ def _bisect(
         )
 
 
-def run_isolated(
-    stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
-) -> list[StageOutput]:
-    """Run `batch` whole (`execute`), each failure confined to the request that caused it."""
-
-    def run(live: list[StageRequest]) -> list[StageOutput]:
-        control.faults.fire("execute", live)  # here, so that no stage can forget it
-        outputs = stage.execute(live, control)
-        control.faults.fire("output", live)
-        return outputs
-
-    return _bisect(stage.name, batch, control, run, report)
-
-
 def begin_isolated(
     stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:
@@ -124,3 +110,23 @@ def finish_isolated(
         return outputs
 
     return _bisect(stage.name, part.requests, control, run, report)
+
+
+def finish_parts(
+    stage: Stage, parts: list[Deferred | StageOutput], control: StageControl, report: Report = None
+) -> list[StageOutput]:
+    """The outputs of begun parts: each deferred part finished (isolated), errors as they are."""
+    outputs: list[StageOutput] = []
+    for part in parts:
+        if isinstance(part, StageOutput):
+            outputs.append(part)
+        else:
+            outputs.extend(finish_isolated(stage, part, control, report))
+    return outputs
+
+
+def run_isolated(
+    stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
+) -> list[StageOutput]:
+    """The whole of `batch` (begin, then finish), each failure confined to its culprit."""
+    return finish_parts(stage, begin_isolated(stage, batch, control, report), control, report)

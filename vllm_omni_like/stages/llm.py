@@ -10,7 +10,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stage_options import LLMOptions
-from vllm_omni_like.stages.base import Stage, StageControl
+from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -117,7 +117,11 @@ class LLMStage(Stage):
                 code="prompt_too_long",
             )
 
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        """Generation runs whole here: nothing is left to defer."""
+        return Deferred.done(batch, self._generate(batch, control))
+
+    def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         max_new = batch[0].params.max_new_tokens or self.default_max_new

@@ -47,15 +47,6 @@ class NullStage(Stage):
                     f"{side} {value} is outside 1..{MAX_SIDE}", stage=self.name, param="size"
                 )
 
-    @property
-    def defers_finish(self) -> bool:
-        """Image and video stand-ins split like a diffusion stage: steps, then 'decode'."""
-        return self.config.decode_overlap and self.output_kind != "text"
-
-    def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        part = self.begin(batch, control)
-        return part.finish(control.live(part.requests))
-
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         control.saw_model_batch(len(batch))
         steps = batch[0].params.num_inference_steps or self.default_steps
