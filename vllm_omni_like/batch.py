@@ -16,13 +16,13 @@ from typing import Any
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from vllm_omni_like.api.errors import envelope
-from vllm_omni_like.api.protocol import ImageRequest, VideoRequest
-from vllm_omni_like.api.requests import image_items, image_request, video_request
 from vllm_omni_like.config import Limits
-from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
 from vllm_omni_like.media import write_video
+from vllm_omni_like.protocol.envelope import envelope
+from vllm_omni_like.protocol.requests import image_items, image_request, video_request
+from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
 
 URLS = {"/v1/images/generations": "image", "/v1/videos": "video"}
 RESULTS_FILE = "results.jsonl"
@@ -107,7 +107,7 @@ class BatchRunner:
         self.concurrency = concurrency
 
     async def run_line(self, line: Line) -> dict[str, Any]:
-        request_id = f"req-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         try:
             if line.error is not None:
                 raise line.error

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,21 +16,9 @@ from vllm_omni_like.errors import (
     NotFoundError,
     OmniError,
 )
+from vllm_omni_like.protocol.envelope import envelope
 
 logger = logging.getLogger(__name__)
-
-
-def envelope(info: ErrorInfo, request_id: str | None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": info.message,
-            "type": info.type,
-            "param": info.param,
-            "code": info.code,
-            "request_id": request_id,
-            "stage": info.stage,
-        }
-    }
 
 
 def headers_for(info: ErrorInfo, engine_errored: bool = False) -> dict[str, str]:

@@ -12,8 +12,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from vllm_omni_like.api.protocol import ImageRequest
-from vllm_omni_like.api.requests import image_request
 from vllm_omni_like.api.serving import (
     Server,
     image_response,
@@ -24,6 +22,8 @@ from vllm_omni_like.api.serving import (
 )
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.media import decode_mask, decode_upload, upload_too_large
+from vllm_omni_like.protocol.requests import image_request
+from vllm_omni_like.protocol.schemas import ImageRequest
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -15,8 +15,6 @@ from fastapi import Request
 
 from vllm_omni_like.api.errors import envelope
 from vllm_omni_like.api.file_store import FileStore
-from vllm_omni_like.api.protocol import ImageRequest
-from vllm_omni_like.api.requests import image_items
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
@@ -24,6 +22,8 @@ from vllm_omni_like.errors import EngineDeadError, EngineGenerateError
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.protocol.requests import image_items
+from vllm_omni_like.protocol.schemas import ImageRequest
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -11,8 +11,6 @@ import secrets
 import time
 from typing import Any
 
-from vllm_omni_like.api.protocol import VideoRequest
-from vllm_omni_like.api.requests import video_request
 from vllm_omni_like.api.serving import stored
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
@@ -22,6 +20,8 @@ from vllm_omni_like.errors import EngineDeadError, OmniError, QueueFullError, Re
 from vllm_omni_like.media import encode_image, encode_video
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.protocol.requests import video_request
+from vllm_omni_like.protocol.schemas import VideoRequest
 from vllm_omni_like.stages.faults import FaultInjector
 
 logger = logging.getLogger(__name__)

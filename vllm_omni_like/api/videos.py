@@ -10,9 +10,9 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from vllm_omni_like.api.errors import error_response
 from vllm_omni_like.api.images import validated
-from vllm_omni_like.api.protocol import VideoRequest
 from vllm_omni_like.api.video_jobs import POLL_AFTER_MS, VideoService, video_object
 from vllm_omni_like.errors import ConflictError, ErrorInfo, InvalidRequestError, NotFoundError
+from vllm_omni_like.protocol.schemas import VideoRequest
 
 router = APIRouter()
 FAILED_VIDEO = 422

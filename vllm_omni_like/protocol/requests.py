@@ -5,14 +5,14 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from vllm_omni_like.api.admission import edit_params, image_params, video_params
-from vllm_omni_like.api.protocol import ImageRequest, VideoRequest
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput
+from vllm_omni_like.protocol.admission import edit_params, image_params, video_params
+from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
 
 
 def pick_pipeline(engine: AsyncOmni, model: str | None, output: str) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from vllm_omni_like.api.protocol import ImageRequest, VideoRequest, parse_size
 from vllm_omni_like.config import Limits
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest, parse_size
 from vllm_omni_like.stages.model_limits import OPENAI_VIDEO_SIZES, ModelLimits
 
 DEFAULT_SECONDS = 1.0
