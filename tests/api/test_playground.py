@@ -112,6 +112,16 @@ def _rendered(driver, selector: str) -> list:
     return done if images and len(done) == len(images) else []
 
 
+def _create_video(driver):
+    """Create a 1-second video job on the Videos tab; its player, once the job completed."""
+    driver.find_element(By.ID, "tab-videos").click()
+    _set(driver, "video-seconds", "1")
+    driver.find_element(By.ID, "video-create").click()
+    return wait_for(
+        lambda: driver.find_elements(By.CSS_SELECTOR, "#video-list video"), 20, "a player"
+    )[0]
+
+
 def test_the_page_is_served_with_a_csp_and_no_key(server):
     r = httpx.get(f"{server.url}/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -250,12 +260,7 @@ def test_a_video_job_plays_in_the_page_and_is_deleted(browser, server, shots):
     assert browser.execute_script(
         "return document.createElement('video').canPlayType('video/mp4; codecs=\"avc1.64001E\"')"
     ), "this Chromium cannot play the H.264 MP4s the server writes"
-    browser.find_element(By.ID, "tab-videos").click()
-    _set(browser, "video-seconds", "1")
-    browser.find_element(By.ID, "video-create").click()
-    player = wait_for(
-        lambda: browser.find_elements(By.CSS_SELECTOR, "#video-list video"), 20, "a player"
-    )[0]
+    player = _create_video(browser)
     wait_for(
         lambda: browser.execute_script(
             "const v = arguments[0]; return v.readyState >= 2 && v.videoWidth > 0 && !v.paused",
@@ -324,12 +329,7 @@ def test_with_an_api_key_the_page_asks_for_it_and_sends_it(keyed_server, shots):
         assert driver.execute_script("return localStorage.getItem('vllm_omni_like.api_key')") == KEY
         driver.find_element(By.ID, "image-generate").click()
         wait_for(lambda: _rendered(driver, "#image-grid"), 20, "an image with the key")
-        driver.find_element(By.ID, "tab-videos").click()
-        _set(driver, "video-seconds", "1")
-        driver.find_element(By.ID, "video-create").click()
-        player = wait_for(
-            lambda: driver.find_elements(By.CSS_SELECTOR, "#video-list video"), 20, "a player"
-        )[0]
+        player = _create_video(driver)
         wait_for(  # the MP4 was fetched with the key, as a blob
             lambda: driver.execute_script(
                 "return arguments[0].src.startsWith('blob:') && arguments[0].readyState >= 2",
