@@ -16,9 +16,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from vllm_omni_like.api.errors import envelope, headers_for
+from vllm_omni_like.api.errors import headers_for
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.errors import ClientTimeoutError, EngineDeadError, OmniError
+from vllm_omni_like.protocol.envelope import envelope
 
 try:  # uvicorn's faster parser where installed, else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol

@@ -7,8 +7,9 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vllm_omni_like.api.errors import envelope, headers_for
+from vllm_omni_like.api.errors import headers_for
 from vllm_omni_like.errors import AuthenticationError, OmniError, PayloadTooLargeError
+from vllm_omni_like.protocol.envelope import envelope
 
 PUBLIC_PREFIXES = ("/health", "/metrics", "/version", "/v1/files/", "/playground/")
 PUBLIC_PATHS = ("/", "/favicon.ico")  # the playground page: it asks for the key itself

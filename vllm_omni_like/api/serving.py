@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from vllm_omni_like.api.errors import envelope
 from vllm_omni_like.api.file_store import FileStore
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
@@ -22,6 +21,7 @@ from vllm_omni_like.errors import EngineDeadError, EngineGenerateError
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items
 from vllm_omni_like.protocol.schemas import ImageRequest
 

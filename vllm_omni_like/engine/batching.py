@@ -51,8 +51,6 @@ class BatchPolicy:
     """Says whether an idle replica holds back; told when a replica's batch leaves the
     critical path (`denoised`) and when it ends (`batch_done`). No hold by default."""
 
-    name = "none"
-
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
 
@@ -70,8 +68,6 @@ class BatchPolicy:
 
 
 class RefillHold(BatchPolicy):
-    name = "refill"
-
     def __init__(self, max_batch: int, share: float) -> None:
         super().__init__(max_batch)
         self.share = share
@@ -99,8 +95,6 @@ class RefillHold(BatchPolicy):
 
 
 class RequestLevel(BatchPolicy):
-    name = "request"
-
     def __init__(self, max_batch: int, max_wait: float) -> None:
         super().__init__(max_batch)
         self.max_wait = max_wait

@@ -14,8 +14,8 @@ from vllm_omni_like.executor import Executor
 # a start that failed for these lacked room on the host (descriptors, memory, processes),
 # which frees up on its own: it is retried without spending the replica's restart budget
 NO_ROOM_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
-T = TypeVar("T")
 NO_ROOM_TEXTS = ("Too many open files", "Cannot allocate memory")  # as a worker reports them
+T = TypeVar("T")
 
 
 def lacks_room(exc: BaseException) -> bool:

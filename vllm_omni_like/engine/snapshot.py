@@ -1,6 +1,7 @@
 """What other threads may know of the engine: an immutable snapshot the orchestrator thread
-publishes each tick (and at once when a stage changes state). The event loop's admission,
-`/health` and `/metrics` read only this; none of them touches a pool across threads."""
+publishes at the end of each pass of its loop (and at once when the engine dies). The event
+loop's admission, `/health` and `/metrics` read only this; none of them touches a pool across
+threads."""
 
 from __future__ import annotations
 
