@@ -3,9 +3,12 @@ import pickle
 import pytest
 
 from vllm_omni_like import errors
+from vllm_omni_like.engine.request_state import FINAL_STATUSES
 from vllm_omni_like.errors import (
     EngineDeadError,
     EngineGenerateError,
+    ErrorInfo,
+    ErrorKind,
     InvalidRequestError,
     QueueFullError,
     classify,
@@ -13,72 +16,106 @@ from vllm_omni_like.errors import (
 from vllm_omni_like.outputs import OmniRequestOutput, StageOutput
 
 TABLE = [
-    (errors.InvalidRequestError, 400, "invalid_request_error", True),
-    (errors.AuthenticationError, 401, "invalid_request_error", True),
-    (errors.NotFoundError, 404, "invalid_request_error", True),
-    (errors.ConflictError, 409, "invalid_request_error", True),
-    (errors.PayloadTooLargeError, 413, "invalid_request_error", True),
-    (errors.QueueFullError, 429, "rate_limit_error", True),
-    (errors.EngineGenerateError, 500, "server_error", True),
-    (errors.EngineDeadError, 503, "service_unavailable", False),
-    (errors.RequestTimeoutError, 504, "timeout_error", True),
+    (errors.InvalidRequestError, 400, "invalid_request_error", True, "invalid"),
+    (errors.AuthenticationError, 401, "invalid_request_error", True, "invalid"),
+    (errors.NotFoundError, 404, "invalid_request_error", True, "invalid"),
+    (errors.ClientTimeoutError, 408, "invalid_request_error", True, "invalid"),
+    (errors.ConflictError, 409, "invalid_request_error", True, "invalid"),
+    (errors.PayloadTooLargeError, 413, "invalid_request_error", True, "invalid"),
+    (errors.QueueFullError, 429, "rate_limit_error", True, "invalid"),
+    (errors.AbortedError, 499, "invalid_request_error", True, "aborted"),
+    (errors.EngineGenerateError, 500, "server_error", True, "error"),
+    (errors.StorageError, 500, "server_error", True, "error"),
+    (errors.UnavailableError, 503, "service_unavailable", True, "error"),
+    (errors.ShuttingDownError, 503, "service_unavailable", True, "aborted"),
+    (errors.EngineDeadError, 503, "service_unavailable", False, "dead"),
+    (errors.RequestTimeoutError, 504, "timeout_error", True, "timeout"),
 ]
 
 
-@pytest.mark.parametrize(("cls", "status", "etype", "recoverable"), TABLE)
-def test_taxonomy_fixes_status_type_and_recoverability(cls, status, etype, recoverable):
+@pytest.mark.parametrize(("cls", "status", "etype", "recoverable", "final"), TABLE)
+def test_each_kind_fixes_status_type_recoverability_and_final_status(
+    cls, status, etype, recoverable, final
+):
     exc = cls("boom", stage="diffusion")
     assert isinstance(exc, errors.OmniError)
-    info = exc.info()
-    assert (info.status, info.type, info.recoverable) == (status, etype, recoverable)
-    assert info.message == "stage 'diffusion': boom"
+    info = exc.info
+    assert info.kind is cls.kind
+    assert (info.status, info.type, info.recoverable, info.final_status) == (
+        status,
+        etype,
+        recoverable,
+        final,
+    )
+    assert info.message == "stage 'diffusion': boom" == exc.message == str(exc)
     assert info.stage == "diffusion"
-    assert info.code
+    assert info.code == cls.kind.value.code
 
 
-@pytest.mark.parametrize(("cls", "status", "etype", "recoverable"), TABLE)
-def test_message_is_never_empty(cls, status, etype, recoverable):
-    assert cls("").message == f"{cls.__name__} (no detail given)"
-    assert cls("   ").info().message
+def test_every_kind_is_distinct_and_only_dead_is_fatal():
+    assert len({k.value for k in ErrorKind}) == len(ErrorKind)
+    assert [k for k in ErrorKind if not k.value.recoverable] == [ErrorKind.DEAD]
+    assert FINAL_STATUSES[0] == "success"
+    assert set(FINAL_STATUSES[1:]) == {k.value.final for k in ErrorKind}
+
+
+@pytest.mark.parametrize("cls", [row[0] for row in TABLE])
+def test_message_is_never_empty(cls):
+    assert cls("").message == f"{cls.kind.name.lower()} (no detail given)"
+    assert cls("   ").info.message
+
+
+def test_a_finer_code_keeps_the_kind():
+    exc = errors.UnavailableError("loading", code="starting", retry_after=2.0)
+    assert (exc.code, exc.info.kind, exc.status, exc.retry_after) == (
+        "starting",
+        ErrorKind.UNAVAILABLE,
+        503,
+        2.0,
+    )
 
 
 def test_errors_survive_pickling_with_their_fields():
     exc = QueueFullError("too much waiting", code="queue_full", retry_after=2.0, param="model")
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is QueueFullError
-    assert (back.message, back.code, back.retry_after, back.param) == (
-        "too much waiting",
-        "queue_full",
-        2.0,
-        "model",
-    )
+    assert back.info == exc.info
+    info = pickle.loads(pickle.dumps(exc.info))
+    assert info.kind is ErrorKind.QUEUE_FULL and info == exc.info
 
 
-def test_info_round_trips_to_the_same_class():
-    info = EngineDeadError("gone", stage="llm").info()
-    again = info.to_exception()
-    assert type(again) is EngineDeadError
-    assert again.message == "stage 'llm': gone"
+def test_one_value_from_raise_to_handler():
+    """The value a worker sends is the very one the raised exception carries: no conversion,
+    and the exception's class follows from the kind (no class names anywhere)."""
+    info = EngineDeadError("gone", stage="llm").info
+    again = info.error()
+    assert type(again) is EngineDeadError and again.info is info
+    assert not hasattr(info, "error_class")
+    bare = ErrorInfo(ErrorKind.METHOD_NOT_ALLOWED, "GET is not allowed")  # no class of its own
+    assert type(bare.error()) is errors.OmniError and bare.error().status == 405
 
 
 def test_classify_wraps_foreign_exceptions_as_recoverable_generate_errors():
-    err = classify(KeyError("x"), "diffusion")
-    assert isinstance(err, EngineGenerateError)
-    assert err.message == "stage 'diffusion': KeyError: 'x'"
+    info = classify(KeyError("x"), "diffusion")
+    assert info.kind is ErrorKind.GENERATE
+    assert info.message == "stage 'diffusion': KeyError: 'x'"
     assert classify(ValueError(), None).message == "ValueError: ValueError"
 
 
 def test_classify_keeps_taxonomy_errors_and_adds_the_stage():
-    err = classify(InvalidRequestError("bad size", param="size"), "diffusion")
-    assert isinstance(err, InvalidRequestError)
-    assert err.stage == "diffusion" and err.param == "size"
-    assert "stage 'diffusion'" in err.message
+    raised = InvalidRequestError("bad size", param="size")
+    info = classify(raised, "diffusion")
+    assert info.kind is ErrorKind.INVALID
+    assert info.stage == "diffusion" and info.param == "size"
+    assert info.message == "stage 'diffusion': bad size"
+    staged = EngineGenerateError("x", stage="llm")
+    assert classify(staged, "diffusion") is staged.info  # its own stage is kept
 
 
 def test_request_output_from_error():
     out = OmniRequestOutput.from_error("req-1", RuntimeError("kaput"), "diffusion")
     assert not out.ok
-    assert out.error.error_class == "EngineGenerateError"
+    assert out.error.kind is ErrorKind.GENERATE
     assert out.error.status == 500
     assert out.error.message == "stage 'diffusion': RuntimeError: kaput"
     assert OmniRequestOutput("req-2").ok

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_omni_like"
 # a layer may import those after it in this order, never those before it
 ORDER = ["api", "batch", "protocol", "engine", "executor", "stages", "pipelines"]
-BOTTOM = {"messages", "outputs", "config", "errors", "params", "stage_options"}
+BOTTOM = {"messages", "outputs", "config", "errors", "params", "stage_options", "cost"}
 
 
 def _layer(module: str) -> str | None:

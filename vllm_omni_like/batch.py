@@ -94,7 +94,7 @@ def _result(line: Line, status: int, body: dict[str, Any], request_id: str) -> d
 
 
 def _error_body(exc: OmniError, request_id: str) -> dict[str, Any]:
-    return envelope(exc.info(), request_id)
+    return envelope(exc.info, request_id)
 
 
 class BatchRunner:
@@ -113,7 +113,7 @@ class BatchRunner:
                 raise line.error
             output = await self._generate(line, request_id)
             if output.error is not None:
-                raise output.error.to_exception()
+                raise output.error.error()
             body = await asyncio.to_thread(self._write, line, output)
             return _result(line, 200, body, request_id)
         except ValidationError as exc:

@@ -19,6 +19,7 @@ FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
 STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")
 BATCH_POLICIES = ("refill", "request")
+ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -109,6 +110,10 @@ class StageConfig:
     batch_policy: str = "refill"
     batch_wait: float = 0.1
     batch_max_wait: float = 0.0
+    # batches a replica may hold queued at its worker beyond the one it runs, and how a batch
+    # picks its replica (engine/routing.py): by the work each holds ("cost") or its requests
+    replica_queue: int = 0
+    routing: str = "cost"
     stall_timeout: float = 60.0
     # the first step of a shape a replica has not run yet (warm-up; compilation with --compile)
     first_step_timeout: float = 600.0
@@ -151,6 +156,7 @@ class StageConfig:
             ("compile_mode", self.compile_mode, COMPILE_MODES),
             ("attention", self.attention, ATTENTION_BACKENDS),
             ("channels_last", self.channels_last, CHANNELS_LAST_MODES),
+            ("routing", self.routing, ROUTINGS),
         ):
             if value not in allowed:
                 raise InvalidRequestError(
@@ -160,6 +166,8 @@ class StageConfig:
             raise InvalidRequestError(
                 f"stage {self.name!r}: batch_policy must be one of {', '.join(BATCH_POLICIES)}"
             )
+        if not isinstance(self.replica_queue, int) or self.replica_queue < 0:
+            raise InvalidRequestError(f"stage {self.name!r}: replica_queue must be an integer >= 0")
         if self.batch_max_wait < 0:
             raise InvalidRequestError(f"stage {self.name!r}: batch_max_wait must be >= 0")
         if not 0.0 <= self.batch_wait <= 1.0:
@@ -229,4 +237,6 @@ class EngineConfig:
     max_request_retries: int = 1
     request_timeout: float = 600.0
     max_queue_size: int = 256
+    # work admitted per pipeline, in seconds at the replicas' measured speed (cost.py)
+    max_queue_seconds: float = 300.0
     faults: tuple[FaultRule, ...] = ()

@@ -1,43 +1,95 @@
-"""The error taxonomy: every failure is one of these until the HTTP handler answers it."""
+"""The error taxonomy: an error is one value (`ErrorInfo`, a kind and its detail) from where it
+is raised to the HTTP handler; the exceptions only carry that value through `raise`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from enum import Enum
+from typing import ClassVar, NamedTuple
+
+
+class Kind(NamedTuple):
+    status: int  # the HTTP status
+    type: str  # OpenAI's error type
+    code: str  # the default code (a raise may name a finer one)
+    final: str  # the request's final status in the metrics
+    recoverable: bool = True  # False: the engine is dead (`/health` 503)
+
+
+class ErrorKind(Enum):
+    """Every way a request can end other than success; each fixes everything but the detail."""
+
+    INVALID = Kind(400, "invalid_request_error", "invalid_request", "invalid")
+    UNAUTHORIZED = Kind(401, "invalid_request_error", "invalid_api_key", "invalid")
+    NOT_FOUND = Kind(404, "invalid_request_error", "not_found", "invalid")
+    METHOD_NOT_ALLOWED = Kind(405, "invalid_request_error", "method_not_allowed", "invalid")
+    CLIENT_TIMEOUT = Kind(408, "invalid_request_error", "request_timeout", "invalid")
+    CONFLICT = Kind(409, "invalid_request_error", "conflict", "invalid")
+    TOO_LARGE = Kind(413, "invalid_request_error", "payload_too_large", "invalid")
+    VIDEO_FAILED = Kind(422, "invalid_request_error", "video_failed", "error")
+    QUEUE_FULL = Kind(429, "rate_limit_error", "queue_full", "invalid")
+    ABORTED = Kind(499, "invalid_request_error", "aborted", "aborted")  # the client left
+    GENERATE = Kind(500, "server_error", "generation_failed", "error")
+    STORAGE = Kind(500, "server_error", "storage_error", "error")
+    INTERNAL = Kind(500, "server_error", "internal_error", "error")
+    UNAVAILABLE = Kind(503, "service_unavailable", "restarting", "error")  # come back later
+    SHUTTING_DOWN = Kind(503, "service_unavailable", "shutting_down", "aborted")
+    DEAD = Kind(503, "service_unavailable", "engine_dead", "dead", recoverable=False)
+    TIMEOUT = Kind(504, "timeout_error", "timeout", "timeout")
 
 
 @dataclass(frozen=True)
 class ErrorInfo:
-    """A picklable description of an error: what crosses threads and processes."""
+    """A picklable error: what crosses threads and processes, and what the client is told."""
 
-    error_class: str
-    message: str
-    type: str
-    code: str
-    status: int
-    recoverable: bool
+    kind: ErrorKind
+    message: str = ""
+    code: str = ""  # empty: the kind's default
     stage: str | None = None
     param: str | None = None
     retry_after: float | None = None
 
-    def to_exception(self) -> OmniError:
-        cls = _BY_NAME.get(self.error_class, EngineGenerateError)
-        return cls(
-            self.message,
-            code=self.code,
-            stage=self.stage,
-            param=self.param,
-            retry_after=self.retry_after,
-        )
+    def __post_init__(self) -> None:
+        message = self.message.strip() or f"{self.kind.name.lower()} (no detail given)"
+        if self.stage and not message.startswith(f"stage '{self.stage}'"):
+            message = f"stage '{self.stage}': {message}"
+        object.__setattr__(self, "message", message)
+        object.__setattr__(self, "code", self.code or self.kind.value.code)
+
+    @property
+    def status(self) -> int:
+        return self.kind.value.status
+
+    @property
+    def type(self) -> str:
+        return self.kind.value.type
+
+    @property
+    def recoverable(self) -> bool:
+        return self.kind.value.recoverable
+
+    @property
+    def final_status(self) -> str:
+        return self.kind.value.final
+
+    def at_stage(self, stage: str) -> ErrorInfo:
+        return self if self.stage is not None else replace(self, stage=stage)
+
+    def error(self) -> OmniError:
+        """The exception that carries this very value (its class is the kind's)."""
+        return OmniError.of(self)
 
 
 class OmniError(Exception):
-    """Base of the taxonomy; each subclass fixes the HTTP status, type and default code."""
+    """Base of the taxonomy; each subclass names a kind, so `raise NotFoundError(...)` reads
+    well and `except EngineDeadError` works on both sides of a process boundary."""
 
-    status: ClassVar[int] = 500
-    type: ClassVar[str] = "server_error"
-    default_code: ClassVar[str] = "internal_error"
-    recoverable: ClassVar[bool] = True
+    kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
+    _by_kind: ClassVar[dict[ErrorKind, type[OmniError]]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        OmniError._by_kind.setdefault(cls.kind, cls)
 
     def __init__(
         self,
@@ -48,127 +100,105 @@ class OmniError(Exception):
         param: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        message = message.strip() or f"{type(self).__name__} (no detail given)"
-        if stage and not message.startswith(f"stage '{stage}'"):
-            message = f"stage '{stage}': {message}"
-        super().__init__(message)
-        self.message = message
-        self.code = code or self.default_code
-        self.stage = stage
-        self.param = param
-        self.retry_after = retry_after
+        info = ErrorInfo(self.kind, message, code or "", stage, param, retry_after)
+        super().__init__(info.message)
+        self.info = info
 
-    def info(self) -> ErrorInfo:
-        return ErrorInfo(
-            error_class=type(self).__name__,
-            message=self.message,
-            type=self.type,
-            code=self.code,
-            status=self.status,
-            recoverable=self.recoverable,
-            stage=self.stage,
-            param=self.param,
-            retry_after=self.retry_after,
-        )
+    @staticmethod
+    def of(info: ErrorInfo) -> OmniError:
+        cls = OmniError._by_kind.get(info.kind, OmniError)
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, info.message)
+        exc.info = info
+        return exc
 
-    def __reduce__(self):  # keyword-only fields survive pickling
-        return (_rebuild, (self.info(),))
+    message = property(lambda self: self.info.message)
+    code = property(lambda self: self.info.code)
+    stage = property(lambda self: self.info.stage)
+    param = property(lambda self: self.info.param)
+    status = property(lambda self: self.info.status)
+    retry_after = property(lambda self: self.info.retry_after)
+
+    def __reduce__(self):  # the value crosses processes, the class follows from its kind
+        return (_rebuild, (self.info,))
 
 
 def _rebuild(info: ErrorInfo) -> OmniError:
-    return info.to_exception()
+    return OmniError.of(info)
 
 
 class InvalidRequestError(OmniError):
-    status = 400
-    type = "invalid_request_error"
-    default_code = "invalid_request"
+    kind = ErrorKind.INVALID
 
 
 class AuthenticationError(OmniError):
-    status = 401
-    type = "invalid_request_error"
-    default_code = "invalid_api_key"
+    kind = ErrorKind.UNAUTHORIZED
 
 
 class NotFoundError(OmniError):
-    status = 404
-    type = "invalid_request_error"
-    default_code = "not_found"
+    kind = ErrorKind.NOT_FOUND
 
 
 class ConflictError(OmniError):
-    status = 409
-    type = "invalid_request_error"
-    default_code = "conflict"
+    kind = ErrorKind.CONFLICT
 
 
 class PayloadTooLargeError(OmniError):
-    status = 413
-    type = "invalid_request_error"
-    default_code = "payload_too_large"
+    kind = ErrorKind.TOO_LARGE
 
 
 class QueueFullError(OmniError):
-    status = 429
-    type = "rate_limit_error"
-    default_code = "queue_full"
+    kind = ErrorKind.QUEUE_FULL
+
+
+class AbortedError(OmniError):
+    """The client went away (or asked to stop): nobody reads the answer."""
+
+    kind = ErrorKind.ABORTED
 
 
 class EngineGenerateError(OmniError):
     """This request failed inside a stage; the engine stays healthy."""
 
-    status = 500
-    type = "server_error"
-    default_code = "generation_failed"
+    kind = ErrorKind.GENERATE
+
+
+class StorageError(OmniError):
+    """The output was made but could not be written."""
+
+    kind = ErrorKind.STORAGE
+
+
+class UnavailableError(OmniError):
+    """Nothing can run the request now (starting, or every replica restarting): retry later."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+class ShuttingDownError(OmniError):
+    kind = ErrorKind.SHUTTING_DOWN
 
 
 class EngineDeadError(OmniError):
     """A stage has no live replica and none is being restarted (or is starting)."""
 
-    status = 503
-    type = "service_unavailable"
-    default_code = "engine_dead"
-    recoverable = False
+    kind = ErrorKind.DEAD
 
 
 class RequestTimeoutError(OmniError):
-    status = 504
-    type = "timeout_error"
-    default_code = "timeout"
+    kind = ErrorKind.TIMEOUT
 
 
 class ClientTimeoutError(OmniError):
     """The client did not send its request (headers or body) in time."""
 
-    status = 408
-    type = "invalid_request_error"
-    default_code = "request_timeout"
+    kind = ErrorKind.CLIENT_TIMEOUT
 
 
-_BY_NAME: dict[str, type[OmniError]] = {
-    cls.__name__: cls
-    for cls in (
-        OmniError,
-        InvalidRequestError,
-        AuthenticationError,
-        NotFoundError,
-        ConflictError,
-        PayloadTooLargeError,
-        QueueFullError,
-        EngineGenerateError,
-        EngineDeadError,
-        RequestTimeoutError,
-        ClientTimeoutError,
-    )
-}
-
-
-def classify(exc: BaseException, stage: str | None = None) -> OmniError:
-    """Keep a taxonomy error as it is; any other exception is a recoverable generate error."""
+def classify(exc: BaseException, stage: str | None = None) -> ErrorInfo:
+    """The one classifier: a taxonomy error keeps its value (given the stage it happened in);
+    any other exception is a recoverable generate error naming its type."""
     if isinstance(exc, OmniError):
-        if stage and exc.stage is None:
-            return replace(exc.info(), stage=stage).to_exception()
-        return exc
+        return exc.info.at_stage(stage) if stage else exc.info
     detail = str(exc).strip() or type(exc).__name__
-    return EngineGenerateError(f"{type(exc).__name__}: {detail}", stage=stage)
+    return ErrorInfo(ErrorKind.GENERATE, f"{type(exc).__name__}: {detail}", stage=stage)

@@ -16,6 +16,7 @@ from vllm_omni_like.config import (
     BATCH_POLICIES,
     CHANNELS_LAST_MODES,
     COMPILE_MODES,
+    ROUTINGS,
     EngineConfig,
     Limits,
     PipelineConfig,
@@ -35,6 +36,8 @@ STAGE_FLAGS = (
     "batch_policy",
     "batch_wait",
     "batch_max_wait",
+    "replica_queue",
+    "routing",
     "stall_timeout",
     "first_step_timeout",
     "compile",
@@ -131,6 +134,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     _stage_flag(
         g,
+        "replica_queue",
+        "batches a replica may hold queued at its worker beyond the one it runs (0: a batch "
+        "is given to a replica only when it is free); with more, routing spreads them",
+        type=int,
+        metavar="N",
+    )
+    _stage_flag(
+        g,
+        "routing",
+        "which replica gets a batch: cost (where it would end first: the work each replica "
+        "holds, in seconds at its measured speed) or count (the fewest requests held)",
+        choices=ROUTINGS,
+    )
+    _stage_flag(
+        g,
         "stall_timeout",
         "seconds a busy worker may report no step before it is killed and restarted; a "
         "step that the replica's measured speed expects to be slow gets 10x its expected time",
@@ -205,10 +223,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         ("max_request_retries", "re-runs of a request whose worker died"),
         ("request_timeout", "seconds a request may take before it gets 504"),
         ("max_queue_size", "requests admitted per pipeline before 429"),
+        (
+            "max_queue_seconds",
+            "work admitted per pipeline, in seconds at the replicas' measured speed, before "
+            "429 (a request alone is always admitted; 0 = no such limit)",
+        ),
     ):
         g.add_argument(
             "--" + name.replace("_", "-"),
-            type=float if name == "request_timeout" else int,
+            type=float if name in ("request_timeout", "max_queue_seconds") else int,
             default=_ENGINE[name],
             help=f"{text} (default: %(default)s)",
         )
@@ -258,6 +281,7 @@ def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...
         max_request_retries=args.max_request_retries,
         request_timeout=args.request_timeout,
         max_queue_size=args.max_queue_size,
+        max_queue_seconds=args.max_queue_seconds,
         faults=faults_from_env(),
     )
 

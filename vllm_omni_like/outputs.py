@@ -41,7 +41,7 @@ class StageOutput:
 
     @classmethod
     def from_error(cls, request_id: str, exc: BaseException, stage: str) -> StageOutput:
-        return cls(request_id=request_id, stage=stage, error=classify(exc, stage).info())
+        return cls(request_id=request_id, stage=stage, error=classify(exc, stage))
 
 
 @dataclass
@@ -71,7 +71,7 @@ class OmniRequestOutput:
     def from_error(
         cls, request_id: str, exc: BaseException, stage_id: str | None
     ) -> OmniRequestOutput:
-        return cls(request_id=request_id, stage_id=stage_id, error=classify(exc, stage_id).info())
+        return cls(request_id=request_id, stage_id=stage_id, error=classify(exc, stage_id))
 
     @property
     def ok(self) -> bool:

@@ -47,6 +47,9 @@ class NullOptions:
     output: str = "image"  # image | video | text
     steps: int = 4
     decode_delay: float = 0.0  # seconds the deferred rest of a batch takes
+    # seconds per step per million units of the batch's work (cost.py): a step that takes
+    # longer the more pixels, frames and images it runs, as a GPU's does
+    step_s_per_munit: float = 0.0
     max_side: int | None = None
 
 

@@ -73,6 +73,12 @@ def test_404_unknown_model_and_route_and_video(null_server):
         _err(http.get("/v1/nothing-here"), 404, "not_found")
 
 
+def test_405_a_route_asked_with_the_wrong_method(null_server):
+    with null_server.http() as http:
+        body = _err(http.get("/v1/images/generations"), 405, "method_not_allowed")
+        assert body["message"] == "GET is not allowed on /v1/images/generations"
+
+
 def test_413_body_and_upload_limits(null_server):
     with null_server.http() as http:
         _err(

@@ -101,6 +101,7 @@ def test_health_says_starting_until_the_models_load(tmp_path):
                 assert first.status_code == 503 and first.json()["status"] == "starting"
                 r = http.post("/v1/images/generations", json={"prompt": "x"})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+                assert r.headers["retry-after"] == "2"  # it will be ready: come back
             assert wait_until(lambda: http.get("/health").status_code == 200, 60)
     finally:
         server.stop()

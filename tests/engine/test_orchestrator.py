@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import wait_for, wait_until
 from tests.engine.helpers import assert_clean, collect, engine, final, gather, req, steps_of
-from vllm_omni_like.errors import EngineDeadError, NotFoundError, QueueFullError
+from vllm_omni_like.errors import EngineDeadError, ErrorKind, NotFoundError, QueueFullError
 from vllm_omni_like.outputs import RequestProgress
 
 FAULTS = (
@@ -78,7 +78,7 @@ def test_faults_in_each_stage_fail_only_their_request(eng):
     assert e1.message.startswith(
         "stage 'llm': InjectedFault: injected raise fault at execute for request f1 (t="
     )
-    assert (e2.status, e2.stage, e2.error_class) == (400, "diffusion", "InvalidRequestError")
+    assert (e2.status, e2.stage, e2.kind) == (400, "diffusion", ErrorKind.INVALID)
     assert (e3.status, e3.stage) == (500, "diffusion") and "out of memory" in e3.message
     assert not eng.errored
     assert [h["state"] for h in eng.health()] == ["ready", "ready"]
@@ -147,7 +147,7 @@ def test_deadline_ends_the_request_with_timeout(eng):
     t0 = time.monotonic()
     out = asyncio.run(final(eng, req("slow", steps=100, delay=0.02, timeout=0.3)))
     assert time.monotonic() - t0 < 1.5
-    assert out.error.error_class == "RequestTimeoutError" and out.error.status == 504
+    assert out.error.kind is ErrorKind.TIMEOUT and out.error.status == 504
     assert out.error.message.startswith("stage 'llm': the request's deadline of 0.3s passed")
 
 
@@ -198,7 +198,7 @@ def test_orchestrator_thread_death_fails_every_waiting_request(monkeypatch):
             return await asyncio.wait_for(task, 5)
 
         out = asyncio.run(run())
-        assert out.error.error_class == "EngineDeadError"
+        assert out.error.kind is ErrorKind.DEAD
         assert "orchestrator thread died: RuntimeError: bug in the loop" in out.error.message
         assert e.errored
         with pytest.raises(EngineDeadError):

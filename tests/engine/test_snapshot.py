@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, kill_worker, req
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import UnavailableError
 
 
 def test_a_snapshot_is_immutable_and_replaced_as_the_engine_changes():
@@ -22,7 +22,7 @@ def test_a_snapshot_is_immutable_and_replaced_as_the_engine_changes():
             before.stages[0].state = "dead"
         kill_worker(e, "null-image", 0)
         wait_for(lambda: orch.snapshot.stages[0].state == "restarting", 5, "restarting seen")
-        with pytest.raises(EngineDeadError, match="a restart is under way"):  # admission reads it
+        with pytest.raises(UnavailableError, match="a restart is under way"):  # admission reads it
             orch.submit(req("r1", pipeline="null-image"), lambda event: None)
         assert e.health()[0]["state"] == "restarting"
         assert before.stages[0].state == "ready"  # the old one is untouched

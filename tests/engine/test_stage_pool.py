@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import wait_for, wait_until
 from tests.engine.helpers import engine, final, kill_worker, req
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import EngineDeadError, ErrorKind
 
 
 def _states(e):
@@ -59,7 +59,7 @@ def test_poison_request_kills_at_most_two_workers_then_fails():
             return await asyncio.wait_for(poison, 20), await asyncio.gather(*others)
 
         bad, good = asyncio.run(run())
-        assert bad.error.error_class == "EngineGenerateError" and bad.error.status == 500
+        assert bad.error.kind is ErrorKind.GENERATE and bad.error.status == 500
         assert bad.error.message == (
             "stage 'diffusion': request crashed the worker twice; it is not retried"
         )
@@ -112,7 +112,7 @@ def test_no_restart_left_makes_the_engine_dead():
         outs, elapsed = asyncio.run(run())
         assert elapsed < 2
         for o in outs:
-            assert o.error.error_class == "EngineDeadError" and o.error.status == 503
+            assert o.error.kind is ErrorKind.DEAD and o.error.status == 503
             assert (
                 "killed by signal SIGKILL; no live replica and no restart left" in o.error.message
             )

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import drain_batch, wait_for, wait_until
 from vllm_omni_like.config import FaultRule, StageConfig
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import EngineDeadError, ErrorKind
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import (
     BatchDone,
@@ -139,7 +139,7 @@ def test_recoverable_fault_fails_only_its_own_request(executor):
     ex.execute(ExecuteBatch(2, [_req("a"), _req("b", "x @fail"), _req("c")]))
     res = _results(drain_batch(sink, 2))
     assert res["a"].error is None and res["c"].error is None
-    assert res["b"].error.error_class == "EngineGenerateError"
+    assert res["b"].error.kind is ErrorKind.GENERATE
     assert res["b"].error.message.startswith(
         "stage 'diffusion': InjectedFault: injected raise fault at execute for request b (t="
     )

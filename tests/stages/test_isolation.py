@@ -4,6 +4,7 @@ import pytest
 
 from tests.stage_helpers import CountingStage, DeviceErrorStage
 from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.errors import ErrorKind
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
@@ -48,7 +49,7 @@ def test_out_of_memory_is_bisected_and_reported_as_generate_error():
     outs = run_isolated(_stage(), _batch(["ok", "@oom", "ok"]), _control())
     errs = {o.request_id: o.error for o in outs}
     assert errs["r0"] is None and errs["r2"] is None
-    assert errs["r1"].error_class == "EngineGenerateError"
+    assert errs["r1"].kind is ErrorKind.GENERATE
     assert "out of memory" in errs["r1"].message
 
 

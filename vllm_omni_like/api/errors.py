@@ -10,11 +10,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni_like.errors import (
-    EngineDeadError,
     ErrorInfo,
+    ErrorKind,
     InvalidRequestError,
     NotFoundError,
     OmniError,
+    classify,
 )
 from vllm_omni_like.protocol.envelope import envelope
 
@@ -24,15 +25,14 @@ logger = logging.getLogger(__name__)
 def headers_for(info: ErrorInfo, engine_errored: bool = False) -> dict[str, str]:
     """Retry headers of API.md, so the SDK does not re-run work that will fail again."""
     headers: dict[str, str] = {}
-    if info.status in (409, 500, 504):
+    if info.status in (409, 422, 500, 504):
         headers["x-should-retry"] = "false"
-    if info.status == 429:
+    if info.kind is ErrorKind.QUEUE_FULL:
         headers["Retry-After"] = str(max(1, round(info.retry_after or 1)))
-    if info.status == 503:
-        if info.code == "restarting":
-            headers["Retry-After"] = str(max(1, round(info.retry_after or 2)))
-        elif info.code == "engine_dead" or engine_errored:
-            headers["x-should-retry"] = "false"
+    elif info.kind is ErrorKind.UNAVAILABLE:
+        headers["Retry-After"] = str(max(1, round(info.retry_after or 2)))
+    elif info.kind is ErrorKind.DEAD or (info.status == 503 and engine_errored):
+        headers["x-should-retry"] = "false"
     return headers
 
 
@@ -61,6 +61,24 @@ def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
 
 
+def http_error(request: Request, exc: Exception) -> ErrorInfo:
+    """What the web framework raised (validation, routing), or anything else, as our value."""
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc).info
+    if isinstance(exc, StarletteHTTPException):
+        if exc.status_code == 404:
+            return NotFoundError(f"no route {request.method} {request.url.path}").info
+        if exc.status_code == 405:
+            what = f"{request.method} is not allowed on {request.url.path}"
+            return ErrorInfo(ErrorKind.METHOD_NOT_ALLOWED, what)
+        kind = next((k for k in ErrorKind if k.value.status == exc.status_code), ErrorKind.INVALID)
+        return ErrorInfo(kind, str(exc.detail) or "bad request")
+    if not isinstance(exc, OmniError):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return ErrorInfo(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    return classify(exc)
+
+
 def install(app: FastAPI) -> None:
     def request_id(request: Request) -> str | None:
         return getattr(request.state, "request_id", None)
@@ -71,33 +89,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, RequestValidationError):
-            exc = validation_error(exc)
-        elif isinstance(exc, StarletteHTTPException):
-            if exc.status_code == 404:
-                exc = NotFoundError(
-                    f"no route {request.method} {request.url.path}", code="not_found"
-                )
-            else:
-                info = ErrorInfo(
-                    "HTTPException",
-                    str(exc.detail) or "bad request",
-                    "invalid_request_error",
-                    "invalid_request",
-                    exc.status_code,
-                    True,
-                )
-                return error_response(info, request_id(request))
-        elif not isinstance(exc, OmniError):
-            logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            exc = OmniError(f"internal error: {type(exc).__name__}: {exc}")
-        if exc.code == "aborted":  # nobody is left to read a response
+        info = http_error(request, exc)
+        if info.kind is ErrorKind.ABORTED:  # nobody is left to read a response
             logger.info("%s %s: the client disconnected", request.method, request.url.path)
-        elif isinstance(exc, EngineDeadError) or exc.status >= 500:
-            logger.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        elif info.status >= 500:
+            where = f"{request.method} {request.url.path}"
+            logger.info("%s -> %d %s", where, info.status, info.message)
         if not getattr(request.state, "admitted", False):  # refused before admission
-            request.app.state.engine.stats.reject(exc.status)
-        return error_response(exc.info(), request_id(request), errored(request))
+            request.app.state.engine.stats.reject(info.status)
+        return error_response(info, request_id(request), errored(request))
 
     app.add_exception_handler(RequestValidationError, handle)
     app.add_exception_handler(StarletteHTTPException, handle)

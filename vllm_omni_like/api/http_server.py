@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from vllm_omni_like.api.errors import headers_for
 from vllm_omni_like.config import ServerSettings
-from vllm_omni_like.errors import ClientTimeoutError, EngineDeadError, OmniError
+from vllm_omni_like.errors import ClientTimeoutError, OmniError, ShuttingDownError
 from vllm_omni_like.protocol.envelope import envelope
 
 try:  # uvicorn's faster parser where installed, else its pure-Python one
@@ -129,7 +129,7 @@ class DeadlineProtocol(_BaseProtocol):  # type: ignore[misc, valid-type]
         cycle = self.cycle if self.cycle is self._seen else None
         if cycle is None or not cycle.response_started:
             self.config.on_reject(error.status)
-            self.transport.write(_raw_response(error.info(), self._request_id(cycle)))
+            self.transport.write(_raw_response(error.info, self._request_id(cycle)))
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's sends are dropped, its receive sees the end
             cycle.message_event.set()
@@ -191,7 +191,7 @@ class OmniServer(uvicorn.Server):
         reading = [c for c in self.server_state.connections if _reading(c)]
         if reading or self.app.state.server.engine.started:
             logger.warning("drain timeout: ending what is still running with 503 shutting_down")
-        error = EngineDeadError(message, code="shutting_down")
+        error = ShuttingDownError(message)
         for connection in reading:  # still sending its request: answered here
             connection.answer_and_close(error)
         self.app.state.server.cut_off(message)

@@ -123,7 +123,7 @@ def _too_large(limit: int) -> PayloadTooLargeError:
 
 
 async def _respond(send: Send, err: OmniError, request_id: str) -> None:
-    info = err.info()
+    info = err.info
     body = json.dumps(envelope(info, request_id)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in headers_for(info).items()]

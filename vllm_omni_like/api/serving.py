@@ -17,7 +17,12 @@ from vllm_omni_like.api.file_store import FileStore
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
-from vllm_omni_like.errors import EngineDeadError, EngineGenerateError
+from vllm_omni_like.errors import (
+    AbortedError,
+    EngineDeadError,
+    StorageError,
+    UnavailableError,
+)
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
@@ -59,7 +64,7 @@ class Server:
         if self.start_error is not None:
             raise EngineDeadError(f"the engine failed to start: {self.start_error}")
         if not self.engine.started:
-            raise EngineDeadError("the engine is starting; retry shortly", code="starting")
+            raise UnavailableError("the engine is starting; retry shortly", code="starting")
         self.engine.check_health()
 
     def open(
@@ -89,9 +94,7 @@ async def stored(
         else:
             detail = f"{type(exc).__name__}: {exc}"
         logger.warning("request %s: the %s could not be stored: %s", omni.request_id, what, exc)
-        raise EngineGenerateError(
-            f"the {what} was made but could not be stored: {detail}", code="storage_error"
-        ) from None
+        raise StorageError(f"the {what} was made but could not be stored: {detail}") from None
     engine.stats.finished(omni.pipeline, "success", time.monotonic() - since)
     return result
 
@@ -115,7 +118,7 @@ async def run_to_output(
                 await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
                     event.cancel()
-                    raise EngineGenerateError("the client disconnected", code="aborted")
+                    raise AbortedError("the client disconnected")
             result = await event
             if isinstance(result, OmniRequestOutput):
                 return result
@@ -127,7 +130,7 @@ async def run_to_output(
 
 def raise_for_error(output: OmniRequestOutput) -> None:
     if output.error is not None:
-        raise output.error.to_exception()
+        raise output.error.error()
 
 
 def image_response(

@@ -16,7 +16,13 @@ from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
-from vllm_omni_like.errors import EngineDeadError, OmniError, QueueFullError, RequestTimeoutError
+from vllm_omni_like.errors import (
+    OmniError,
+    QueueFullError,
+    RequestTimeoutError,
+    ShuttingDownError,
+    UnavailableError,
+)
 from vllm_omni_like.media import encode_image, encode_video
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
@@ -195,13 +201,13 @@ class VideoService:
             await asyncio.to_thread(self.store.update, video_id, status="in_progress")
             output = await self._follow(video_id, stream)
             if output.error is not None:
-                raise output.error.to_exception()
+                raise output.error.error()
             write = asyncio.to_thread(self._write_files, row, output, omni)
             await stored(self.engine, omni, write, since, "video")
         except asyncio.CancelledError:
             raise
         except OmniError as exc:
-            if exc.code == "shutting_down":  # cut off by the drain: the next start runs it
+            if isinstance(exc, ShuttingDownError):  # cut off by the drain: the next start runs it
                 await asyncio.to_thread(self.store.requeue, video_id)
             else:
                 await self._fail(video_id, exc.code, exc.message)
@@ -221,9 +227,7 @@ class VideoService:
         loop = asyncio.get_running_loop()
         try:
             stream = self.engine.open(omni)
-        except (QueueFullError, EngineDeadError) as exc:
-            if exc.code not in ("queue_full", "restarting"):
-                raise
+        except (QueueFullError, UnavailableError) as exc:
             first = self._refused_since.setdefault(video_id, loop.time())
             if loop.time() - first > self.settings.video_timeout:
                 self._refused_since.pop(video_id, None)

@@ -11,11 +11,16 @@ from fastapi.responses import FileResponse, JSONResponse
 from vllm_omni_like.api.errors import error_response
 from vllm_omni_like.api.images import validated
 from vllm_omni_like.api.video_jobs import POLL_AFTER_MS, VideoService, video_object
-from vllm_omni_like.errors import ConflictError, ErrorInfo, InvalidRequestError, NotFoundError
+from vllm_omni_like.errors import (
+    ConflictError,
+    ErrorInfo,
+    ErrorKind,
+    InvalidRequestError,
+    NotFoundError,
+)
 from vllm_omni_like.protocol.schemas import VideoRequest
 
 router = APIRouter()
-FAILED_VIDEO = 422
 
 
 def _service(request: Request) -> VideoService:
@@ -110,17 +115,8 @@ async def content(
 ) -> FileResponse:
     row = await _row(request, video_id)
     if row["status"] == "failed":
-        info = ErrorInfo(
-            "VideoFailed",
-            f"video {video_id} failed: {row['error_message']}",
-            "invalid_request_error",
-            "video_failed",
-            FAILED_VIDEO,
-            True,
-        )
-        response = error_response(info, request.state.request_id)
-        response.headers["x-should-retry"] = "false"
-        return response
+        info = ErrorInfo(ErrorKind.VIDEO_FAILED, f"video {video_id} failed: {row['error_message']}")
+        return error_response(info, request.state.request_id)
     if row["status"] != "completed":
         raise ConflictError(
             f"video {video_id} is {row['status']}; its content is not ready", code="video_not_ready"

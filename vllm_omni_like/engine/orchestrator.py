@@ -7,28 +7,29 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths, snapshot
+from vllm_omni_like.engine.admission import Admission
 from vllm_omni_like.engine.replica_start import in_parallel
 from vllm_omni_like.engine.request_state import (
     BatchReport,
     EngineStats,
     RequestState,
-    final_status,
 )
 from vllm_omni_like.engine.snapshot import EngineSnapshot
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
+    AbortedError,
     EngineDeadError,
-    EngineGenerateError,
     ErrorInfo,
     NotFoundError,
     OmniError,
-    QueueFullError,
     RequestTimeoutError,
+    ShuttingDownError,
+    UnavailableError,
 )
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import (
@@ -80,8 +81,7 @@ class Orchestrator:
         # them (a client that left while its final output was on the way) is a no-op, not an
         # "abort before submit" to remember
         self.recent_final: OrderedDict[str, str] = OrderedDict()
-        self._admitted: Counter[str] = Counter()
-        self._admit_lock = threading.Lock()
+        self.admission = Admission(config.max_queue_size, config.max_queue_seconds)
         self._batch_ids = itertools.count(1)
         self._dead: ErrorInfo | None = None
         # all that other threads read of the pools and of the engine's death (published by
@@ -130,25 +130,20 @@ class Orchestrator:
                 code="model_not_found",
                 param="model",
             )
-        for stage in self.snapshot.of(pipeline.name):
+        stages = self.snapshot.of(pipeline.name)
+        for stage in stages:
             if stage.state == "restarting":  # nothing can run it now: say when to come back
-                raise EngineDeadError(
+                raise UnavailableError(
                     "no live replica; a restart is under way",
                     stage=stage.name,
                     code="restarting",
                     retry_after=RESTART_RETRY_AFTER_S,
                 )
-        with self._admit_lock:
-            if self._admitted[pipeline.name] >= self.config.max_queue_size:
-                raise QueueFullError(
-                    f"pipeline {pipeline.name!r} has {self.config.max_queue_size} requests "
-                    "waiting or running; retry later",
-                    retry_after=1.0,
-                )
-            self._admitted[pipeline.name] += 1
+        units = snapshot.work_units(request.params, stages)
+        self.admission.admit(pipeline.name, units, stages)
         self.stats.admitted()
         timeout = request.timeout or self.config.request_timeout
-        state = RequestState(request, emit, deadline=time.monotonic() + timeout)
+        state = RequestState(request, emit, deadline=time.monotonic() + timeout, units=units)
         self.inbox.put(Submit(state))
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -239,11 +234,7 @@ class Orchestrator:
     def _on_submit(self, state: RequestState) -> None:
         rid = state.request_id
         if self.early_aborts.pop(rid, None) is not None:
-            self._finish(
-                state,
-                EngineGenerateError("the request was aborted", code="aborted"),
-                status="aborted",
-            )
+            self._finish(state, AbortedError("the request was aborted"))
             return
         if self._dead is not None:
             self._finish(state, self.dead_error)
@@ -266,7 +257,7 @@ class Orchestrator:
                 if state is None or state.stage_index != stage or state.replica != replica:
                     return  # finished or aborted already
                 if out.error is not None:
-                    self._finish(state, out.error.to_exception())
+                    self._finish(state, out.error)
                     return
                 state.outputs[pool.name] = out
                 self.stats.stage_done(pool.name, time.monotonic() - state.stage_started)
@@ -280,7 +271,7 @@ class Orchestrator:
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):
-                pool.on_progress(replica, bid, time.monotonic())
+                pool.on_progress(replica, bid, step, total, time.monotonic())
                 for rid in ids:
                     state = self.requests.get(rid)
                     if state is not None:
@@ -309,7 +300,7 @@ class Orchestrator:
     def _die(self, error: EngineDeadError) -> None:
         """A stage is dead: the engine is dead for good; every waiting request ends now."""
         if self._dead is None:
-            self._dead = error.info()
+            self._dead = error.info
             self._publish()
             logger.error("engine is dead: %s", error.message)
         for state in list(self.requests.values()):
@@ -320,8 +311,7 @@ class Orchestrator:
         if not pool.remove(state):
             pool.abort_running(state)
         if reason == "shutting_down":
-            error = EngineDeadError(message, code="shutting_down")
-            self._finish(state, error, status="aborted")
+            self._finish(state, ShuttingDownError(message))
         elif reason == "timeout":
             timeout = state.deadline - state.created
             self._finish(
@@ -331,11 +321,7 @@ class Orchestrator:
                 ),
             )
         else:
-            self._finish(
-                state,
-                EngineGenerateError("the request was aborted", code="aborted", stage=pool.name),
-                status="aborted",
-            )
+            self._finish(state, AbortedError("the request was aborted", stage=pool.name))
 
     def _check_deadlines(self, now: float) -> None:
         for state in [s for s in self.requests.values() if s.deadline <= now]:
@@ -353,9 +339,7 @@ class Orchestrator:
                 for batch in pool.dispatch(lambda: next(self._batch_ids)):
                     self.stats.dispatched(pool.name, len(batch))
 
-    def _finish(
-        self, state: RequestState, error: OmniError | None, status: str | None = None
-    ) -> None:
+    def _finish(self, state: RequestState, error: OmniError | ErrorInfo | None) -> None:
         """End a request exactly once: its final output, its status, and no state left."""
         if state.finished:
             return
@@ -366,9 +350,8 @@ class Orchestrator:
         pools = self.pools[state.request.pipeline]
         pool = pools[state.stage_index]
         pool.remove(state)
-        with self._admit_lock:
-            self._admitted[state.request.pipeline] -= 1
-        info = error.info() if error is not None else None
+        self.admission.release(state.request.pipeline, state.units)
+        info = error.info if isinstance(error, OmniError) else error
         last = state.outputs.get(pools[-1].name) if info is None else None
         output = OmniRequestOutput(
             request_id=rid,
@@ -378,7 +361,7 @@ class Orchestrator:
             revised_prompt=Pipeline.revised_prompt(state.outputs),
             stage_outputs=state.outputs,
         )
-        status = status or final_status(info)
+        status = info.final_status if info is not None else "success"
         self.recent_final[rid] = status
         self.recent_final.move_to_end(rid)
         if len(self.recent_final) > ENDED_MEMORY:

@@ -1,11 +1,14 @@
 """One replica of a stage as the orchestrator sees it: its executor, its restarts, and the
 batches it has in flight, bounded by credits.
 
-A dispatch spends the replica's credit; the message that frees its critical path (`Denoised`:
-the batch's denoising is done, its decode runs on the worker's finisher thread) returns it; the
-batch's end (`BatchDone`) removes the batch, returning the credit if it had not come back. So a
-replica holds at most one batch on its critical path and one being finished beside it, and the
-stall bound looks at the oldest batch in flight.
+A dispatch spends one of the replica's credits; the message that frees its critical path
+(`Denoised`: the batch's denoising is done, its decode runs on the worker's finisher thread)
+returns it; the batch's end (`BatchDone`) removes the batch, returning the credit if it had not
+come back. With one credit (the default) a replica holds one batch on its critical path and one
+being finished beside it; with `--replica-queue N` it also holds N batches queued at the worker,
+which routing then spreads by the work each replica holds (engine/routing.py). The batch at the
+head of the critical path is the one running: the stall bound looks at it, and at the oldest
+batch being finished.
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.executor import Executor
 
-CREDITS = 1  # batches on the critical path at once
-MAX_IN_FLIGHT = 2  # that one, and one whose rest (its decode) runs beside it
-
 
 @dataclass
 class InFlight:
     batch_id: int
     requests: list[RequestState]
     dispatched: float
+    units: float = 0.0  # work of one of its steps (cost.py)
+    steps: int = 1  # its steps, as expected at dispatch and then as reported
+    steps_done: int = 0
+    shape: tuple = ()
+    started: float | None = None  # when it reached the head of the critical path
     denoised: float | None = None  # when it left the critical path (its credit came back)
+
+    @property
+    def units_left(self) -> float:
+        return self.units * max(0, self.steps - self.steps_done)
 
 
 @dataclass
@@ -33,7 +42,8 @@ class Replica:
     index: int
     executor: Executor | None = None
     inflight: dict[int, InFlight] = field(default_factory=dict)  # by batch id, oldest first
-    credits: int = CREDITS
+    max_credits: int = 1  # batches on its critical path at once (running and queued)
+    credits: int = 1
     restarts: int = 0
     restarting: bool = False
     last_dispatch: float = 0.0
@@ -44,37 +54,54 @@ class Replica:
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
     clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
 
+    def __post_init__(self) -> None:
+        self.credits = self.max_credits
+
     @property
     def live(self) -> bool:
         return self.executor is not None and self.executor.alive and not self.restarting
 
     @property
     def can_take(self) -> bool:
-        """Live, with a credit, and room for another batch in flight."""
-        return self.live and self.credits > 0 and len(self.inflight) < MAX_IN_FLIGHT
+        """Live, with a credit, and room for another batch in flight (one may be finishing)."""
+        return self.live and self.credits > 0 and len(self.inflight) <= self.max_credits
 
     @property
     def critical(self) -> InFlight | None:
-        """The batch on its critical path (dispatched, not yet denoised), if any."""
+        """The batch running on its critical path (dispatched, not yet denoised), if any."""
         return next((f for f in self.inflight.values() if f.denoised is None), None)
 
     @property
     def running(self) -> list[RequestState]:
         return [s for f in self.inflight.values() for s in f.requests]
 
+    def outstanding(self) -> tuple[int, float]:
+        """Requests and units of work on its critical path (running and queued)."""
+        ahead = [f for f in self.inflight.values() if f.denoised is None]
+        return sum(len(f.requests) for f in ahead), sum(f.units_left for f in ahead)
+
     def holds(self, state: RequestState) -> bool:
         return any(state in f.requests for f in self.inflight.values())
 
-    def dispatched(self, batch_id: int, requests: list[RequestState], now: float) -> None:
+    def dispatched(self, batch: InFlight) -> None:
         self.credits -= 1
-        self.inflight[batch_id] = InFlight(batch_id, requests, now)
-        self.last_dispatch = now
-        self.clock.begin([s.stage_request for s in requests], now)
+        self.inflight[batch.batch_id] = batch
+        self.last_dispatch = batch.dispatched
+        self._start_next(batch.dispatched)
 
     def undispatched(self, batch_id: int) -> None:
         """The dispatch did not reach the worker (it died just then)."""
         if self.inflight.pop(batch_id, None) is not None:
             self.credits += 1
+
+    def progress(self, batch_id: int, step: int, total: int, now: float) -> None:
+        """A step of one of its batches was reported (the running one calibrates the clock)."""
+        batch = self.inflight.get(batch_id)
+        if batch is None:
+            return
+        batch.steps_done, batch.steps = step, total
+        if batch is self.critical:
+            self.clock.step(now)
 
     def denoised(self, batch_id: int, now: float) -> InFlight | None:
         batch = self.inflight.get(batch_id)
@@ -82,15 +109,25 @@ class Replica:
             return None
         batch.denoised = now
         self.credits += 1
+        self._start_next(now)
         return batch
 
-    def done(self, batch_id: int) -> InFlight | None:
+    def done(self, batch_id: int, now: float) -> InFlight | None:
         batch = self.inflight.pop(batch_id, None)
         if batch is not None and batch.denoised is None:
             self.credits += 1
+            self._start_next(now)
         return batch
 
     def lost(self) -> None:
         """Its executor died: nothing is in flight any more."""
         self.inflight.clear()
-        self.credits = CREDITS
+        self.credits = self.max_credits
+
+    def _start_next(self, now: float) -> None:
+        """The worker runs its batches in order: the next one starts when the one before leaves
+        the critical path."""
+        batch = self.critical
+        if batch is not None and batch.started is None:
+            batch.started = now
+            self.clock.begin(batch.units, batch.shape, now)

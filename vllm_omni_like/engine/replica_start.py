@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import ShuttingDownError
 from vllm_omni_like.executor import Executor
 
 # a start that failed for these lacked room on the host (descriptors, memory, processes),
@@ -60,9 +60,7 @@ class ReplicaStarter:
         executor = self.make_executor(index)
         with self._lock:  # shutdown() sees it from here on: nothing outlives it
             if self.stopping.is_set():
-                raise EngineDeadError(
-                    "the engine shut down while loading", code="shutting_down", stage=self.name
-                )
+                raise ShuttingDownError("the engine shut down while loading", stage=self.name)
             self._starting.add(executor)
         try:
             executor.start()

@@ -9,21 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_like.errors import EngineDeadError, EngineGenerateError, ErrorInfo, OmniError
+from vllm_omni_like.errors import EngineDeadError, EngineGenerateError, ErrorKind, OmniError
 from vllm_omni_like.messages import OmniRequest, StageRequest
 from vllm_omni_like.outputs import StageOutput
 
-FINAL_STATUSES = ("success", "invalid", "error", "dead", "aborted", "timeout")
-
-
-def final_status(error: ErrorInfo | None) -> str:
-    if error is None:
-        return "success"
-    return {
-        "InvalidRequestError": "invalid",
-        "EngineDeadError": "dead",
-        "RequestTimeoutError": "timeout",
-    }.get(error.error_class, "error")
+# how a request can end: success, or the final status of its error's kind
+FINAL_STATUSES = ("success", *dict.fromkeys(kind.value.final for kind in ErrorKind))
 
 
 @dataclass(eq=False)  # one object per request: equality is identity (never compare outputs)
@@ -41,6 +32,7 @@ class RequestState:
     replica: int | None = None  # where it runs now, if running
     stage_started: float = 0.0
     enqueued_at: float = 0.0  # when it joined its stage's queue (the batch policy's clock)
+    units: tuple[float, ...] = ()  # its work at each stage, as admitted (cost.py)
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
     first_death: tuple[Any, int] | None = None  # (pool, replica) of the first death it saw

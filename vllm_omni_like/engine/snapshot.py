@@ -5,10 +5,12 @@ threads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from vllm_omni_like import cost
 from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.params import GenerationParams
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class StageView:
     replicas_total: int
     restarts: int
     restart_error: str | None = None  # why a restart under way is not done yet
+    # the cost model (cost.py): how the stage counts work, and how fast it goes
+    text: bool = False
+    default_steps: int = 1
+    rate: float | None = None  # seconds per unit of work of its live replicas side by side
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -46,6 +52,18 @@ class EngineSnapshot:
         return tuple(s for s in self.stages if s.pipeline == pipeline)
 
 
+def work_units(params: GenerationParams, stages: Sequence[StageView]) -> tuple[float, ...]:
+    """A request's work at each stage of its pipeline."""
+    return tuple(cost.work_units(params, s.default_steps, s.text) for s in stages)
+
+
+def drain_seconds(units: Sequence[float], stages: Sequence[StageView]) -> float | None:
+    """How long the pipeline's stages take for `units` of work each, working side by side: the
+    slowest stage's time (None while no stage has been measured)."""
+    times = [u * s.rate for u, s in zip(units, stages, strict=True) if s.rate is not None]
+    return max(times) if times else None
+
+
 def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
     """Read the pools (on the orchestrator thread, or before it runs) into a snapshot."""
     views = []
@@ -63,6 +81,9 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
                 replicas_total=len(replicas),
                 restarts=sum(r.restarts for r in replicas),
                 restart_error=errors[0] if errors else None,
+                text=pool.text,
+                default_steps=pool.default_steps,
+                rate=pool.outstanding_rate(),
             )
         )
     return EngineSnapshot(tuple(views), dead)

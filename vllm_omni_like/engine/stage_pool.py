@@ -12,9 +12,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from vllm_omni_like import cost
 from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.engine import routing
 from vllm_omni_like.engine.batching import make_policy, take_compatible
-from vllm_omni_like.engine.replica import Replica
+from vllm_omni_like.engine.replica import InFlight, Replica
 from vllm_omni_like.engine.replica_start import ReplicaStarter, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
@@ -55,9 +57,18 @@ class StagePool:
         self.max_restarts = max_restarts
         self.factory = executor_factory
         self.replicas = [
-            Replica(i, clock=StepClock(config.stall_timeout, config.first_step_timeout))
+            Replica(
+                i,
+                max_credits=1 + config.replica_queue,
+                clock=StepClock(config.stall_timeout, config.first_step_timeout),
+            )
             for i in range(config.replicas)
         ]
+        options = config.options
+        # the cost model's view of the stage: text stages count rows x tokens
+        self.text = config.kind == "llm" or getattr(options, "output", None) == "text"
+        steps = getattr(options, "max_new_tokens" if self.text else "default_steps", None)
+        self.default_steps = steps or getattr(options, "steps", None) or cost.DEFAULT_STEPS
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False
@@ -129,30 +140,55 @@ class StagePool:
         return False
 
     def dispatch(self, next_batch_id: Callable[[], int]) -> list[list[RequestState]]:
-        """Give each idle live replica whatever compatible work is queued; no waiting."""
-        sent = []
-        idle = sorted((r for r in self.replicas if r.can_take), key=lambda r: r.last_dispatch)
-        for replica in idle:
-            if not self.waiting:
-                break
+        """Give the queued work to live replicas with a credit (those the batch policy does not
+        hold back), each batch where routing says; no waiting."""
+        sent: list[list[RequestState]] = []
+        failed: set[int] = set()
+        while self.waiting:
             now = time.monotonic()
-            if self.policy.hold(replica.index, self.waiting, now):
-                continue
+            free = [
+                r
+                for r in self.replicas
+                if r.can_take
+                and r.index not in failed
+                and not self.policy.hold(r.index, self.waiting, now)
+            ]
+            if not free:
+                break
             batch, self.waiting = take_compatible(self.waiting, self.config.max_batch_size)
-            batch_id = next_batch_id()
-            replica.dispatched(batch_id, batch, now)
+            flight = self._in_flight(next_batch_id(), batch, now)
+            replica = routing.choose(free, flight.units_left, self.config.routing)
+            replica.dispatched(flight)
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
-                replica.executor.execute(ExecuteBatch(batch_id, [s.stage_request for s in batch]))
+                request = ExecuteBatch(flight.batch_id, [s.stage_request for s in batch])
+                replica.executor.execute(request)
             except EngineDeadError:  # it died just now; its ReplicaDied is on the way
-                replica.undispatched(batch_id)
+                replica.undispatched(flight.batch_id)
+                failed.add(replica.index)
                 for s in reversed(batch):
                     s.replica = None
                     self.waiting.appendleft(s)
                 continue
             sent.append(batch)
         return sent
+
+    def _in_flight(self, batch_id: int, batch: list[RequestState], now: float) -> InFlight:
+        """The batch as the cost model sees it: units per step, and its steps."""
+        params = [s.stage_request.params for s in batch]
+        return InFlight(
+            batch_id,
+            batch,
+            now,
+            units=sum(cost.step_units(p, self.text) for p in params),
+            steps=cost.steps_of(params[0], self.default_steps, self.text),
+            shape=batch[0].stage_request.batch_key(),
+        )
+
+    def outstanding_rate(self) -> float | None:
+        """Seconds per unit of work of the live replicas side by side (None: none measured)."""
+        return cost.parallel_rate(r.clock.speed.rate for r in self.replicas if r.live)
 
     def denoised(self, replica_index: int, batch_id: int) -> None:
         """The replica's batch left the critical path: the replica may take the next one now."""
@@ -162,10 +198,10 @@ class StagePool:
 
     def batch_done(self, replica_index: int, batch_id: int) -> None:
         replica = self.replicas[replica_index]
-        batch = replica.done(batch_id)
+        now = time.monotonic()
+        batch = replica.done(batch_id, now)
         if batch is None or replica.critical is not None:
             return  # not ours, or busy with the next batch already: nothing to wait for
-        now = time.monotonic()
         size = len(batch.requests)
         self.policy.batch_done(replica_index, size, batch.dispatched, now, len(self.waiting))
 
@@ -176,12 +212,11 @@ class StagePool:
         if replica.executor is not None and replica.holds(state):
             replica.executor.abort([state.request_id])
 
-    def on_progress(self, replica_index: int, batch_id: int, now: float) -> None:
+    def on_progress(
+        self, replica_index: int, batch_id: int, step: int, total: int, now: float
+    ) -> None:
         """A step of a batch was reported: the replica's step clock calibrates on it."""
-        replica = self.replicas[replica_index]
-        critical = replica.critical
-        if critical is not None and critical.batch_id == batch_id:
-            replica.clock.step(now)
+        self.replicas[replica_index].progress(batch_id, step, total, now)
 
     # ---- failures -------------------------------------------------------------------------------
     def on_death(self, replica_index: int, charged: bool = True) -> None:
@@ -228,7 +263,7 @@ class StagePool:
             self.inbox.put(ReplicaRestarted(self.pipeline, self.index, index, executor))
 
         def failed(exc: BaseException) -> None:
-            err = classify(exc, self.name).info()
+            err = classify(exc, self.name)
             self.inbox.put(
                 ReplicaRestartFailed(self.pipeline, self.index, index, err, lacks_room(exc))
             )

@@ -1,8 +1,8 @@
 """When a running batch counts as stalled: slow is not hung.
 
-Each replica keeps a `StepClock`: the cost of the batch it runs (pixels x frames x rows x CFG
-factor) and its measured seconds per unit of cost, calibrated on every denoising step it
-reported. A running batch is stalled when no step arrived for
+Each replica keeps a `StepClock`: the units of work of one step of the batch it runs (the cost
+model of cost.py) and its measured seconds per unit (`Speed`), calibrated on every step
+it reported. A running batch is stalled when no step arrived for
 
 - the first step of a shape this replica has not run since it started (warm-up, and with
   `--compile` compilation): `first_step_timeout`;
@@ -16,23 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.cost import Speed
 
 STALL_FACTOR = 10.0  # a step may take this many times its expected time
-EMA = 0.3  # weight of the newest step time in the calibration
-DEFAULT_SIDE = 64  # a request without a size: its model's default, about this (null stages)
-
-
-def request_cost(r: StageRequest) -> float:
-    """Work of one request per denoising step, in pixel-frames (x2 with guidance)."""
-    p = r.params
-    guided = p.guidance_scale is None or p.guidance_scale > 1.0
-    side_w, side_h = p.width or DEFAULT_SIDE, p.height or DEFAULT_SIDE
-    return p.n * side_w * side_h * (p.num_frames or 1) * (2.0 if guided else 1.0)
-
-
-def batch_cost(batch: list[StageRequest]) -> float:
-    return sum(request_cost(r) for r in batch)
 
 
 @dataclass
@@ -41,23 +27,19 @@ class StepClock:
 
     stall_timeout: float
     first_step_timeout: float
-    rate: float | None = None  # seconds per unit of cost, measured
+    speed: Speed = field(default_factory=Speed)  # seconds per unit of work, measured
     shapes: set[tuple] = field(default_factory=set)  # shapes stepped through since the start
-    cost: float = 0.0
+    units: float = 0.0  # one step of the running batch
     shape: tuple = ()
-    last_step: float = 0.0  # the dispatch, then each step's report
+    last_step: float = 0.0  # the batch's start, then each step's report
 
-    def begin(self, batch: list[StageRequest], now: float) -> None:
-        self.cost = batch_cost(batch)
-        self.shape = batch[0].batch_key()
-        self.last_step = now
+    def begin(self, units: float, shape: tuple, now: float) -> None:
+        """A batch reached the replica's critical path (it runs now)."""
+        self.units, self.shape, self.last_step = units, shape, now
 
     def step(self, now: float) -> None:
         """A step of the running batch was reported: calibrate, and its shape is warm."""
-        took = now - self.last_step
-        if self.cost > 0:
-            sample = took / self.cost
-            self.rate = sample if self.rate is None else (1 - EMA) * self.rate + EMA * sample
+        self.speed.sample(now - self.last_step, self.units)
         self.shapes.add(self.shape)
         self.last_step = now
 
@@ -66,7 +48,7 @@ class StepClock:
         self.shapes.clear()
 
     def expected_step_s(self) -> float | None:
-        return None if self.rate is None else self.rate * self.cost
+        return self.speed.seconds(self.units)
 
     def bound(self) -> tuple[float, str]:
         """Seconds without a step after which the running batch is stalled, and why that many."""

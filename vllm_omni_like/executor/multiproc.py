@@ -13,7 +13,7 @@ import time
 from multiprocessing.connection import Connection, wait
 
 from vllm_omni_like.config import FaultRule, StageConfig
-from vllm_omni_like.errors import EngineDeadError
+from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import transport
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
 from vllm_omni_like.executor.worker import worker_main
@@ -141,10 +141,9 @@ class MultiprocExecutor(Executor):
         where = f"replica {self.replica}"
         while len(ready) < self.config.workers_per_replica:
             if self._stopping:  # shutdown() during the load: it ends the workers
-                raise EngineDeadError(
+                raise ShuttingDownError(
                     f"{where}: loading stopped: the engine is shutting down",
                     stage=self.config.name,
-                    code="shutting_down",
                 )
             try:
                 msg = self._startup.get(timeout=0.05)

@@ -108,7 +108,7 @@ class _Worker:
             self.stage = create_stage(self.config)
             self.stage.load(self.device)
         except Exception as exc:
-            info = EngineDeadError(f"failed to load: {classify(exc).message}").info()
+            info = EngineDeadError(f"failed to load: {classify(exc).message}").info
             self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
             return False
         self.send(WorkerReady(self.rank, os.getpid(), self.device))

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from vllm_omni_like.cost import step_units
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
@@ -37,6 +38,7 @@ class NullStage(Stage):
         opts = self.options
         self.output_kind, self.default_steps = opts.output, opts.steps
         self.decode_delay = opts.decode_delay
+        self.step_s_per_munit = opts.step_s_per_munit
         self.device = device
 
     def validate(self, request: StageRequest) -> None:
@@ -51,6 +53,8 @@ class NullStage(Stage):
         control.saw_model_batch(len(batch))
         steps = batch[0].params.num_inference_steps or self.default_steps
         delay = max(batch[0].params.step_delay, max(_prompt_delay(r.prompt) for r in batch))
+        text = self.output_kind == "text"
+        delay += self.step_s_per_munit * sum(step_units(r.params, text) for r in batch) / 1e6
         for i in range(steps):
             if delay > 0:
                 time.sleep(delay)

@@ -1,0 +1,209 @@
+"""The one cost model (cost.py): units of work, measured speed, admission in seconds of work,
+queued batches on replicas, and routing by cost against routing by count."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.engine.helpers import engine, final, gather, req
+from vllm_omni_like.cost import Speed, parallel_rate, step_units, work_units
+from vllm_omni_like.engine.admission import Admission
+from vllm_omni_like.engine.replica import InFlight, Replica
+from vllm_omni_like.engine.routing import choose
+from vllm_omni_like.engine.snapshot import StageView, drain_seconds
+from vllm_omni_like.engine.stall import StepClock
+from vllm_omni_like.errors import QueueFullError
+from vllm_omni_like.params import GenerationParams
+
+
+def test_units_are_pixels_frames_images_and_the_guidance_branch():
+    p = GenerationParams(width=64, height=32, n=2, guidance_scale=7.5)
+    assert step_units(p) == 64 * 32 * 2 * 2
+    assert step_units(GenerationParams(width=64, height=32, guidance_scale=1.0)) == 64 * 32
+    video = GenerationParams(width=64, height=32, num_frames=9, guidance_scale=5.0)
+    assert step_units(video) == 64 * 32 * 9 * 2
+    assert (
+        work_units(GenerationParams(width=8, height=8, num_inference_steps=5), 20) == 8 * 8 * 2 * 5
+    )
+    assert work_units(GenerationParams(width=8, height=8), 20) == 8 * 8 * 2 * 20  # the default
+    text = GenerationParams(width=512, height=512, max_new_tokens=7)
+    assert step_units(text, text=True) == 1.0 and work_units(text, 24, text=True) == 7
+
+
+def test_speed_calibrates_on_steps_and_replicas_side_by_side_add_up():
+    speed = Speed()
+    assert speed.seconds(100) is None
+    speed.sample(1.0, 1000)  # 1 ms per unit
+    assert speed.seconds(100) == pytest.approx(0.1)
+    speed.sample(3.0, 1000)  # the newest step weighs EMA = 0.3
+    assert speed.rate == pytest.approx(0.7 * 1e-3 + 0.3 * 3e-3)
+    assert parallel_rate([None, None]) is None
+    assert parallel_rate([2e-3, 2e-3]) == pytest.approx(1e-3)  # two equal replicas: twice as fast
+    assert parallel_rate([1e-3, None]) == pytest.approx(1e-3)
+
+
+def _view(rate: float | None, text: bool = False, steps: int = 4) -> StageView:
+    return StageView("p", "s", "ready", 0, 0, 1, 1, 0, text=text, default_steps=steps, rate=rate)
+
+
+def test_admission_counts_seconds_of_work_and_says_when_to_come_back():
+    stages = (_view(None, text=True), _view(1e-3))  # an LLM stage not measured, a diffusion one
+    admission = Admission(max_requests=100, max_seconds=1.0)
+    units = (24.0, 300.0)  # 0.3 s at the diffusion stage
+    for _ in range(3):
+        admission.admit("p", units, stages)
+    assert drain_seconds(admission.held("p")[1], stages) == pytest.approx(0.9)
+    with pytest.raises(QueueFullError) as refused:
+        admission.admit("p", units, stages)  # 1.2 s > 1.0 s
+    assert refused.value.retry_after == 1  # 0.2 s over, in whole seconds
+    assert (
+        "0.9s of work" in refused.value.message and "--max-queue-seconds 1" in refused.value.message
+    )
+    admission.admit("p", (24.0, 50.0), stages)  # a small one still fits: 0.95 s
+    admission.release("p", units)
+    admission.admit("p", units, stages)  # room again
+    big = Admission(max_requests=100, max_seconds=1.0)
+    big.admit("p", (1.0, 5000.0), stages)  # 5 s alone: a request alone is always admitted
+    with pytest.raises(QueueFullError) as refused:
+        big.admit("p", (1.0, 1.0), stages)
+    assert refused.value.retry_after == 5  # 5.001 s held - 1 s allowed, rounded up
+    big.release("p", (1.0, 5000.0))  # its end releases exactly what it held
+    assert big.held("p") == (0, (0.0, 0.0))
+
+
+def test_admission_before_any_measurement_counts_requests_only():
+    admission = Admission(max_requests=2, max_seconds=0.001)
+    stages = (_view(None),)
+    admission.admit("p", (1e9,), stages)
+    admission.admit("p", (1e9,), stages)  # no speed measured: the seconds bound cannot apply
+    with pytest.raises(QueueFullError, match="--max-queue-size") as refused:
+        admission.admit("p", (1.0,), stages)
+    assert refused.value.retry_after == 1
+
+
+def _replica(index: int, credits: int = 4, rate: float | None = None) -> Replica:
+    clock = StepClock(60.0, 600.0)
+    clock.speed.rate = rate
+    r = Replica(index, max_credits=credits, clock=clock)
+    r.executor = type("Alive", (), {"alive": True})()
+    return r
+
+
+def _batch(bid: int, units: float, steps: int = 4, now: float = 0.0) -> InFlight:
+    return InFlight(bid, [object()], now, units=units, steps=steps, shape=("s",))
+
+
+def test_credits_queue_batches_and_the_next_starts_when_the_one_before_is_denoised():
+    r = _replica(0, credits=2)
+    r.dispatched(_batch(1, 10.0, now=1.0))
+    r.dispatched(_batch(2, 20.0, now=1.5))  # queued behind batch 1
+    assert r.credits == 0 and not r.can_take
+    assert r.critical.batch_id == 1 and r.clock.units == 10.0 and r.clock.last_step == 1.0
+    assert r.outstanding() == (2, 10.0 * 4 + 20.0 * 4)
+    r.progress(1, 3, 4, now=2.0)  # one step left of batch 1
+    assert r.outstanding() == (2, 10.0 + 80.0)
+    r.progress(2, 1, 4, now=2.1)  # a queued batch's report does not move the clock
+    assert r.clock.last_step == 2.0
+    r.denoised(1, now=3.0)  # batch 2 runs from now: the stall bound counts from here
+    assert r.critical.batch_id == 2 and r.clock.units == 20.0 and r.clock.last_step == 3.0
+    assert r.credits == 1 and r.can_take  # one being finished, one running: room for one more
+    r.done(1, now=3.5)
+    r.done(2, now=4.0)  # never denoised (no overlap): its end returns its credit
+    assert r.credits == 2 and r.inflight == {} and r.outstanding() == (0, 0.0)
+
+
+def test_routing_by_cost_looks_at_work_and_speed_by_count_at_requests():
+    a, b = _replica(0), _replica(1)
+    a.dispatched(_batch(1, 1000.0))  # one big batch
+    for bid in (2, 3):
+        b.dispatched(_batch(bid, 10.0))  # two small ones
+    assert choose([a, b], 10.0, "count") is a  # fewer requests
+    assert choose([a, b], 10.0, "cost") is b  # far less work
+    fast, slow = _replica(2, rate=1e-3), _replica(3, rate=4e-3)
+    assert choose([fast, slow], 40.0, "cost") is fast  # both idle: 0.04 s against 0.16 s
+    fast.dispatched(_batch(4, 100.0))  # 400 units queued on the fast one
+    assert choose([fast, slow], 40.0, "cost") is slow  # 0.44 s against 0.16 s
+    assert choose([fast, slow], 40.0, "count") is slow  # (and the slow one holds nothing)
+
+
+NULL_SPEED = {"steps": 4, "step_s_per_munit": 0.5}  # a step of 256x256 with CFG: 66 ms
+
+
+def _mixed(prefix: str) -> list:
+    """Alternating big (256x256) and small (128x128) images: 4 of each."""
+    return [
+        req(f"{prefix}{i}", pipeline="null-image", steps=4, seed=i, width=s, height=s)
+        for i, s in enumerate([256, 128] * 4)
+    ]
+
+
+async def _makespan(eng, requests) -> float:
+    t0 = time.monotonic()
+    outs = await gather(eng, requests)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("replica_queue", [3])
+def test_a_mixed_workload_ends_sooner_routed_by_cost_than_by_count(replica_queue):
+    """Replicas that hold queued work (credits) make routing matter: count-based routing puts
+    every big image on one replica of two (the alternating arrivals tie it each time), the
+    cost model spreads the work."""
+    spans = {}
+    for routing in ("count", "cost"):
+        kw = {
+            "replicas": 2,
+            "max_batch_size": 1,
+            "replica_queue": replica_queue,
+            "routing": routing,
+            "batch_wait": 0.0,
+            "options": dict(NULL_SPEED),
+        }
+        with engine("null-image", stage_kw=kw) as eng:
+            pool = eng.orchestrator.pools["null-image"][0]
+            asyncio.run(final(eng, req(f"warm-{routing}", pipeline="null-image", steps=1)))
+            spans[routing] = asyncio.run(_makespan(eng, _mixed(routing)))
+            idle = pool.replicas
+            wait_for(lambda r=idle: all(not x.inflight for x in r), 5, "replicas idle")
+    # count: 4 x 0.26 s of big images on one replica; cost: about half of all the work on each
+    assert spans["cost"] < 0.8 * spans["count"], spans
+    assert spans["count"] > 4 * 4 * 0.066, spans
+
+
+async def _admitted_until_refused(eng, side: int, prefix: str) -> tuple[int, QueueFullError]:
+    """Submit (without waiting) requests of `side` x `side` until one is refused."""
+    streams = []
+    for i in range(60):
+        try:
+            streams.append(
+                eng.open(
+                    req(f"{prefix}{i}", pipeline="null-image", steps=4, width=side, height=side)
+                )
+            )
+        except QueueFullError as exc:
+            for s in streams:
+                s.close()
+            return len(streams), exc
+    raise AssertionError("never refused")
+
+
+def test_the_engine_admits_seconds_of_work_not_a_number_of_requests():
+    """Measured on the replica: about 1 s of 128x128 images is 4x as many requests as 1 s of
+    256x256 ones; the refusal says how long to wait, in seconds of that work."""
+    kw = {"max_batch_size": 1, "batch_wait": 0.0, "options": dict(NULL_SPEED)}
+    with engine("null-image", stage_kw=kw, max_queue_seconds=1.0) as eng:
+        asyncio.run(
+            final(eng, req("calibrate", pipeline="null-image", steps=4, width=128, height=128))
+        )
+        wait_for(lambda: eng.orchestrator.snapshot.stages[0].rate is not None, 5, "a rate")
+        small, refused = asyncio.run(_admitted_until_refused(eng, 128, "s"))
+        wait_for(lambda: eng.orchestrator.admission.held("null-image")[0] == 0, 10, "drained")
+        big, _ = asyncio.run(_admitted_until_refused(eng, 256, "b"))
+        wait_for(lambda: eng.orchestrator.admission.held("null-image")[0] == 0, 10, "drained")
+    # a 128x128 request is ~66 ms of work here, a 256x256 one ~0.26 s
+    assert 8 <= small <= 25 and 2 <= big <= 7 and small >= 2.5 * big, (small, big)
+    assert refused.retry_after >= 1 and "--max-queue-seconds 1" in refused.message
