@@ -91,6 +91,18 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV, default)
 
 
+def _device_name(stage: str, device: object) -> str:
+    """A `devices` entry: a GPU index (0 or "0" is cuda:0), "cuda:N" or "cpu"."""
+    text = str(device).strip()
+    if text.isdigit():
+        return f"cuda:{text}"
+    if text == "cpu" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise InvalidRequestError(
+        f"stage {stage!r}: devices entry {device!r} is not a GPU index, cuda:N or cpu"
+    )
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One stage of a pipeline: what runs, where, and how many replicas."""
@@ -101,6 +113,9 @@ class StageConfig:
     load_format: str = "auto"  # auto | dummy (same architecture, random weights)
     dtype: str = "auto"  # auto | fp32 | fp16 | bf16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # one replica per entry ("cuda:N" or "cpu"; a bare N is cuda:N); replicas default to as many
+    devices: tuple[str, ...] = ()
+    gpu_memory_fraction: float | None = None  # of its GPU's memory each worker may take
     replicas: int = 1
     workers_per_replica: int = 1
     max_batch_size: int = 8
@@ -138,6 +153,15 @@ class StageConfig:
     options: Any = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        devices = tuple(_device_name(self.name, d) for d in (self.devices or ()))
+        object.__setattr__(self, "devices", devices)
+        if devices and self.replicas == 1:  # the default: one replica per device
+            object.__setattr__(self, "replicas", len(devices))
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise InvalidRequestError(
+                f"stage {self.name!r}: gpu_memory_fraction must be within (0, 1], not {fraction}"
+            )
         if not isinstance(self.kind, str):  # YAML reads a bare `kind: null` as nothing
             raise InvalidRequestError(
                 f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class', "

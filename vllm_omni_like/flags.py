@@ -31,6 +31,8 @@ STAGE_FLAGS = (
     "load_format",
     "dtype",
     "device",
+    "devices",
+    "gpu_memory_fraction",
     "replicas",
     "max_batch_size",
     "batch_policy",
@@ -105,6 +107,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g, "dtype", "auto: fp16 on CUDA, fp32 on the CPU", choices=("auto", "fp32", "fp16", "bf16")
     )
     _stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
+    _stage_flag(
+        g,
+        "devices",
+        "one replica per device: GPU indices (0,1,2,3), cuda:N or cpu entries; each worker "
+        "sees only its own GPU; --replicas defaults to their number (a YAML stage may name "
+        "its own: devices: [1, 2, 3])",
+        type=_device_list,
+        metavar="0,1,...",
+    )
+    _stage_flag(
+        g,
+        "gpu_memory_fraction",
+        "the share of its GPU's memory each worker's allocator may take, so stages sharing "
+        "a GPU do not starve each other (default: no cap)",
+        type=float,
+        metavar="F",
+    )
     _stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
     _stage_flag(g, "max_batch_size", "requests per batch", type=int)
     _stage_flag(
@@ -255,6 +274,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"{LIMIT_HELP[f.name]} (default: %(default)s)",
         )
+
+
+def _device_list(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected devices like 0,1 or cpu,cpu, not {text!r}")
+    return values
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -59,7 +59,9 @@ class Shutdown:
 class WorkerReady:
     rank: int
     pid: int
-    device: str
+    device: str  # as the worker names it (cuda:0 where it sees only its own GPU)
+    visible_devices: str | None = None  # its CUDA_VISIBLE_DEVICES
+    gpu_memory: int = 0  # bytes its CUDA allocator holds once loaded
 
 
 @dataclass
@@ -103,6 +105,7 @@ class BatchDone:
     steps_run: dict[str, int] = field(default_factory=dict)  # aborted requests included
     # for requests aborted while in this batch: steps the worker ran after the abort reached it
     steps_after_abort: dict[str, int] = field(default_factory=dict)
+    gpu_memory: int = 0  # bytes the worker's CUDA allocator holds after the batch
 
 
 # ---- executor -> its owner (on the reader / monitor threads) -----------------------------------

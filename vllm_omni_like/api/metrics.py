@@ -51,12 +51,25 @@ class _EngineCollector:
         alive = GaugeMetricFamily(
             f"{PREFIX}_replicas_alive", "Live replicas per stage", labels=labels
         )
+        per_replica = ["pipeline", "stage", "replica", "device"]
+        replica_up = GaugeMetricFamily(
+            f"{PREFIX}_replica_up", "1 while a replica is live, else 0", labels=per_replica
+        )
+        gpu_memory = GaugeMetricFamily(
+            f"{PREFIX}_replica_gpu_memory_bytes",
+            "GPU memory a replica's worker holds (its CUDA caching allocator)",
+            labels=per_replica,
+        )
         for stage in self.engine.orchestrator.snapshot.stages:  # never the pools themselves
             key = [stage.pipeline, stage.name]
             waiting.add_metric(key, stage.waiting)
             running.add_metric(key, stage.running)  # denoising, and batches still decoding
             alive.add_metric(key, stage.replicas_live)
-        yield from (waiting, running, alive)
+            for r in stage.replicas:
+                labels = [*key, str(r.index), r.device]
+                replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
+                gpu_memory.add_metric(labels, r.gpu_memory)
+        yield from (waiting, running, alive, replica_up, gpu_memory)
 
 
 class Metrics:

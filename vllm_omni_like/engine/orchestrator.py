@@ -266,7 +266,7 @@ class Orchestrator:
                 else:
                     self._finish(state, None)
             case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
-                pool.batch_done(replica, bid)
+                pool.batch_done(replica, bid, done.gpu_memory)
                 self.stats.batch_done(BatchReport(pool.name, size, steps, done.steps_after_abort))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)

@@ -53,6 +53,8 @@ class Replica:
     no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
     clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
+    device: str = "auto"  # where its workers run, as the host names it
+    gpu_memory: int = 0  # bytes its worker's CUDA allocator held when it last said
 
     def __post_init__(self) -> None:
         self.credits = self.max_credits

@@ -14,6 +14,24 @@ from vllm_omni_like.params import GenerationParams
 
 
 @dataclass(frozen=True)
+class ReplicaView:
+    index: int
+    device: str  # as the host names it (cuda:N, cpu, auto)
+    state: str  # starting | ready | restarting | dead
+    gpu_memory: int  # bytes its worker's CUDA allocator held when it last said (0: none)
+    pids: tuple[int, ...] = ()  # its worker processes while live
+
+    def health(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "device": self.device,
+            "state": self.state,
+            "gpu_memory_bytes": self.gpu_memory,
+            "pids": list(self.pids),
+        }
+
+
+@dataclass(frozen=True)
 class StageView:
     pipeline: str
     name: str
@@ -28,6 +46,7 @@ class StageView:
     text: bool = False
     default_steps: int = 1
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
+    replicas: tuple[ReplicaView, ...] = ()
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -37,6 +56,7 @@ class StageView:
             "replicas_live": self.replicas_live,
             "replicas_total": self.replicas_total,
             "restarts": self.restarts,
+            "replicas": [r.health() for r in self.replicas],
         }
         if self.restart_error:
             body["restart_error"] = self.restart_error
@@ -84,6 +104,18 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
                 text=pool.text,
                 default_steps=pool.default_steps,
                 rate=pool.outstanding_rate(),
+                replicas=tuple(_replica_view(pool, r) for r in replicas),
             )
         )
     return EngineSnapshot(tuple(views), dead)
+
+
+def _replica_view(pool, replica) -> ReplicaView:
+    if replica.live:
+        state = "ready"
+    elif replica.restarting:
+        state = "restarting"
+    else:
+        state = "dead" if pool.started else "starting"
+    pids = tuple(replica.executor.pids) if replica.live else ()
+    return ReplicaView(replica.index, replica.device, state, replica.gpu_memory, pids)

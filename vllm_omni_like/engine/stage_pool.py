@@ -22,6 +22,7 @@ from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
+from vllm_omni_like.executor.placement import replica_device
 from vllm_omni_like.messages import (
     ExecuteBatch,
     FromReplica,
@@ -61,6 +62,7 @@ class StagePool:
                 i,
                 max_credits=1 + config.replica_queue,
                 clock=StepClock(config.stall_timeout, config.first_step_timeout),
+                device=replica_device(config.devices, config.device, i),
             )
             for i in range(config.replicas)
         ]
@@ -90,6 +92,7 @@ class StagePool:
         for index, executor in started.items():
             replica = self.replicas[index]
             replica.executor, replica.started_at = executor, time.monotonic()
+            replica.gpu_memory = getattr(executor, "gpu_memory", 0)
             self.starter.handed_over(executor)
         if errors:
             self.shutdown()
@@ -196,8 +199,9 @@ class StagePool:
         if batch is not None:
             self.policy.denoised(replica_index, len(batch.requests), len(self.waiting))
 
-    def batch_done(self, replica_index: int, batch_id: int) -> None:
+    def batch_done(self, replica_index: int, batch_id: int, gpu_memory: int = 0) -> None:
         replica = self.replicas[replica_index]
+        replica.gpu_memory = gpu_memory or replica.gpu_memory
         now = time.monotonic()
         batch = replica.done(batch_id, now)
         if batch is None or replica.critical is not None:
@@ -274,6 +278,7 @@ class StagePool:
         self.starter.handed_over(executor)
         replica = self.replicas[replica_index]
         replica.executor, replica.restarting = executor, False
+        replica.gpu_memory = getattr(executor, "gpu_memory", 0)
         replica.started_at, replica.no_room_since, replica.restart_error = time.monotonic(), 0, None
         if self._stopping.is_set():
             executor.shutdown()

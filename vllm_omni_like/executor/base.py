@@ -54,3 +54,8 @@ class Executor(ABC):
     @abstractmethod
     def last_activity(self) -> float:
         """time.monotonic() of the last message from a worker (progress counts)."""
+
+    @property
+    def pids(self) -> list[int]:
+        """Its worker processes (on this host), for /health and operators."""
+        return []

@@ -16,6 +16,7 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import transport
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
+from vllm_omni_like.executor.placement import replica_device
 from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,
@@ -77,7 +78,9 @@ class MultiprocExecutor(Executor):
         self.replica = replica
         self.sink = sink
         self.faults = faults
-        self.device = device or config.device
+        self.device = device or replica_device(config.devices, config.device, replica)
+        self.visible_devices: str | None = None  # what its workers see (CUDA_VISIBLE_DEVICES)
+        self.gpu_memory = 0  # bytes its workers' CUDA allocators held when last told
         self._workers: list[_WorkerHandle] = []
         self._callbacks: list[FailureCallback] = []
         self._lock = threading.Lock()
@@ -168,8 +171,13 @@ class MultiprocExecutor(Executor):
                     )
                 continue
             match msg:
-                case WorkerReady(rank=rank):
+                case WorkerReady(rank=rank) as hello:
                     ready.add(rank)
+                    if rank == 0:
+                        self.visible_devices, self.gpu_memory = (
+                            hello.visible_devices,
+                            hello.gpu_memory,
+                        )
                 case WorkerLoadFailed(error=info, traceback=tb):
                     logger.error("stage %s %s failed to load:\n%s", self.config.name, where, tb)
                     raise EngineDeadError(f"{where}: {info.message}", stage=self.config.name)

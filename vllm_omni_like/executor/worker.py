@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, InvalidRequestError, classify
-from vllm_omni_like.executor import transport
+from vllm_omni_like.executor import placement, transport
+from vllm_omni_like.executor.placement import gpu_memory_in_use
 from vllm_omni_like.messages import (
     AbortRequests,
     BatchDone,
@@ -105,13 +106,15 @@ class _Worker:
     def load(self) -> bool:
         try:
             self.control.faults.fire_load()
+            placement.limit_memory(self.device, self.config.gpu_memory_fraction)
             self.stage = create_stage(self.config)
             self.stage.load(self.device)
         except Exception as exc:
             info = EngineDeadError(f"failed to load: {classify(exc).message}").info
             self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
             return False
-        self.send(WorkerReady(self.rank, os.getpid(), self.device))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, gpu_memory_in_use()))
         return True
 
     # 2) receive: aborts apply at once, even while a batch runs ----------------------------------
@@ -204,7 +207,15 @@ class _Worker:
             elapsed = time.monotonic() - job.started
             steps = {rid: self.control.steps_run.get(rid, 0) for rid in job.ids}
             after = self.control.steps_after_abort(job.ids)
-            done = BatchDone(job.batch_id, len(job.ids), job.model_batch, elapsed, steps, after)
+            done = BatchDone(
+                job.batch_id,
+                len(job.ids),
+                job.model_batch,
+                elapsed,
+                steps,
+                after,
+                gpu_memory_in_use(),
+            )
             self.send(done)
         self.control.forget(job.ids)
 
@@ -234,6 +245,9 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """Entry point of a spawned worker process."""
+    device = placement.pin(device)  # first: nothing may have touched CUDA yet
+    if config.compile:
+        placement.share_compile_cache()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
