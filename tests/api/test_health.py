@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.api.conftest import LiveServer, live_server
@@ -28,14 +29,20 @@ def test_health_models_version(null_server):
         assert health.status_code == 200
         body = health.json()
         assert body["status"] == "healthy"
-        assert {
+        llm = next(s for s in body["stages"] if (s["pipeline"], s["name"]) == ("null-omni", "llm"))
+        replicas = llm.pop("replicas")
+        assert llm == {
             "pipeline": "null-omni",
             "name": "llm",
             "state": "ready",
             "replicas_live": 1,
             "replicas_total": 1,
             "restarts": 0,
-        } in body["stages"]
+        }
+        (replica,) = replicas
+        pids = replica.pop("pids")
+        assert len(pids) == 1 and psutil.pid_exists(pids[0])  # its live worker process
+        assert replica == {"index": 0, "device": "auto", "state": "ready", "gpu_memory_bytes": 0}
         assert http.get("/version").json() == {"version": __version__}
 
 
@@ -69,6 +76,9 @@ def test_metrics_balance_and_cover_the_engine(null_server):
     ):
         assert family in text
     assert 'vllm_omni_like_e2e_latency_seconds_count{pipeline="null-image",status="error"}' in text
+    one = '{device="auto",pipeline="null-image",replica="0",stage="diffusion"}'
+    assert _metric(text, "vllm_omni_like_replica_up", one) == 1.0
+    assert _metric(text, "vllm_omni_like_replica_gpu_memory_bytes", one) == 0.0
 
 
 def test_metrics_count_the_steps_run_after_an_abort(null_server):

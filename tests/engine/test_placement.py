@@ -58,6 +58,13 @@ def test_the_flags_and_a_yaml_stage_place_replicas(tmp_path):
     assert diffusion.gpu_memory_fraction == 0.9
 
 
+def test_the_split_gpus_example_places_the_llm_and_the_diffusion_apart():
+    (pipeline,) = from_yaml("examples/split_gpus.yaml")
+    llm, diffusion = pipeline.stages
+    assert (llm.devices, llm.replicas, llm.gpu_memory_fraction) == (("cuda:0",), 1, 0.2)
+    assert (diffusion.devices, diffusion.replicas) == (("cuda:1", "cuda:2", "cuda:3"), 3)
+
+
 def test_pin_sets_the_gpu_and_nccl_safety_in_this_process_only(monkeypatch):
     for key in ("CUDA_VISIBLE_DEVICES", *placement.NCCL_SAFE):
         monkeypatch.delenv(key, raising=False)

@@ -213,14 +213,19 @@ def test_r2_only_worker_killed_with_restarts(tmp_path_factory):
     base.check(fd_slack=10)
 
 
-def test_r3_two_replicas_reroute_and_poison(tmp_path_factory):
+@pytest.mark.parametrize(
+    "placement",
+    [{"replicas": 2}, {"devices": ("cuda:0", "cuda:1")}],  # null stages never touch the GPUs
+    ids=["replicas", "devices"],
+)
+def test_r3_two_replicas_reroute_and_poison(tmp_path_factory, placement):
     base = Baseline()
     faults = "stage=diffusion,point=step,kind=exit,match=@poison"
     with live_server(
         tmp_path_factory,
         "null-omni",
         faults=faults,
-        stage_kw={"replicas": 2},
+        stage_kw=placement,
         engine_kw={"max_restarts": 5},
     ) as server:
         stats = server.engine.stats
@@ -244,6 +249,8 @@ def test_r3_two_replicas_reroute_and_poison(tmp_path_factory):
         assert stats.stage_requests["llm"] == 8  # the LLM stage was not run again
         assert set(health) == {200}  # the other replica kept the stage ready
         wait_for(lambda: pool.live_count == 2, 10, "the killed replica restarted")
+        if "devices" in placement:  # each replica came back on its own GPU
+            assert [r.executor.visible_devices for r in pool.replicas] == ["0", "1"]
         deaths = stats.worker_deaths  # read once the restart (after the death) is seen
         r = httpx.post(
             f"{server.url}/v1/images/generations",
