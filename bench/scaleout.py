@@ -28,45 +28,70 @@ import numpy as np
 import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
-from serving import closed_loop
+from serving import closed_loop, image_body, sd15_flags
 
 PER_GPU = 32  # closed-loop clients per replica
 
 
-def restart_seconds(url: str, replica: int, timeout: float = 600.0) -> float:
-    """SIGKILL the worker of `replica` (pipeline sd15's only stage); seconds until it is ready
-    again with a new process."""
-    stage = httpx.get(f"{url}/health", timeout=10).json()["stages"][0]
-    pid = stage["replicas"][replica]["pids"][0]
-    os.kill(pid, signal.SIGKILL)
+def wait_ready(url: str, replica: int, old_pid: int | None, timeout: float = 600.0) -> int:
+    """Wait until `replica` is ready with a worker other than `old_pid`; its pid."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         r = httpx.get(f"{url}/health", timeout=10).json()["stages"][0]["replicas"][replica]
-        if r["state"] == "ready" and r["pids"] and r["pids"][0] != pid:
-            return time.monotonic() - t0
+        if r["state"] == "ready" and r["pids"] and r["pids"][0] != old_pid:
+            return r["pids"][0]
         time.sleep(0.05)
     raise RuntimeError(f"replica {replica} was not ready again within {timeout:.0f}s")
 
 
+def restart_seconds(url: str, replica: int) -> float:
+    """SIGKILL the worker of `replica` (pipeline sd15's only stage); seconds until it is ready
+    again with a new process."""
+    pid = wait_ready(url, replica, None)  # (a kill before may still be restarting it)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_ready(url, replica, pid)
+    return time.monotonic() - t0
+
+
+def worker_pid(url: str, replica: int) -> int:
+    stage = httpx.get(f"{url}/health", timeout=10).json()["stages"][0]
+    return stage["replicas"][replica]["pids"][0]
+
+
+async def kill_under_load(
+    url: str, args: argparse.Namespace, clients: int, total: int, victim: int
+):
+    """Closed-loop clients; once a third of the requests came back, SIGKILL replica `victim`'s
+    worker. Every request must succeed; returns the completion times and the kill's time."""
+    done: list[float] = []
+    counter = iter(range(total))
+    killed: list[float] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for seed in counter:
+            r = await http.post("/v1/images/generations", json=image_body(args, seed))
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            done.append(time.perf_counter())
+
+    async def chaos() -> None:
+        while len(done) < total // 3:
+            await asyncio.sleep(0.01)
+        os.kill(await asyncio.to_thread(worker_pid, url, victim), signal.SIGKILL)
+        killed.append(time.perf_counter())
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)), chaos())
+    return done, killed[0]
+
+
 def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dict[int, Any]]:
     flags = [
-        "sd15",
-        "--load-format",
-        "dummy",
-        "--dtype",
-        args.dtype,
+        *sd15_flags(args, PER_GPU),
         "--devices",
         ",".join(str(i) for i in range(n)),
-        "--max-batch-size",
-        str(PER_GPU),
-        "--max-queue-size",
-        "4096",
-        "--max-queue-seconds",
-        "0",
-        "--stall-timeout",
-        "600",
-        "--warmup-size",
-        f"{args.size}x{args.size}",
         "--compile",
         "--batch-buckets",
         args.batch_buckets,
@@ -82,6 +107,19 @@ def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dic
         health = httpx.get(f"{server.url}/health", timeout=10).json()["stages"][0]
         out["replicas"] = health["replicas"]
         print(f"N={n}: {out['img_s']} img/s at c{c}, start {out['start_s']} s", file=sys.stderr)
+        if n == max(args.gpus) and n > 1 and args.kill_under_load:
+            batch_s = PER_GPU / (out["img_s"] / n)  # one replica's full batch
+            done, at = asyncio.run(kill_under_load(server.url, args, c, c * args.rounds, n - 1))
+            after = [t for t in done if t >= at]
+            gaps = [b - a for a, b in zip([at, *after], after, strict=False)]
+            out["kill_under_load"] = {
+                "requests": len(done),
+                "all_succeeded": len(done) == c * args.rounds,
+                "replica_batch_s": round(batch_s, 2),
+                "max_gap_after_kill_s": round(max(gaps), 2),
+                "max_gap_over_batch": round(max(gaps) / batch_s, 2),
+            }
+            print(f"N={n}: kill under load {out['kill_under_load']}", file=sys.stderr)
         if n == max(args.gpus) and n > 1 and args.restart:
             out["restart_s_compiled"] = round(restart_seconds(server.url, n - 1), 2)
             print(f"N={n}: compiled restart {out['restart_s_compiled']} s", file=sys.stderr)
@@ -101,6 +139,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=8, help="seeds whose images are compared")
     ap.add_argument("--batch-buckets", default="8,32")
     ap.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kill-under-load", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     args.gpus = [int(g) for g in args.gpus.split(",")]

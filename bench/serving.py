@@ -83,6 +83,28 @@ async def closed_loop(
         return latencies, time.perf_counter() - t0, kept
 
 
+def sd15_flags(args: argparse.Namespace, max_batch: int) -> list[str]:
+    """`serve` flags of the SD1.5 benchmark server: random weights, the workload's size warmed
+    up, no admission limit a closed loop could hit, no stall kill during a long warm-up."""
+    return [
+        "sd15",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        args.dtype,
+        "--max-batch-size",
+        str(max_batch),
+        "--max-queue-size",
+        "4096",
+        "--max-queue-seconds",
+        "0",
+        "--stall-timeout",
+        "600",
+        "--warmup-size",
+        f"{args.size}x{args.size}",
+    ]
+
+
 def serve_images(
     args: argparse.Namespace,
     compiled: bool,
@@ -95,21 +117,7 @@ def serve_images(
     With `reference_bs1` (the reference's batch-1 call, in this process), concurrency 1
     alternates reference and server requests, so a drifting host slows both sides alike.
     """
-    flags = [
-        "sd15",
-        "--load-format",
-        "dummy",
-        "--dtype",
-        args.dtype,
-        "--max-batch-size",
-        str(max(args.concurrency)),
-        "--max-queue-size",
-        "4096",
-        "--stall-timeout",
-        "600",
-        "--warmup-size",
-        f"{args.size}x{args.size}",
-    ]
+    flags = sd15_flags(args, max(args.concurrency))
     if compiled:
         flags += ["--compile", "--batch-buckets", args.batch_buckets]
     flags += args.server_flags.split()
