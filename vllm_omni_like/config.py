@@ -18,7 +18,7 @@ FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")
-BATCH_POLICIES = ("refill", "request")
+BATCH_POLICIES = ("request", "refill")
 ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
@@ -119,10 +119,10 @@ class StageConfig:
     replicas: int = 1
     workers_per_replica: int = 1
     max_batch_size: int = 8
-    # when an idle replica takes its next batch (engine/batching.py): "refill" waits after a
-    # batch up to `batch_wait` x its run time for the batch's clients to come back; "request"
-    # waits up to `batch_max_wait` seconds from the oldest queued request for a full batch
-    batch_policy: str = "refill"
+    # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
+    # `batch_max_wait` seconds from the oldest queued request for a full batch; "refill" waits
+    # after a batch up to `batch_wait` x its run time for the batch's clients to come back
+    batch_policy: str = "request"
     batch_wait: float = 0.1
     batch_max_wait: float = 0.0
     # batches a replica may hold queued at its worker beyond the one it runs, and how a batch

@@ -129,9 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _stage_flag(
         g,
         "batch_policy",
-        "when an idle replica takes its next batch: refill (after a batch, wait for its "
-        "clients to come back: --batch-wait) or request (wait for a full batch at most "
-        "--batch-max-wait seconds from the oldest queued request)",
+        "when an idle replica takes its next batch: request (wait for a full batch at most "
+        "--batch-max-wait seconds from the oldest queued request) or refill (after a batch, "
+        "wait for its clients to come back: --batch-wait)",
         choices=BATCH_POLICIES,
     )
     _stage_flag(

@@ -102,7 +102,12 @@ def test_a_decode_that_hangs_or_kills_the_worker_fails_only_its_request(kind):
 def test_a_fragment_waits_for_the_clients_of_the_batch_being_decoded():
     """A request that came in during batch A does not run alone when A leaves the critical
     path: it waits for A's clients, who return after A's decode, and runs with them."""
-    kw = {"max_batch_size": 4, "batch_wait": 0.5, "options": {"decode_delay": 0.3}}
+    kw = {
+        "max_batch_size": 4,
+        "batch_policy": "refill",
+        "batch_wait": 0.5,
+        "options": {"decode_delay": 0.3},
+    }
     with engine("null-image", stage_kw=kw) as e:
 
         def image(rid):

@@ -154,7 +154,9 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
 @pytest.mark.parametrize("wait, want", [(0.0, {7: 1, 1: 1}), (0.5, {8: 1})])
 def test_after_a_batch_the_replica_waits_briefly_for_its_clients_to_come_back(wait, want):
     """Closed-loop clients return one by one; --batch-wait keeps their next batch whole."""
-    with engine("null-image", stage_kw={"max_batch_size": 8, "batch_wait": wait}) as e:
+    with engine(
+        "null-image", stage_kw={"max_batch_size": 8, "batch_policy": "refill", "batch_wait": wait}
+    ) as e:
 
         def image(rid):
             return req(rid, pipeline="null-image", steps=4, delay=0.1)

@@ -4,16 +4,18 @@ A policy sees the stage's queue and the replica's batches end; it says whether a
 holds back for now (`hold`). Which requests go together is the same for every policy
 (`take_compatible`): the oldest waiting request and those that may share its batch.
 
-- `refill` (the default for now): closed-loop clients answered together come back within
+- `request` (the default): request-level batching with a bound from the oldest queued request:
+  an idle replica waits until a full batch is queued or the oldest has waited
+  `batch_max_wait` seconds (0, the default: never waits; an idle stage then adds no latency).
+  Measured on an H100 (bench/policy.py) it keeps 32 closed-loop clients' throughput within
+  2 % of `refill`'s, with the same lone-request latency.
+- `refill` (opt-in): closed-loop clients answered together come back within
   moments of each other. A replica that took the first of them at once would run a fragment,
   then the rest as another, and every batch after that would stay split. So after a batch of
   N, with W already waiting, the replica waits until N + W requests (a full batch at most) are
   queued, for at most `batch_wait` x that batch's run time (10 %: 0.6 s after a 6 s GPU batch).
   With the decode deferred, the hold starts when the batch is denoised and its window opens
   when the batch's results are out. An idle stage takes a new request at once.
-- `request`: request-level batching with a bound from the oldest queued request: an idle
-  replica waits until a full batch is queued or the oldest has waited `batch_max_wait` seconds
-  (0: never waits).
 """
 
 from __future__ import annotations
