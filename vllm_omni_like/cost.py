@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from vllm_omni_like.params import GenerationParams
 
 DEFAULT_SIDE = 64  # a request without a size: its model's default, about this (null stages)
-DEFAULT_STEPS = 20  # a stage whose default step count is not known
+DEFAULT_STEPS = 20  # a diffusion model's steps when neither the request nor its options say
 EMA = 0.3  # weight of the newest step time in the calibration
 
 

@@ -77,6 +77,10 @@ class Replica:
     def running(self) -> list[RequestState]:
         return [s for f in self.inflight.values() for s in f.requests]
 
+    def attach(self, executor: Executor, now: float) -> None:
+        """Its (new) executor, loaded and running."""
+        self.executor, self.started_at, self.gpu_memory = executor, now, executor.gpu_memory
+
     def outstanding(self) -> tuple[int, float]:
         """Requests and units of work on its critical path (running and queued)."""
         ahead = [f for f in self.inflight.values() if f.denoised is None]

@@ -103,7 +103,7 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
                 restart_error=errors[0] if errors else None,
                 text=pool.text,
                 default_steps=pool.default_steps,
-                rate=pool.outstanding_rate(),
+                rate=pool.parallel_rate(),
                 replicas=tuple(_replica_view(pool, r) for r in replicas),
             )
         )

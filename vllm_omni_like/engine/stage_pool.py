@@ -90,9 +90,7 @@ class StagePool:
         """Start every replica (in parallel); raise the first failure."""
         started, errors = self.starter.start_all([r.index for r in self.replicas])
         for index, executor in started.items():
-            replica = self.replicas[index]
-            replica.executor, replica.started_at = executor, time.monotonic()
-            replica.gpu_memory = getattr(executor, "gpu_memory", 0)
+            self.replicas[index].attach(executor, time.monotonic())
             self.starter.handed_over(executor)
         if errors:
             self.shutdown()
@@ -189,7 +187,7 @@ class StagePool:
             shape=batch[0].stage_request.batch_key(),
         )
 
-    def outstanding_rate(self) -> float | None:
+    def parallel_rate(self) -> float | None:
         """Seconds per unit of work of the live replicas side by side (None: none measured)."""
         return cost.parallel_rate(r.clock.speed.rate for r in self.replicas if r.live)
 
@@ -277,9 +275,8 @@ class StagePool:
     def on_restarted(self, replica_index: int, executor: Executor) -> None:
         self.starter.handed_over(executor)
         replica = self.replicas[replica_index]
-        replica.executor, replica.restarting = executor, False
-        replica.gpu_memory = getattr(executor, "gpu_memory", 0)
-        replica.started_at, replica.no_room_since, replica.restart_error = time.monotonic(), 0, None
+        replica.attach(executor, time.monotonic())
+        replica.restarting, replica.no_room_since, replica.restart_error = False, 0, None
         if self._stopping.is_set():
             executor.shutdown()
 

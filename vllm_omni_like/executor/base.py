@@ -15,9 +15,13 @@ class Executor(ABC):
     """Runs batches on the workers of one replica; reports results and its own death.
 
     Results, progress and failures reach the owner as messages through `sink` (called on the
-    executor's threads; it must only enqueue). When a worker dies, every request in flight gets
-    an EngineDeadError result, then each failure callback fires exactly once.
+    executor's threads; it must only enqueue). When a worker dies, each failure callback fires
+    exactly once with a `ReplicaDied` that lists the requests lost with it (no results are made
+    up for them).
     """
+
+    gpu_memory: int = 0  # bytes its workers' CUDA allocators held when they last said
+    visible_devices: str | None = None  # its workers' CUDA_VISIBLE_DEVICES
 
     @abstractmethod
     def start(self) -> None:

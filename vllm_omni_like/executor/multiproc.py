@@ -79,8 +79,6 @@ class MultiprocExecutor(Executor):
         self.sink = sink
         self.faults = faults
         self.device = device or replica_device(config.devices, config.device, replica)
-        self.visible_devices: str | None = None  # what its workers see (CUDA_VISIBLE_DEVICES)
-        self.gpu_memory = 0  # bytes its workers' CUDA allocators held when last told
         self._workers: list[_WorkerHandle] = []
         self._callbacks: list[FailureCallback] = []
         self._lock = threading.Lock()

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
+from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
 
 DEFAULT_MAX_STEPS = 200
-DEFAULT_STEPS = 20
 DEFAULT_MAX_FRAMES = 129
 DEFAULT_FPS = 8
 NULL_MAX_SIDE = 2048
