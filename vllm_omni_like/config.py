@@ -118,6 +118,9 @@ class StageConfig:
     gpu_memory_fraction: float | None = None  # of its GPU's memory each worker may take
     replicas: int = 1
     workers_per_replica: int = 1
+    # the two guidance branches of each denoising step on two ranks (two devices) of one
+    # replica (stages/cfg_parallel.py): 2 workers per replica, devices taken two by two
+    cfg_parallel: bool = False
     max_batch_size: int = 8
     # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
     # `batch_max_wait` seconds from the oldest queued request for a full batch; "refill" waits
@@ -155,8 +158,11 @@ class StageConfig:
     def __post_init__(self) -> None:
         devices = tuple(_device_name(self.name, d) for d in (self.devices or ()))
         object.__setattr__(self, "devices", devices)
-        if devices and self.replicas == 1:  # the default: one replica per device
-            object.__setattr__(self, "replicas", len(devices))
+        if self.cfg_parallel:
+            self._check_cfg_parallel(devices)
+        if devices and self.replicas == 1:  # the default: one replica per device (pair)
+            ranks = 2 if self.cfg_parallel else 1
+            object.__setattr__(self, "replicas", max(1, len(devices) // ranks))
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise InvalidRequestError(
@@ -207,6 +213,19 @@ class StageConfig:
                 parse_size(size)
             except ValueError as exc:
                 raise InvalidRequestError(f"stage {self.name!r}: warmup {exc}") from None
+
+    def _check_cfg_parallel(self, devices: tuple[str, ...]) -> None:
+        where = f"stage {self.name!r}: cfg_parallel"
+        if self.kind != "diffusion":
+            raise InvalidRequestError(f"{where} runs diffusion stages only, not {self.kind!r}")
+        if self.workers_per_replica not in (1, 2):
+            raise InvalidRequestError(f"{where} runs 2 workers per replica")
+        object.__setattr__(self, "workers_per_replica", 2)
+        if len(devices) % 2:
+            raise InvalidRequestError(f"{where} takes devices two by two, not {len(devices)}")
+        for pair in zip(devices[::2], devices[1::2], strict=True):
+            if pair[0] == pair[1] and pair[0] != "cpu":
+                raise InvalidRequestError(f"{where}: the two ranks need two GPUs, not {pair}")
 
 
 def parse_size(text: str) -> tuple[int, int]:

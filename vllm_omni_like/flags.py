@@ -34,6 +34,7 @@ STAGE_FLAGS = (
     "devices",
     "gpu_memory_fraction",
     "replicas",
+    "cfg_parallel",
     "max_batch_size",
     "batch_policy",
     "batch_wait",
@@ -125,6 +126,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="F",
     )
     _stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
+    _stage_flag(
+        g,
+        "cfg_parallel",
+        "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
+        "CPU), each running one classifier-free-guidance branch of every step: lower latency "
+        "per request; --devices are taken two by two, --replicas defaults to half of them",
+        action="store_true",
+        default=None,
+    )
     _stage_flag(g, "max_batch_size", "requests per batch", type=int)
     _stage_flag(
         g,

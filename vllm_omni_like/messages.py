@@ -43,6 +43,14 @@ class ExecuteBatch:
 
 
 @dataclass
+class FollowBatch:
+    """To a CFG-parallel replica's rank 1: serve rank 0's denoiser calls for this batch (rank 0
+    ends it). Between batches rank 1 waits on its pipe, where no collective can time out."""
+
+    batch_id: int
+
+
+@dataclass
 class AbortRequests:
     request_ids: list[str]
 

@@ -267,7 +267,8 @@ class Orchestrator:
                     self._finish(state, None)
             case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
                 pool.batch_done(replica, bid, done.gpu_memory)
-                self.stats.batch_done(BatchReport(pool.name, size, steps, done.steps_after_abort))
+                report = (pool.name, size, steps, done.steps_after_abort, done.model_batch_dim)
+                self.stats.batch_done(BatchReport(*report))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):

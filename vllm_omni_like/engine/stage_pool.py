@@ -22,7 +22,7 @@ from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
-from vllm_omni_like.executor.placement import replica_device
+from vllm_omni_like.executor.placement import replica_label
 from vllm_omni_like.messages import (
     ExecuteBatch,
     FromReplica,
@@ -62,7 +62,7 @@ class StagePool:
                 i,
                 max_credits=1 + config.replica_queue,
                 clock=StepClock(config.stall_timeout, config.first_step_timeout),
-                device=replica_device(config.devices, config.device, i),
+                device=replica_label(config, i),
             )
             for i in range(config.replicas)
         ]

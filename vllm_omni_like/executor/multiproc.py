@@ -7,7 +7,9 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -16,13 +18,14 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import transport
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
-from vllm_omni_like.executor.placement import replica_device
+from vllm_omni_like.executor import placement
 from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,
     BatchDone,
     Denoised,
     ExecuteBatch,
+    FollowBatch,
     Progress,
     ReplicaDied,
     RequestResult,
@@ -72,13 +75,15 @@ class MultiprocExecutor(Executor):
         replica: int,
         sink: MessageSink,
         faults: tuple[FaultRule, ...] = (),
-        device: str | None = None,
     ) -> None:
         self.config = config
         self.replica = replica
         self.sink = sink
         self.faults = faults
-        self.device = device or replica_device(config.devices, config.device, replica)
+        self.devices = placement.rank_devices(config, replica)  # one per rank
+        self.device = placement.replica_label(config, replica)
+        # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
+        self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.cfg_parallel else ""
         self._workers: list[_WorkerHandle] = []
         self._callbacks: list[FailureCallback] = []
         self._lock = threading.Lock()
@@ -116,7 +121,16 @@ class MultiprocExecutor(Executor):
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,
-            args=(child_conn, self.config, rank, self.device, self.faults, os.getpid()),
+            args=(
+                child_conn,
+                self.config,
+                rank,
+                self.devices[rank],
+                self.faults,
+                os.getpid(),
+                os.path.join(self._rendezvous, "store") if self._rendezvous else "",
+                self.devices[:rank] + self.devices[rank + 1 :],
+            ),
             name=f"{self.config.name}-r{self.replica}-w{rank}",
             daemon=True,
         )
@@ -208,6 +222,8 @@ class MultiprocExecutor(Executor):
         self._wake_w.close()
         for w in self._workers:
             w.proc.close()
+        if self._rendezvous:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
         self._dead = True
 
     # ---- work --------------------------------------------------------------------------------
@@ -216,14 +232,20 @@ class MultiprocExecutor(Executor):
             if self._dead or self._stopping:
                 raise EngineDeadError(f"replica {self.replica} is dead", stage=self.config.name)
             self._inflight[batch.batch_id] = {r.request_id for r in batch.requests}
-        self._send_all(batch)
+        if self.config.cfg_parallel:  # rank 0 runs the batch; rank 1 serves its branch calls
+            self._send_all(batch, self._workers[:1])
+            self._send_all(FollowBatch(batch.batch_id), self._workers[1:])
+        else:
+            self._send_all(batch)
 
     def abort(self, request_ids: list[str]) -> None:
-        self._send_all(AbortRequests(list(request_ids)))
+        # a CFG-parallel rank 1 holds no requests: aborts are rank 0's to apply
+        to = self._workers[:1] if self.config.cfg_parallel else self._workers
+        self._send_all(AbortRequests(list(request_ids)), to)
 
-    def _send_all(self, msg: object) -> None:
+    def _send_all(self, msg: object, workers: list[_WorkerHandle] | None = None) -> None:
         """Never blocks: each worker's writer thread does the sending."""
-        for w in self._workers:
+        for w in self._workers if workers is None else workers:
             try:
                 w.outbox.put_nowait(msg)
             except queue.Full:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_omni_like.config import cache_dir
+from vllm_omni_like.config import StageConfig, cache_dir
 
 NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
 
@@ -24,6 +24,22 @@ def replica_device(devices: tuple[str, ...], default: str, index: int) -> str:
     return devices[index % len(devices)] if devices else default
 
 
+def rank_devices(config: StageConfig, replica: int) -> tuple[str, ...]:
+    """The device of each worker (rank) of replica `replica`. The ranks of a CFG-parallel
+    replica take consecutive entries of `devices` (replica r: 2r and 2r+1); other ranks
+    share their replica's device."""
+    ranks = config.workers_per_replica
+    if config.cfg_parallel and config.devices:
+        n = len(config.devices)
+        return tuple(config.devices[(replica * ranks + k) % n] for k in range(ranks))
+    return (replica_device(config.devices, config.device, replica),) * ranks
+
+
+def replica_label(config: StageConfig, replica: int) -> str:
+    """The device(s) of a replica as /health and /metrics show them: cuda:1 or cuda:0,cuda:1."""
+    return ",".join(dict.fromkeys(rank_devices(config, replica)))
+
+
 def gpu_index(device: str) -> int | None:
     """The host's GPU index of a device named `cuda:N` (None for any other device)."""
     if device.startswith("cuda:") and device[5:].isdigit():
@@ -31,13 +47,16 @@ def gpu_index(device: str) -> int | None:
     return None
 
 
-def pin(device: str) -> str:
-    """In a worker process, before CUDA starts: see only this device's GPU; return the name the
-    worker uses for it from now on (`cuda:0`), or `device` itself when it names no one GPU."""
+def pin(device: str, peers: tuple[str, ...] = ()) -> str:
+    """In a worker process, before CUDA starts: see only this device's GPU (and those of the
+    other ranks of its replica, after it, so NCCL can reach them directly); return the name
+    the worker uses for its own from now on (`cuda:0`), or `device` itself when it names no
+    one GPU."""
     index = gpu_index(device)
     if index is None:
         return device
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    others = [i for i in (gpu_index(p) for p in peers) if i is not None and i != index]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in (index, *others))
     for key, value in NCCL_SAFE.items():
         os.environ.setdefault(key, value)
     return "cuda:0"

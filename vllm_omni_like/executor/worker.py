@@ -30,6 +30,7 @@ from vllm_omni_like.messages import (
     BatchDone,
     Denoised,
     ExecuteBatch,
+    FollowBatch,
     Progress,
     RequestResult,
     Shutdown,
@@ -37,7 +38,7 @@ from vllm_omni_like.messages import (
     WorkerReady,
 )
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
+from vllm_omni_like.stages.base import Deferred, Ranks, Stage, StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.isolation import (
     FatalStageError,
@@ -76,15 +77,18 @@ class _Worker:
         self,
         conn: Connection,
         config: StageConfig,
-        rank: int,
+        ranks: Ranks,
         device: str,
         faults: tuple[FaultRule, ...],
     ) -> None:
         self.conn = conn
         self.config = config
-        self.rank = rank
+        self.ranks = ranks
+        self.rank = ranks.rank
         self.device = device
-        self.reports = rank == 0  # other ranks compute the same batch; rank 0 answers
+        # other ranks compute the same batch, or (CFG-parallel) serve rank 0's branch calls;
+        # rank 0 answers
+        self.reports = self.rank == 0
         self.send_lock = threading.Lock()
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.batch_id = -1
@@ -107,7 +111,7 @@ class _Worker:
         try:
             self.control.faults.fire_load()
             placement.limit_memory(self.device, self.config.gpu_memory_fraction)
-            self.stage = create_stage(self.config)
+            self.stage = create_stage(self.config, self.ranks)
             self.stage.load(self.device)
         except Exception as exc:
             info = EngineDeadError(f"failed to load: {classify(exc).message}").info
@@ -136,6 +140,8 @@ class _Worker:
             match self.inbox.get():
                 case ExecuteBatch() as batch:
                     self.run_batch(batch)
+                case FollowBatch(batch_id=batch_id):
+                    self._guard(self._serve, batch_id)
                 case Shutdown():
                     self.finisher_free.acquire()  # let the batch being finished go out first
                     return
@@ -153,7 +159,10 @@ class _Worker:
             except InvalidRequestError as exc:
                 self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
         report = functools.partial(self._deliver, job.batch_id)
-        job.parts = self._guard(begin_isolated, self.stage, valid, self.control, report)
+        try:
+            job.parts = self._guard(begin_isolated, self.stage, valid, self.control, report)
+        finally:  # however it went, a CFG-parallel rank 1 goes back to its pipe
+            self._guard(self._end_branches, job.batch_id)
         job.model_batch = self.control.max_model_batch
         # one batch at a time is finished: wait for the one before
         self.finisher_free.acquire()
@@ -165,6 +174,20 @@ class _Worker:
         if self.reports:
             self.send(Denoised(job.batch_id))
         self.finishing.put(job)
+
+    def _serve(self, batch_id: int) -> None:
+        assert self.stage is not None
+        try:
+            self.stage.serve_branches(batch_id)
+        except Exception as exc:  # the ranks no longer agree: the replica restarts whole
+            raise FatalStageError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
+
+    def _end_branches(self, batch_id: int) -> None:
+        if self.stage is not None and self.config.cfg_parallel:
+            try:
+                self.stage.end_branches(batch_id)
+            except Exception as exc:
+                raise FatalStageError(f"rank 0: {type(exc).__name__}: {exc}") from exc
 
     def finish_forever(self) -> None:
         """The finisher thread: the deferred rest of each batch, then its results."""
@@ -243,9 +266,11 @@ def worker_main(
     device: str,
     faults: tuple[FaultRule, ...],
     parent_pid: int,
+    rendezvous: str = "",
+    peers: tuple[str, ...] = (),
 ) -> None:
-    """Entry point of a spawned worker process."""
-    device = placement.pin(device)  # first: nothing may have touched CUDA yet
+    """Entry point of a spawned worker process (`peers`: the other ranks' devices)."""
+    device = placement.pin(device, peers)  # first: nothing may have touched CUDA yet
     if config.compile:
         placement.share_compile_cache()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
@@ -254,7 +279,8 @@ def worker_main(
     )
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _process_local_locks()
-    worker = _Worker(conn, config, rank, device, faults)
+    ranks = Ranks(rank, config.workers_per_replica, rendezvous)
+    worker = _Worker(conn, config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()

@@ -52,9 +52,14 @@ def arch_path(name: str) -> str:
     return str(resources.files("vllm_omni_like") / "assets" / "archs" / name)
 
 
+def _for_kind(kind: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """The overrides of every stage that apply to a stage of `kind` (CFG-parallel: diffusion)."""
+    return kw if kind == "diffusion" else {k: v for k, v in kw.items() if k != "cfg_parallel"}
+
+
 def _stage(name: str, kind: str, model: str, kw: dict[str, Any]) -> StageConfig:
     options = {**TINY_OPTIONS.get(model, {}), **kw.pop("options", {})}
-    return StageConfig(name=name, kind=kind, model=model, options=options, **kw)
+    return StageConfig(name=name, kind=kind, model=model, options=options, **_for_kind(kind, kw))
 
 
 def _llm(model: str = "tiny-llm", **kw: Any) -> StageConfig:
@@ -67,7 +72,7 @@ def _diffusion(model: str, **kw: Any) -> StageConfig:
 
 def _null(name: str, output: str, **kw: Any) -> StageConfig:
     options = {"output": output, **kw.pop("options", {})}
-    return StageConfig(name=name, kind="null", options=options, **kw)
+    return StageConfig(name=name, kind="null", options=options, **_for_kind("null", kw))
 
 
 def builtin(name: str, **stage_kw: Any) -> PipelineConfig | None:
@@ -163,4 +168,5 @@ def resolve(spec: str, llm: str | None = None, **stage_kw: Any) -> list[Pipeline
 def _override(pipeline: PipelineConfig, stage_kw: dict[str, Any]) -> PipelineConfig:
     if not stage_kw:
         return pipeline
-    return replace(pipeline, stages=tuple(replace(s, **stage_kw) for s in pipeline.stages))
+    stages = tuple(replace(s, **_for_kind(s.kind, stage_kw)) for s in pipeline.stages)
+    return replace(pipeline, stages=stages)

@@ -157,11 +157,13 @@ class BatchedCFG(torch.nn.Module):
     on the same latents) as one forward over both halves.
 
     diffusers' Wan pipeline calls its transformer twice a step; the UNet pipelines already
-    batch the two. Set `negative` to the negative prompt embeddings (in the denoiser's dtype,
-    the very tensor passed to the pipeline) before a call and back to None after: a
-    conditional call then computes both halves and the unconditional call that follows with
-    the same latents gets its half without running the model. Any other call runs as it is.
+    batch the two. `arm(kwargs)` before a call (the negative prompt embeddings in the
+    denoiser's dtype, the very tensor passed to the pipeline), `disarm()` after: a conditional
+    call then computes both halves and the unconditional call that follows with the same
+    latents gets its half without running the model. Any other call runs as it is.
     """
+
+    needs_embeddings = True  # the stage encodes the prompts before the call, for `arm`
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -174,6 +176,13 @@ class BatchedCFG(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.model, name)
+
+    def arm(self, kwargs: dict[str, Any]) -> None:
+        self.negative = kwargs["negative_prompt_embeds"]
+
+    def disarm(self) -> None:
+        self.negative = None
+        self._pending = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         pending, self._pending = self._pending, None
@@ -194,6 +203,13 @@ class BatchedCFG(torch.nn.Module):
             return self.model(**kwargs)
         if text.shape != negative.shape:
             return self.model(**kwargs)
+        cond, uncond = self._branches(kwargs, negative)
+        self._pending = (latents, uncond)
+        return cond
+
+    def _branches(self, kwargs: dict[str, Any], negative: torch.Tensor) -> tuple[tuple, tuple]:
+        """The conditional call's outputs and the unconditional one's: here, one forward."""
+        latents, text = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         timestep = kwargs.get("timestep")
         both = dict(
             kwargs,
@@ -205,8 +221,7 @@ class BatchedCFG(torch.nn.Module):
         out = self.model(**both)
         rows = latents.shape[0]
         rest = tuple(out[1:])
-        self._pending = (latents, (out[0][rows:], *rest))
-        return (out[0][:rows], *rest)
+        return (out[0][:rows], *rest), (out[0][rows:], *rest)
 
 
 def batch_cfg(pipe: Any) -> BatchedCFG | None:

@@ -105,6 +105,16 @@ class StageControl:
         self.max_model_batch = max(self.max_model_batch, size)
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Where a worker stands in its replica: rank `rank` of `size`; ranks that work together
+    (CFG-parallel) meet through the file `rendezvous` (torch.distributed's FileStore)."""
+
+    rank: int = 0
+    size: int = 1
+    rendezvous: str = ""
+
+
 @dataclass
 class Deferred:
     """A batch whose critical-path part ran (a diffusion stage: the denoising loop).
@@ -130,6 +140,7 @@ class Stage(ABC):
 
     # the dataclass its options are typed and checked as (stage_options.py); None: a dict
     options_type: ClassVar[type | None] = None
+    ranks: Ranks = Ranks()  # set by create_stage, before `load`
 
     def __init__(self, config: StageConfig) -> None:
         self.config = config
@@ -156,6 +167,14 @@ class Stage(ABC):
         part = self.begin(batch, control)
         return part.finish(control.live(part.requests))
 
+    def serve_branches(self, batch_id: int) -> None:
+        """A CFG-parallel rank > 0: serve rank 0's denoiser calls of batch `batch_id` until
+        rank 0 ends its denoising (`end_branches`)."""
+        raise NotImplementedError(f"stage {self.name!r} has no CFG-parallel ranks")
+
+    def end_branches(self, batch_id: int) -> None:  # noqa: B027 - optional hook
+        """A CFG-parallel rank 0: batch `batch_id` needs rank 1 no more."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what `load` took."""
 
@@ -167,11 +186,13 @@ _KINDS = {
 }
 
 
-def create_stage(config: StageConfig) -> Stage:
+def create_stage(config: StageConfig, ranks: Ranks = Ranks()) -> Stage:
     """Import the stage class only now, so a null stage never imports torch.
 
     `kind` is a built-in name or a 'package.module:Class' of the user's own Stage subclass.
     """
     module_name, _, cls_name = _KINDS.get(config.kind, config.kind).partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(config)
+    stage = cls(config)
+    stage.ranks = ranks
+    return stage

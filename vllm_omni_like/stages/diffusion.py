@@ -19,7 +19,7 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import edits, latent_decode, model_limits
+from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
@@ -54,6 +54,7 @@ class DiffusionStage(Stage):
         check_model_dir(path, "model_index.json")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
+        self.link = self._connect_ranks()
         self._check_text_encoder(path)
         if self.config.load_format == "dummy":
             pipe = dummy_pipeline(path, self.device, self.dtype)
@@ -99,15 +100,41 @@ class DiffusionStage(Stage):
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
             configured = cfg.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
-        self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg else None
+        self.leader: cfg_parallel.Leader | None = None
+        self.branch_model = getattr(pipe, accel.denoiser_name(pipe))  # rank 1's, compiled or not
+        if self.link is not None and self.ranks.rank == 0:
+            self.leader = cfg_parallel.Leader(self.link)
+            self.cfg = cfg_parallel.split_branches(pipe, self.leader)
+        else:
+            self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg and self.link is None else None
         self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
         model = getattr(pipe, accel.denoiser_name(pipe))
         self.probe.attach(self.cfg.model if self.cfg is not None else model)
         self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
         # the decode of a deferred batch runs here, beside the next batch's steps
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if cfg.compile:
+        if cfg.compile and self.ranks.rank > 0:
+            self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles this one's
+        elif cfg.compile:
             self._warm_up()
+            self.end_branches(cfg_parallel.WARM_UP)
+
+    def _connect_ranks(self) -> cfg_parallel.Link | None:
+        """CFG-parallel: meet the other rank first (it loads meanwhile); the process group's
+        timeout is a backstop behind the executor's death and stall detection."""
+        cfg = self.config
+        if not cfg.cfg_parallel:
+            return None
+        backstop = max(cfg.load_timeout, cfg.first_step_timeout) + cfg.stall_timeout
+        return cfg_parallel.Link(self.ranks, self.device, backstop)
+
+    def serve_branches(self, batch_id: int) -> None:
+        assert self.link is not None, "serve_branches on a stage without CFG-parallel ranks"
+        cfg_parallel.serve(self.link, self.branch_model, batch_id)
+
+    def end_branches(self, batch_id: int) -> None:
+        if self.leader is not None:
+            self.leader.end(batch_id)
 
     def _check_text_encoder(self, path: str) -> None:
         with open(os.path.join(path, "model_index.json")) as f:
@@ -259,9 +286,10 @@ class DiffusionStage(Stage):
         return result
 
     def _run(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
-        """One pipeline call; with CFG on a two-call pipeline, both halves in one forward."""
+        """One pipeline call; with CFG, both halves in one forward on a two-call pipeline, or
+        on two ranks (CFG-parallel)."""
         if self.cfg is not None and kwargs["guidance_scale"] > 1.0:
-            if "prompt_embeds" not in kwargs:  # encode here, so the negative half is known
+            if self.cfg.needs_embeddings and "prompt_embeds" not in kwargs:  # the negative half
                 kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = pipe.encode_prompt(
                     prompt=kwargs.pop("prompt"),
                     negative_prompt=kwargs.pop("negative_prompt", None),
@@ -269,15 +297,16 @@ class DiffusionStage(Stage):
                     max_sequence_length=kwargs.get("max_sequence_length", 512),
                     device=self.device,
                 )
-            for key in ("prompt_embeds", "negative_prompt_embeds"):
-                kwargs[key] = kwargs[key].to(self.denoiser.dtype)  # the pipeline's .to: a no-op
-            self.cfg.negative = kwargs["negative_prompt_embeds"]
+            if self.cfg.needs_embeddings:
+                for key in ("prompt_embeds", "negative_prompt_embeds"):
+                    kwargs[key] = kwargs[key].to(self.denoiser.dtype)  # the pipeline's: no-op
+            self.cfg.arm(kwargs)
         try:
             with torch.inference_mode():
                 return pipe(**kwargs)
         finally:
             if self.cfg is not None:
-                self.cfg.negative = None
+                self.cfg.disarm()
 
     def _call_kwargs(
         self,
@@ -356,6 +385,8 @@ class DiffusionStage(Stage):
         return outputs
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
         del self.pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

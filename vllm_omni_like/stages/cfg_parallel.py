@@ -1,0 +1,289 @@
+"""CFG-parallel: the two guidance branches of every denoising step on two ranks (two GPUs).
+
+Rank 0 (the leader) runs the pipeline as one GPU would; its denoiser is wrapped so that at each
+step the unconditional branch's inputs go to rank 1, rank 0 computes the conditional branch
+meanwhile, then takes rank 1's output back, and the pipeline combines the two as it always
+does. Rank 1 runs no pipeline: between batches it waits on its worker's pipe (no collective is
+open while a replica idles, so none can time out), and during a batch it serves rank 0's calls
+until rank 0 says the batch's denoising ended (`end`).
+
+Control flow is rank 0's alone: aborts, per-request errors, bisection and requests without
+guidance (run on rank 0 alone) need no agreement between the ranks, and the two cannot drift
+apart. Whatever breaks the exchange itself (a rank gone, an unexpected message) ends the
+worker, and the executor restarts the replica as a whole; the process group's timeout is only a
+backstop behind the executor's death and stall detection.
+
+Transport: torch.distributed point to point (NCCL on CUDA, gloo on the CPU). Per step, rank 0
+sends a small header (the call's structure) and the branch's tensors, and receives a status and
+the branch's output, all outside any compiled region.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from vllm_omni_like.stages.acceleration import BatchedCFG, denoiser_name
+from vllm_omni_like.stages.base import Ranks
+from vllm_omni_like.stages.isolation import is_fatal_device_error, is_out_of_memory
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+WARM_UP = -1  # the batch id of the compile warm-up, which rank 0 drives at load
+
+
+class RankDiverged(RuntimeError):
+    """The ranks no longer agree on what runs: the replica must restart."""
+
+
+class PeerOutOfMemory(MemoryError):
+    """Rank 1 ran out of memory on its branch (a request's error, like a local OOM)."""
+
+
+class PeerFailed(RuntimeError):
+    """Rank 1's branch raised (a request's error)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor stood in a call's arguments: it follows the header, in order."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class Link:
+    """The two ranks of one replica, point to point."""
+
+    def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float) -> None:
+        if ranks.size != 2 or not ranks.rendezvous:
+            raise ValueError(f"CFG-parallel needs 2 ranks and a rendezvous, not {ranks}")
+        self.rank = ranks.rank
+        self.peer = 1 - ranks.rank
+        self.device = device
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        else:  # both ranks compute at once on the same cores: each takes half of them, or
+            # their thread pools' spinning waits slow both down (measured: 7x on 2 cores)
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{ranks.rendezvous}",
+            rank=ranks.rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        # the first exchange sets up the connection between the two: here, not in a request
+        if self.rank == 0:
+            self.send_obj(("hello", 0))
+        if self.recv_obj() != ("hello", self.peer):
+            raise RankDiverged("the other rank did not answer the handshake")
+        if self.rank == 1:
+            self.send_obj(("hello", 1))
+
+    def send_obj(self, obj: object) -> None:
+        dist.send_object_list([obj], dst=self.peer, device=self.device)
+
+    def recv_obj(self) -> Any:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=self.peer, device=self.device)
+        return box[0]
+
+    def send(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.contiguous(), dst=self.peer)
+
+    def recv(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        dist.recv(tensor, src=self.peer)
+        return tensor
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _pack(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """`value` with each tensor replaced by its slot (the tensors go separately)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    if isinstance(value, dict):
+        return {k: _pack(v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_pack(v, tensors) for v in value)
+    return value
+
+
+def _unpack(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _unpack(v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_unpack(v, tensors) for v in value)
+    return value
+
+
+def _slots(value: Any) -> list[_Slot]:
+    if isinstance(value, _Slot):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, dict | list | tuple):
+        return [s for v in items for s in _slots(v)]
+    return []
+
+
+class Leader:
+    """Rank 0's side: a branch runs on rank 1 while rank 0 computes its own."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.calls = 0  # branch calls sent to rank 1 (tests read it)
+
+    def alongside(self, local: Callable[[], T], args: tuple, kwargs: dict) -> tuple[T, Any]:
+        """`local()` here while rank 1 runs the model on (args, kwargs); both outputs."""
+        tensors: list[torch.Tensor] = []
+        meta = _pack((args, kwargs), tensors)
+        self.link.send_obj(("call", meta))
+        for t in tensors:
+            self.link.send(t)
+        self.calls += 1
+        try:
+            mine = local()
+        except BaseException as exc:
+            if not is_fatal_device_error(exc):
+                self._collect()  # rank 1's answer still comes: take it, then fail the batch
+            raise
+        return mine, self._collect()
+
+    def _collect(self) -> torch.Tensor:
+        status = self.link.recv_obj()
+        match status:
+            case ("ok", shape, dtype):
+                return self.link.recv(shape, dtype)
+            case ("error", True, text):
+                raise PeerOutOfMemory(f"CFG-parallel rank 1: {text}")
+            case ("error", False, text):
+                raise PeerFailed(f"CFG-parallel rank 1: {text}")
+        raise RankDiverged(f"rank 1 answered {status!r}")
+
+    def end(self, batch_id: int) -> None:
+        self.link.send_obj(("end", batch_id))
+
+
+def serve(link: Link, model: Any, batch_id: int) -> int:
+    """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`; the calls."""
+    calls = 0
+    while True:
+        match link.recv_obj():
+            case ("end", ended) if ended == batch_id:
+                return calls
+            case ("call", meta):
+                tensors = [link.recv(s.shape, s.dtype) for s in _slots(meta)]
+                args, kwargs = _unpack(meta, tensors)
+                calls += 1
+            case other:
+                raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
+        try:
+            with torch.inference_mode():
+                out = model(*args, **kwargs)[0]
+        except Exception as exc:
+            if is_fatal_device_error(exc):
+                raise
+            oom = is_out_of_memory(exc)
+            if oom and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            logger.warning("CFG-parallel rank 1: the branch of batch %d raised %r", batch_id, exc)
+            link.send_obj(("error", oom, f"{type(exc).__name__}: {exc}"))
+            continue
+        link.send_obj(("ok", tuple(out.shape), str(out.dtype).removeprefix("torch.")))
+        link.send(out)
+        del out, args, kwargs, tensors
+
+
+class SplitCFG(torch.nn.Module):
+    """A UNet pipeline's doubled guidance batch (negative half, then positive) over two ranks:
+    rank 1 runs the first half, rank 0 the second. Armed with the doubled batch's rows; any
+    other call (no guidance, another batch size) runs here whole."""
+
+    needs_embeddings = False
+
+    def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
+        super().__init__()
+        self.model = model
+        self.leader = leader
+        self.rows = 0
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+    def arm(self, kwargs: dict[str, Any]) -> None:
+        self.rows = 2 * len(kwargs["generator"])
+
+    def disarm(self) -> None:
+        self.rows = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sample = args[0] if args else kwargs.get("sample")
+        rows = self.rows
+        if not rows or sample is None or sample.shape[0] != rows or kwargs.get("return_dict", True):
+            return self.model(*args, **kwargs)
+        first, second = slice(0, rows // 2), slice(rows // 2, rows)
+        mine, theirs = self.leader.alongside(
+            lambda: self.model(*_half(args, rows, second), **_half(kwargs, rows, second)),
+            _half(args, rows, first),
+            _half(kwargs, rows, first),
+        )
+        return (torch.cat([theirs, mine[0]]), *mine[1:])
+
+
+def _half(value: Any, rows: int, part: slice) -> Any:
+    """Every tensor of `rows` rows in `value`, cut to `part`; the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[part] if value.dim() > 0 and value.shape[0] == rows else value
+    if isinstance(value, dict):
+        return {k: _half(v, rows, part) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_half(v, rows, part) for v in value)
+    return value
+
+
+class PairCFG(BatchedCFG):
+    """A pipeline that calls its denoiser once per branch (Wan): the conditional call runs here
+    while rank 1 runs the unconditional one; the unconditional call then gets rank 1's output."""
+
+    def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
+        super().__init__(model)
+        self.leader = leader
+
+    def _branches(self, kwargs: dict[str, Any], negative: torch.Tensor) -> tuple[tuple, tuple]:
+        mine, theirs = self.leader.alongside(
+            lambda: self.model(**kwargs), (), dict(kwargs, encoder_hidden_states=negative)
+        )
+        return tuple(mine), (theirs, *tuple(mine)[1:])
+
+
+def split_branches(pipe: Any, leader: Leader) -> SplitCFG | PairCFG:
+    """Rank 0: wrap the pipeline's denoiser so its guidance branches run on both ranks."""
+    name = denoiser_name(pipe)
+    if name == "unet":
+        wrapper: SplitCFG | PairCFG = SplitCFG(pipe.unet, leader)
+    elif type(pipe).__name__ == "WanPipeline" and getattr(pipe, "transformer_2", None) is None:
+        wrapper = PairCFG(pipe.transformer, leader)
+    else:
+        raise ValueError(f"CFG-parallel runs UNet and Wan pipelines, not {type(pipe).__name__}")
+    setattr(pipe, name, wrapper)
+    return wrapper
