@@ -1,0 +1,211 @@
+"""CFG-parallel (stages/cfg_parallel.py) on the CPU: two gloo ranks per replica in real worker
+processes. The same images and videos as one rank at the same seed; a rank that dies or stops
+mid-step takes its replica down at once, which restarts whole, and the request re-runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import drain_batch, wait_for
+from tests.engine.helpers import engine, final, req
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.engine import stage_pool
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.executor import MultiprocExecutor, placement
+from vllm_omni_like.messages import BatchDone, ExecuteBatch, RequestResult, StageRequest
+from vllm_omni_like.outputs import OmniRequestOutput
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.pipelines.catalog import resolve
+from vllm_omni_like.stages.base import StageControl, create_stage
+from vllm_omni_like.stages.faults import FaultInjector
+
+pytestmark = pytest.mark.slow
+STALL_S = 1.0
+KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": STALL_S, "first_step_timeout": 30.0}
+LONG = 24  # steps of the requests a rank is signalled in the middle of
+
+
+def _reference(spec: str):
+    """One rank, in this process: what CFG-parallel must reproduce."""
+    config = resolve(spec, device="cpu")[0].stages[0]
+    stage = create_stage(config)
+    stage.load("cpu")
+    control = StageControl(FaultInjector((), config.name))
+
+    def run(params: GenerationParams, mode: str = "text2img"):
+        out = stage.execute([StageRequest("ref", "a red circle", params, mode=mode)], control)[0]
+        assert out.error is None, out.error
+        return out
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference_image():
+    return _reference("tiny-image")
+
+
+@pytest.fixture(scope="module")
+def cfgp():
+    """tiny-image with one CFG-parallel replica; restarts without back-off, so that the fault
+    tests below each find it ready again within a load's time."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stage_pool, "RESTART_BACKOFF_S", (0.0,))
+        with engine("tiny-image", stage_kw=KW, max_restarts=20) as eng:
+            yield eng
+
+
+def _pixels(out: OmniRequestOutput) -> list[np.ndarray]:
+    assert out.ok, out.error
+    return [img.pixels.astype(int) for img in out.output.images]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> int:
+    assert len(a) == len(b)
+    return max(int(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def test_config_takes_devices_two_by_two():
+    two = StageConfig(name="d", kind="diffusion", cfg_parallel=True, devices=(0, 1, 2, 3))
+    assert (two.replicas, two.workers_per_replica) == (2, 2)
+    assert placement.rank_devices(two, 1) == ("cuda:2", "cuda:3")
+    assert placement.replica_label(two, 0) == "cuda:0,cuda:1"
+    cpu = StageConfig(name="d", kind="diffusion", cfg_parallel=True, device="cpu")
+    assert placement.rank_devices(cpu, 0) == ("cpu", "cpu") and cpu.replicas == 1
+    for bad, why in (
+        ({"devices": (0, 1, 2)}, "two by two"),
+        ({"devices": (1, 1)}, "two GPUs"),
+        ({"kind": "llm"}, "diffusion stages only"),
+        ({"workers_per_replica": 3}, "2 workers"),
+    ):
+        with pytest.raises(InvalidRequestError, match=why):
+            StageConfig(**{"name": "d", "kind": "diffusion", "cfg_parallel": True, **bad})
+    # a whole pipeline's flag leaves its LLM stage alone
+    llm, diffusion = resolve("tiny-omni", cfg_parallel=True)[0].stages
+    assert (llm.cfg_parallel, diffusion.cfg_parallel) == (False, True)
+
+
+def test_pinning_a_rank_shows_it_its_peer_after_its_own_gpu(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert placement.pin("cuda:3", ("cuda:2",)) == "cuda:0"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,2"
+
+
+def test_images_equal_one_rank_and_rank_0_computes_half_the_batch(cfgp, reference_image):
+    """Guided requests: rank 0's model sees the conditional half only (1 row, not 2), rank 1
+    computes the other; pixels within 2 of one rank's at the same seed. Without guidance rank
+    0 runs alone; n=2 keeps consecutive seeds."""
+    cases = [
+        ({"seed": 1}, 1),
+        ({"seed": 2, "guidance_scale": 7.5}, 1),
+        ({"seed": 3, "guidance_scale": 1.0}, 1),  # no CFG: rank 0 alone, one row
+        ({"seed": 4, "n": 2}, 2),
+    ]
+
+    async def main():
+        return [
+            await final(cfgp, req(f"eq{i}", "a red circle", "tiny-image", steps=4, **kw))
+            for i, (kw, _) in enumerate(cases)
+        ]
+
+    outs = asyncio.run(main())
+    for (kw, rows), out in zip(cases, outs, strict=True):
+        want = reference_image(GenerationParams(num_inference_steps=4, **kw))
+        assert _max_diff(_pixels(out), [i.pixels.astype(int) for i in want.images]) <= 2
+        (report,) = [b for b in cfgp.batches if out.request_id in b.steps_run]
+        assert report.model_batch == rows, (kw, report)
+
+
+def test_a_video_equals_one_rank():
+    """Wan: the pipeline's second (unconditional) call is rank 1's."""
+    config = StageConfig(name="diffusion", kind="diffusion", model="tiny-video", **KW)
+    sink: queue.Queue = queue.Queue()
+    ex = MultiprocExecutor(config, 0, sink.put)
+    ex.start()
+    try:
+        params = GenerationParams(seed=5, num_inference_steps=4, num_frames=9)
+        ex.execute(ExecuteBatch(1, [StageRequest("v", "a red circle", params, mode="text2video")]))
+        msgs = drain_batch(sink, 1, timeout=60)
+    finally:
+        pids = ex.pids
+        ex.shutdown()
+    assert not any(psutil.pid_exists(p) for p in pids)
+    (result,) = [m.output for m in msgs if isinstance(m, RequestResult)]
+    done = msgs[-1]
+    assert isinstance(done, BatchDone) and done.model_batch_dim == 1  # its half, not 2 rows
+    want = _reference("tiny-video")(params, mode="text2video")
+    got, ref = result.video.frames.astype(int), want.video.frames.astype(int)
+    assert got.shape == ref.shape == (9, 64, 64, 3) and np.abs(got - ref).max() <= 2
+
+
+def _ranks(replica) -> list[int]:
+    """The pids of a live replica's two ranks (empty while it is down)."""
+    executor = replica.executor
+    pids = executor.pids if executor is not None and replica.live else []
+    return pids if len(pids) == 2 else []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("sig", "rank", "bound"),
+    [
+        (signal.SIGKILL, 0, 1.0),
+        (signal.SIGKILL, 1, 1.0),
+        (signal.SIGSTOP, 0, STALL_S + 1.5),  # the stall bound, then its check and the kill
+        (signal.SIGSTOP, 1, STALL_S + 1.5),
+    ],
+    ids=["kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1"],
+)
+def test_a_rank_killed_or_stopped_mid_step_takes_its_replica_down(
+    cfgp, reference_image, sig, rank, bound
+):
+    """Mid-step, one rank is signalled: both ranks are gone within `bound`, the replica
+    restarts whole (two new processes), and the request re-runs there to the same image."""
+    pool = cfgp.orchestrator.pools["tiny-image"][0]
+    replica = pool.replicas[0]
+    old = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
+    gone_at: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_gone(p) for p in old):
+            time.sleep(0.01)
+        gone_at.append(time.monotonic())
+
+    async def main():
+        signalled = None
+        request = req(f"sig-{sig}-{rank}", "a red circle", "tiny-image", steps=LONG, seed=7)
+        async for ev in cfgp.generate(request):
+            if isinstance(ev, OmniRequestOutput):
+                return ev, signalled
+            if signalled is None and ev.step >= 3:
+                os.kill(old[rank], sig)
+                signalled = time.monotonic()
+                threading.Thread(target=watch, daemon=True).start()
+        raise AssertionError("no final output")
+
+    out, signalled = asyncio.run(main())
+    assert signalled is not None
+    wait_for(lambda: gone_at, 35, "the watcher's verdict")
+    assert gone_at[0] - signalled <= bound, f"both ranks gone after {gone_at[0] - signalled:.2f}s"
+    new = wait_for(lambda: _ranks(replica), 60, "the restarted replica")
+    assert len(new) == 2 and not set(new) & set(old)
+    want = reference_image(GenerationParams(num_inference_steps=LONG, seed=7))
+    assert _max_diff(_pixels(out), [i.pixels.astype(int) for i in want.images]) <= 2
+    health = cfgp.health()[0]
+    assert [r["state"] for r in health["replicas"]] == ["ready"]
