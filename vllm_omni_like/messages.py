@@ -114,6 +114,8 @@ class BatchDone:
     # for requests aborted while in this batch: steps the worker ran after the abort reached it
     steps_after_abort: dict[str, int] = field(default_factory=dict)
     gpu_memory: int = 0  # bytes the worker's CUDA allocator holds after the batch
+    # seconds of its parts: "denoise" (the critical path, `begin`) and "finish" (the decode)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # ---- executor -> its owner (on the reader / monitor threads) -----------------------------------

@@ -34,11 +34,11 @@ KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": STALL_S, "first_st
 LONG = 24  # steps of the requests a rank is signalled in the middle of
 
 
-def _reference(spec: str):
+def _reference(spec: str, device: str = "cpu"):
     """One rank, in this process: what CFG-parallel must reproduce."""
-    config = resolve(spec, device="cpu")[0].stages[0]
+    config = resolve(spec, device=device)[0].stages[0]
     stage = create_stage(config)
-    stage.load("cpu")
+    stage.load(device)
     control = StageControl(FaultInjector((), config.name))
 
     def run(params: GenerationParams, mode: str = "text2img"):

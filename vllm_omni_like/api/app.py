@@ -43,7 +43,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()  # leak checks count its tasks
-        server.videos = VideoService(engine, settings)
+        server.videos = VideoService(engine, settings, app.state.metrics.video_encode.observe)
         await server.videos.start()
         starter = asyncio.create_task(_start_engine(server, on_fatal))
         sweeper = asyncio.create_task(_sweep_files(server))

@@ -104,6 +104,20 @@ class Metrics:
             buckets=(0, 1, 2, 4, 8, 16, 32),
             registry=self.registry,
         )
+        self.phase = Histogram(
+            f"{PREFIX}_batch_phase_seconds",
+            "Seconds of a batch's parts in its worker: denoise (the critical path), finish "
+            "(the decode, beside the next batch)",
+            ["stage", "phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.video_encode = Histogram(
+            f"{PREFIX}_video_encode_seconds",
+            "Seconds to encode and store a finished video (MP4 and thumbnail)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         stats = engine.stats
         stats.observers.append(lambda p, s, t: self.e2e.labels(p, s).observe(t))
         stats.stage_observers.append(lambda st, t: self.stage.labels(st).observe(t))
@@ -111,6 +125,8 @@ class Metrics:
 
     def _batch(self, report: BatchReport) -> None:
         self.batch.labels(report.stage).observe(report.size)
+        for phase, seconds in report.phases.items():
+            self.phase.labels(report.stage, phase).observe(seconds)
         for steps in report.steps_after_abort.values():
             self.after_abort.labels(report.stage).observe(steps)
 

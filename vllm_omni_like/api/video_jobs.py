@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_like.api.serving import stored
@@ -70,9 +71,15 @@ def video_object(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class VideoService:
-    def __init__(self, engine: AsyncOmni, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        engine: AsyncOmni,
+        settings: ServerSettings,
+        on_encoded: Callable[[float], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.settings = settings
+        self.on_encoded = on_encoded  # seconds to encode and store each finished video
         self.store = VideoStore(settings.storage_dir)
         self.faults = FaultInjector(engine.config.faults, "videos")  # point=store rules
         self.running: dict[str, tuple[asyncio.Task, RequestStream | None]] = {}
@@ -271,8 +278,11 @@ class VideoService:
         thumb = self.store.media_path(video_id, "png")
         try:
             self.faults.fire("store", [omni])
+            started = time.monotonic()
             write_durably(path, encode_video(video.frames, video.fps))
             write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
+            if self.on_encoded is not None:
+                self.on_encoded(time.monotonic() - started)
         except BaseException:
             for done in (path, thumb):  # a failed job leaves no file behind
                 with contextlib.suppress(OSError):

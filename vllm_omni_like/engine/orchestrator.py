@@ -268,7 +268,7 @@ class Orchestrator:
             case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
                 pool.batch_done(replica, bid, done.gpu_memory)
                 report = (pool.name, size, steps, done.steps_after_abort, done.model_batch_dim)
-                self.stats.batch_done(BatchReport(*report))
+                self.stats.batch_done(BatchReport(*report, done.phases))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):

@@ -85,6 +85,7 @@ class BatchReport:
     steps_run: dict[str, int]  # per request, aborted ones included
     steps_after_abort: dict[str, int]  # per aborted request: steps run after the abort arrived
     model_batch: int = 0  # the largest batch dimension the model itself saw (rank 0's)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: denoise, finish
 
 
 class EngineStats:

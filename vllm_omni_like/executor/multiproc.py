@@ -16,9 +16,8 @@ from multiprocessing.connection import Connection, wait
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
-from vllm_omni_like.executor import transport
+from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
-from vllm_omni_like.executor import placement
 from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,

@@ -70,6 +70,7 @@ class _Job:
     started: float
     model_batch: int = 0
     parts: list[Deferred | StageOutput] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class _Worker:
@@ -164,6 +165,7 @@ class _Worker:
         finally:  # however it went, a CFG-parallel rank 1 goes back to its pipe
             self._guard(self._end_branches, job.batch_id)
         job.model_batch = self.control.max_model_batch
+        job.phases["denoise"] = time.monotonic() - job.started
         # one batch at a time is finished: wait for the one before
         self.finisher_free.acquire()
         if not self.config.decode_overlap:  # its rest here, before the next batch begins
@@ -205,7 +207,9 @@ class _Worker:
     def _finish_job(self, job: _Job) -> None:
         assert self.stage is not None
         report = functools.partial(self._deliver, job.batch_id)
+        started = time.monotonic()
         outputs = self._guard(finish_parts, self.stage, job.parts, self.control, report)
+        job.phases["finish"] = time.monotonic() - started
         self._complete(job, outputs)
 
     def _guard(self, run: Callable[..., T], *args: Any) -> T:
@@ -238,6 +242,7 @@ class _Worker:
                 steps,
                 after,
                 gpu_memory_in_use(),
+                job.phases,
             )
             self.send(done)
         self.control.forget(job.ids)

@@ -31,15 +31,20 @@ import torch.distributed as dist
 
 from vllm_omni_like.stages.acceleration import BatchedCFG, denoiser_name
 from vllm_omni_like.stages.base import Ranks
-from vllm_omni_like.stages.isolation import is_fatal_device_error, is_out_of_memory
+from vllm_omni_like.stages.isolation import (
+    FatalStageError,
+    is_fatal_device_error,
+    is_out_of_memory,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 WARM_UP = -1  # the batch id of the compile warm-up, which rank 0 drives at load
 
 
-class RankDiverged(RuntimeError):
-    """The ranks no longer agree on what runs: the replica must restart."""
+class RankDiverged(FatalStageError):
+    """The ranks no longer agree on what runs, or their link broke: the worker exits and the
+    replica restarts whole (never a request's error: its requests re-run elsewhere)."""
 
 
 class PeerOutOfMemory(MemoryError):
@@ -91,20 +96,28 @@ class Link:
         if self.rank == 1:
             self.send_obj(("hello", 1))
 
+    def _io(self, what: str, run: Callable[[], T]) -> T:
+        try:
+            return run()
+        except Exception as exc:  # the peer is gone or the group broke: not a request's fault
+            raise RankDiverged(f"rank {self.rank}: {what} rank {self.peer} failed: {exc}") from exc
+
     def send_obj(self, obj: object) -> None:
-        dist.send_object_list([obj], dst=self.peer, device=self.device)
+        self._io("sending to", lambda: dist.send_object_list([obj], self.peer, device=self.device))
 
     def recv_obj(self) -> Any:
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.peer, device=self.device)
+        self._io(
+            "receiving from", lambda: dist.recv_object_list(box, self.peer, device=self.device)
+        )
         return box[0]
 
     def send(self, tensor: torch.Tensor) -> None:
-        dist.send(tensor.contiguous(), dst=self.peer)
+        self._io("sending to", lambda: dist.send(tensor.contiguous(), dst=self.peer))
 
     def recv(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-        dist.recv(tensor, src=self.peer)
+        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer))
         return tensor
 
     def close(self) -> None:
@@ -148,7 +161,6 @@ class Leader:
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        self.calls = 0  # branch calls sent to rank 1 (tests read it)
 
     def alongside(self, local: Callable[[], T], args: tuple, kwargs: dict) -> tuple[T, Any]:
         """`local()` here while rank 1 runs the model on (args, kwargs); both outputs."""
@@ -157,7 +169,6 @@ class Leader:
         self.link.send_obj(("call", meta))
         for t in tensors:
             self.link.send(t)
-        self.calls += 1
         try:
             mine = local()
         except BaseException as exc:
@@ -181,17 +192,15 @@ class Leader:
         self.link.send_obj(("end", batch_id))
 
 
-def serve(link: Link, model: Any, batch_id: int) -> int:
-    """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`; the calls."""
-    calls = 0
+def serve(link: Link, model: Any, batch_id: int) -> None:
+    """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`."""
     while True:
         match link.recv_obj():
             case ("end", ended) if ended == batch_id:
-                return calls
+                return
             case ("call", meta):
                 tensors = [link.recv(s.shape, s.dtype) for s in _slots(meta)]
                 args, kwargs = _unpack(meta, tensors)
-                calls += 1
             case other:
                 raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
         try:

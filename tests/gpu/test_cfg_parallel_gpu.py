@@ -1,0 +1,88 @@
+"""CFG-parallel on two GPUs (NCCL); skipped without two CUDA devices (CI). The CPU tests of the
+same logic (gloo): tests/stages/test_cfg_parallel.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import wait_for
+from tests.engine.helpers import engine, final, req
+from tests.stages.test_cfg_parallel import _gone, _ranks, _reference
+from vllm_omni_like.engine import stage_pool
+from vllm_omni_like.outputs import OmniRequestOutput
+from vllm_omni_like.params import GenerationParams
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+KW = {"cfg_parallel": True, "devices": (0, 1), "stall_timeout": 1.0, "first_step_timeout": 120.0}
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def test_images_and_videos_match_one_gpu():
+    """fp16 on two GPUs against one GPU at the same seeds: PSNR >= 35 dB."""
+    for spec, extra in (("tiny-image", {}), ("tiny-video", {"num_frames": 9})):
+        with engine(spec, stage_kw=KW) as eng:
+            outs = [
+                asyncio.run(final(eng, req(f"{spec}{s}", "a red circle", spec, 8, seed=s, **extra)))
+                for s in (1, 2)
+            ]
+            health = eng.health()[0]["replicas"]
+        assert [r["device"] for r in health] == ["cuda:0,cuda:1"]
+        reference = _reference(spec, "cuda:0")
+        for s, out in zip((1, 2), outs, strict=True):
+            assert out.ok, out.error
+            mode = "text2video" if extra else "text2img"
+            want = reference(GenerationParams(num_inference_steps=8, seed=s, **extra), mode)
+            got = out.output.video.frames if extra else out.output.images[0].pixels
+            ref = want.video.frames if extra else want.images[0].pixels
+            assert psnr(got, ref) >= 35.0, (spec, s, psnr(got, ref))
+
+
+@pytest.mark.parametrize(("sig", "rank"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 0)])
+def test_a_rank_lost_mid_step_takes_its_replica_down_on_gpus(sig, rank):
+    """Rank 1 killed while rank 0 waits on it in NCCL, or rank 0 stopped while rank 1 waits: both
+    ranks are gone within the bound (1 s after a kill; the stall bound, its check and the kill
+    after a stop), the replica restarts whole and the request re-runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stage_pool, "RESTART_BACKOFF_S", (0.0,))
+        with engine("tiny-image", stage_kw=KW) as eng:
+            replica = eng.orchestrator.pools["tiny-image"][0].replicas[0]
+            old = wait_for(lambda: _ranks(replica), 120, "the replica ready with its two ranks")
+            gone_at: list[float] = []
+
+            def watch() -> None:
+                while not all(_gone(p) for p in old):
+                    time.sleep(0.01)
+                gone_at.append(time.monotonic())
+
+            async def main():
+                signalled = None
+                request = req("gpu-sig", "a red circle", "tiny-image", steps=200, seed=3)
+                async for ev in eng.generate(request):
+                    if isinstance(ev, OmniRequestOutput):
+                        return ev, signalled
+                    if signalled is None and ev.step >= 3:
+                        os.kill(old[rank], sig)
+                        signalled = time.monotonic()
+                        threading.Thread(target=watch, daemon=True).start()
+                raise AssertionError("no final output")
+
+            out, signalled = asyncio.run(main())
+            assert out.ok, out.error
+            wait_for(lambda: gone_at, 30, "both ranks gone")
+            took = gone_at[0] - signalled
+            assert took <= (1.0 if sig == signal.SIGKILL else 2.5), took
+            new = wait_for(lambda: _ranks(replica), 120, "the restarted replica")
+            assert not set(new) & set(old)
+            print(f"{signal.Signals(sig).name} rank {rank}: both ranks gone after {took:.3f}s")
