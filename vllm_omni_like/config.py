@@ -216,7 +216,7 @@ class StageConfig:
 
     def _check_cfg_parallel(self, devices: tuple[str, ...]) -> None:
         where = f"stage {self.name!r}: cfg_parallel"
-        if self.kind != "diffusion":
+        if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
             raise InvalidRequestError(f"{where} runs diffusion stages only, not {self.kind!r}")
         if self.workers_per_replica not in (1, 2):
             raise InvalidRequestError(f"{where} runs 2 workers per replica")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 
@@ -17,10 +18,22 @@ from vllm_omni_like.pipelines.catalog import resolve
 
 
 @contextlib.contextmanager
-def engine(spec: str = "null-omni", faults: str = "", stage_kw: dict | None = None, **kw):
-    config = EngineConfig(
-        pipelines=tuple(resolve(spec, **(stage_kw or {}))), faults=parse_faults(faults), **kw
-    )
+def engine(
+    spec: str = "null-omni",
+    faults: str = "",
+    stage_kw: dict | None = None,
+    stage_kind: str | None = None,  # every stage's class ('module:Class'), for test stages
+    **kw,
+):
+    pipelines = resolve(spec, **(stage_kw or {}))
+    if stage_kind is not None:
+        pipelines = [
+            dataclasses.replace(
+                p, stages=tuple(dataclasses.replace(s, kind=stage_kind) for s in p.stages)
+            )
+            for p in pipelines
+        ]
+    config = EngineConfig(pipelines=tuple(pipelines), faults=parse_faults(faults), **kw)
     eng = AsyncOmni(config)
     eng.batches = record_batches(eng)
     eng.start()

@@ -4,20 +4,15 @@ same logic (gloo): tests/stages/test_cfg_parallel.py."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, req
-from tests.stages.test_cfg_parallel import _gone, _ranks, _reference
+from tests.stages.test_cfg_parallel import _reference, signal_mid_step
 from vllm_omni_like.engine import stage_pool
-from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.params import GenerationParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -57,32 +52,7 @@ def test_a_rank_lost_mid_step_takes_its_replica_down_on_gpus(sig, rank):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stage_pool, "RESTART_BACKOFF_S", (0.0,))
         with engine("tiny-image", stage_kw=KW) as eng:
-            replica = eng.orchestrator.pools["tiny-image"][0].replicas[0]
-            old = wait_for(lambda: _ranks(replica), 120, "the replica ready with its two ranks")
-            gone_at: list[float] = []
-
-            def watch() -> None:
-                while not all(_gone(p) for p in old):
-                    time.sleep(0.01)
-                gone_at.append(time.monotonic())
-
-            async def main():
-                signalled = None
-                request = req("gpu-sig", "a red circle", "tiny-image", steps=200, seed=3)
-                async for ev in eng.generate(request):
-                    if isinstance(ev, OmniRequestOutput):
-                        return ev, signalled
-                    if signalled is None and ev.step >= 3:
-                        os.kill(old[rank], sig)
-                        signalled = time.monotonic()
-                        threading.Thread(target=watch, daemon=True).start()
-                raise AssertionError("no final output")
-
-            out, signalled = asyncio.run(main())
-            assert out.ok, out.error
-            wait_for(lambda: gone_at, 30, "both ranks gone")
-            took = gone_at[0] - signalled
-            assert took <= (1.0 if sig == signal.SIGKILL else 2.5), took
-            new = wait_for(lambda: _ranks(replica), 120, "the restarted replica")
-            assert not set(new) & set(old)
-            print(f"{signal.Signals(sig).name} rank {rank}: both ranks gone after {took:.3f}s")
+            out, took, bound = signal_mid_step(eng, "tiny-image", sig, rank, 200, seed=3)
+    assert out.ok, out.error
+    assert took <= bound, f"both ranks gone after {took:.2f}s (bound {bound:.2f}s)"
+    print(f"{signal.Signals(sig).name} rank {rank}: both ranks gone after {took:.3f}s")

@@ -29,8 +29,7 @@ from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
 
 pytestmark = pytest.mark.slow
-STALL_S = 1.0
-KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": STALL_S, "first_step_timeout": 30.0}
+KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "first_step_timeout": 30.0}
 LONG = 24  # steps of the requests a rank is signalled in the middle of
 
 
@@ -56,11 +55,13 @@ def reference_image():
 
 @pytest.fixture(scope="module")
 def cfgp():
-    """tiny-image with one CFG-parallel replica; restarts without back-off, so that the fault
+    """tiny-image with one CFG-parallel replica (whose rank 1 fails its branch for 96 and 128
+    pixel images: tests/stages/branch_fault.py); restarts without back-off, so that the fault
     tests below each find it ready again within a load's time."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stage_pool, "RESTART_BACKOFF_S", (0.0,))
-        with engine("tiny-image", stage_kw=KW, max_restarts=20) as eng:
+        kind = "tests.stages.branch_fault:BranchFaultStage"
+        with engine("tiny-image", stage_kw=KW, stage_kind=kind, max_restarts=20) as eng:
             yield eng
 
 
@@ -147,6 +148,31 @@ def test_a_video_equals_one_rank():
     assert got.shape == ref.shape == (9, 64, 64, 3) and np.abs(got - ref).max() <= 2
 
 
+def test_a_failed_branch_on_rank_1_fails_its_request_and_the_replica_stays(cfgp):
+    """Out of memory on rank 1's first call, and an error on its third (reported after the
+    pipeline call, as the steps never wait for rank 1's status): each request ends with a
+    500 naming it; no restart (the same two processes), and the next request succeeds."""
+    replica = cfgp.orchestrator.pools["tiny-image"][0].replicas[0]
+    before = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
+
+    async def main():
+        return [
+            await final(
+                cfgp, req(rid, "a red circle", "tiny-image", 4, seed=1, width=side, height=side)
+            )
+            for rid, side in (("oom", 96), ("fail", 128), ("fine", 64))
+        ]
+
+    oom, fail, fine = asyncio.run(main())
+    assert (
+        oom.error.status == 500
+        and "rank 1: MemoryError: simulated out of memory" in oom.error.message
+    )
+    assert fail.error.status == 500 and "rank 1's branch failed" in fail.error.message
+    assert fine.ok, fine.error
+    assert replica.executor.pids == before and replica.live
+
+
 def _ranks(replica) -> list[int]:
     """The pids of a live replica's two ranks (empty while it is down)."""
     executor = replica.executor
@@ -161,50 +187,54 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(
-    ("sig", "rank", "bound"),
-    [
-        (signal.SIGKILL, 0, 1.0),
-        (signal.SIGKILL, 1, 1.0),
-        (signal.SIGSTOP, 0, STALL_S + 1.5),  # the stall bound, then its check and the kill
-        (signal.SIGSTOP, 1, STALL_S + 1.5),
-    ],
-    ids=["kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1"],
-)
-def test_a_rank_killed_or_stopped_mid_step_takes_its_replica_down(
-    cfgp, reference_image, sig, rank, bound
-):
-    """Mid-step, one rank is signalled: both ranks are gone within `bound`, the replica
-    restarts whole (two new processes), and the request re-runs there to the same image."""
-    pool = cfgp.orchestrator.pools["tiny-image"][0]
-    replica = pool.replicas[0]
-    old = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
+def signal_mid_step(eng, pipeline: str, sig: int, rank: int, steps: int, seed: int):
+    """Signal `rank` of the pipeline's replica once a request of `steps` steps reported its
+    third; the request's final output, the seconds until both ranks were gone and the bound:
+    1 s after a kill; after a stop, the engine's stall bound for the running batch at that
+    moment, plus 1.5 s for the stall check's period and the kill."""
+    replica = eng.orchestrator.pools[pipeline][0].replicas[0]
+    old = wait_for(lambda: _ranks(replica), 120, "the replica ready with its two ranks")
     gone_at: list[float] = []
+    bound: list[float] = []
 
     def watch() -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(_gone(p) for p in old):
             time.sleep(0.01)
         gone_at.append(time.monotonic())
 
     async def main():
         signalled = None
-        request = req(f"sig-{sig}-{rank}", "a red circle", "tiny-image", steps=LONG, seed=7)
-        async for ev in cfgp.generate(request):
+        request = req(f"sig-{sig}-{rank}", "a red circle", pipeline, steps, seed=seed)
+        async for ev in eng.generate(request):
             if isinstance(ev, OmniRequestOutput):
                 return ev, signalled
             if signalled is None and ev.step >= 3:
+                stall_s = replica.clock.bound()[0]
                 os.kill(old[rank], sig)
                 signalled = time.monotonic()
+                bound.append(1.0 if sig == signal.SIGKILL else stall_s + 1.5)
                 threading.Thread(target=watch, daemon=True).start()
         raise AssertionError("no final output")
 
     out, signalled = asyncio.run(main())
     assert signalled is not None
-    wait_for(lambda: gone_at, 35, "the watcher's verdict")
-    assert gone_at[0] - signalled <= bound, f"both ranks gone after {gone_at[0] - signalled:.2f}s"
-    new = wait_for(lambda: _ranks(replica), 60, "the restarted replica")
+    wait_for(lambda: gone_at, 65, "the watcher's verdict")
+    new = wait_for(lambda: _ranks(replica), 120, "the restarted replica")
     assert len(new) == 2 and not set(new) & set(old)
+    return out, gone_at[0] - signalled, bound[0]
+
+
+@pytest.mark.parametrize(
+    ("sig", "rank"),
+    [(signal.SIGKILL, 0), (signal.SIGKILL, 1), (signal.SIGSTOP, 0), (signal.SIGSTOP, 1)],
+    ids=["kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1"],
+)
+def test_a_rank_killed_or_stopped_mid_step_takes_its_replica_down(cfgp, reference_image, sig, rank):
+    """Mid-step, one rank is signalled: both ranks are gone within the bound, the replica
+    restarts whole (two new processes), and the request re-runs there to the same image."""
+    out, took, bound = signal_mid_step(cfgp, "tiny-image", sig, rank, LONG, seed=7)
+    assert took <= bound, f"both ranks gone after {took:.2f}s (bound {bound:.2f}s)"
     want = reference_image(GenerationParams(num_inference_steps=LONG, seed=7))
     assert _max_diff(_pixels(out), [i.pixels.astype(int) for i in want.images]) <= 2
     health = cfgp.health()[0]

@@ -180,6 +180,9 @@ class BatchedCFG(torch.nn.Module):
     def arm(self, kwargs: dict[str, Any]) -> None:
         self.negative = kwargs["negative_prompt_embeds"]
 
+    def settle(self) -> None:
+        """After a call: raise if a branch computed elsewhere failed (CFG-parallel); none here."""
+
     def disarm(self) -> None:
         self.negative = None
         self._pending = None

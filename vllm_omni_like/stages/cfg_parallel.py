@@ -73,10 +73,8 @@ class Link:
         self.rank = ranks.rank
         self.peer = 1 - ranks.rank
         self.device = device
-        kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
+        if device.type == "cuda":  # (no eager NCCL init: the two talk point to point only)
             torch.cuda.set_device(device)
-            kwargs["device_id"] = device
         else:  # both ranks compute at once on the same cores: each takes half of them, or
             # their thread pools' spinning waits slow both down (measured: 7x on 2 cores)
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))
@@ -86,7 +84,6 @@ class Link:
             rank=ranks.rank,
             world_size=2,
             timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
         )
         # the first exchange sets up the connection between the two: here, not in a request
         if self.rank == 0:
@@ -156,66 +153,113 @@ def _slots(value: Any) -> list[_Slot]:
     return []
 
 
+OK, FAILED, OUT_OF_MEMORY = 0, 1, 2  # rank 1's status of one branch call
+
+
 class Leader:
-    """Rank 0's side: a branch runs on rank 1 while rank 0 computes its own."""
+    """Rank 0's side: a branch runs on rank 1 while rank 0 computes its own.
+
+    The first call of a pipeline call (after `arm`) waits for rank 1's status, which carries
+    the output's shape; every later call only posts its receives, so no step waits on the host
+    for rank 1 (the device waits, where the output is used): the ranks' host work per step
+    (the scheduler, callbacks, launches) stays hidden behind the device's, as on one GPU. Their
+    statuses are read once, in `settle`, after the pipeline call."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
+        self.expect: tuple[tuple[int, ...], str] | None = None
+        self.statuses: list[torch.Tensor] = []
+
+    def arm(self) -> None:
+        self.expect, self.statuses = None, []
 
     def alongside(self, local: Callable[[], T], args: tuple, kwargs: dict) -> tuple[T, Any]:
         """`local()` here while rank 1 runs the model on (args, kwargs); both outputs."""
         tensors: list[torch.Tensor] = []
         meta = _pack((args, kwargs), tensors)
-        self.link.send_obj(("call", meta))
+        first = self.expect is None
+        self.link.send_obj(("call", meta, first))
         for t in tensors:
             self.link.send(t)
         try:
             mine = local()
         except BaseException as exc:
             if not is_fatal_device_error(exc):
-                self._collect()  # rank 1's answer still comes: take it, then fail the batch
+                self._collect(first)  # rank 1's answer still comes: take it, then fail
             raise
-        return mine, self._collect()
+        return mine, self._collect(first)
 
-    def _collect(self) -> torch.Tensor:
-        status = self.link.recv_obj()
-        match status:
+    def _collect(self, first: bool) -> torch.Tensor:
+        if not first:
+            assert self.expect is not None
+            status = self.link.recv((1,), "int64")
+            self.statuses.append(status)
+            return self.link.recv(*self.expect)
+        match self.link.recv_obj():
             case ("ok", shape, dtype):
+                self.expect = (tuple(shape), dtype)
                 return self.link.recv(shape, dtype)
-            case ("error", True, text):
-                raise PeerOutOfMemory(f"CFG-parallel rank 1: {text}")
-            case ("error", False, text):
-                raise PeerFailed(f"CFG-parallel rank 1: {text}")
-        raise RankDiverged(f"rank 1 answered {status!r}")
+            case ("error", code, text):
+                raise (PeerOutOfMemory if code == OUT_OF_MEMORY else PeerFailed)(
+                    f"CFG-parallel rank 1: {text}"
+                )
+            case other:
+                raise RankDiverged(f"rank 1 answered {other!r:.200}")
+
+    def settle(self) -> None:
+        """Raise if any of rank 1's branches since `arm` failed (its log says how)."""
+        statuses, self.statuses = self.statuses, []
+        codes = set(torch.cat(statuses).tolist()) if statuses else set()
+        if OUT_OF_MEMORY in codes:
+            raise PeerOutOfMemory("CFG-parallel rank 1 ran out of memory on its branch")
+        if FAILED in codes:
+            raise PeerFailed("CFG-parallel rank 1's branch failed (its log in the server's)")
 
     def end(self, batch_id: int) -> None:
         self.link.send_obj(("end", batch_id))
 
 
 def serve(link: Link, model: Any, batch_id: int) -> None:
-    """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`."""
+    """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`. A first
+    call answers with a status object (the output's shape); later ones with a status tensor
+    and an output of that shape (zeros after a failure, which rank 0's `settle` reports)."""
+    expect: tuple[tuple[int, ...], str] | None = None
     while True:
         match link.recv_obj():
             case ("end", ended) if ended == batch_id:
                 return
-            case ("call", meta):
+            case ("call", meta, first) if first or expect is not None:
                 tensors = [link.recv(s.shape, s.dtype) for s in _slots(meta)]
                 args, kwargs = _unpack(meta, tensors)
             case other:
                 raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
+        code, out = OK, None
         try:
             with torch.inference_mode():
                 out = model(*args, **kwargs)[0]
         except Exception as exc:
             if is_fatal_device_error(exc):
                 raise
-            oom = is_out_of_memory(exc)
-            if oom and torch.cuda.is_available():
+            code = OUT_OF_MEMORY if is_out_of_memory(exc) else FAILED
+            if code == OUT_OF_MEMORY and torch.cuda.is_available():
                 torch.cuda.empty_cache()
             logger.warning("CFG-parallel rank 1: the branch of batch %d raised %r", batch_id, exc)
-            link.send_obj(("error", oom, f"{type(exc).__name__}: {exc}"))
+            text = f"{type(exc).__name__}: {exc}"
+        if first:
+            if out is None:
+                link.send_obj(("error", code, text))
+                continue
+            expect = (tuple(out.shape), str(out.dtype).removeprefix("torch."))
+            link.send_obj(("ok", *expect))
+            link.send(out)
             continue
-        link.send_obj(("ok", tuple(out.shape), str(out.dtype).removeprefix("torch.")))
+        assert expect is not None
+        if out is not None and (tuple(out.shape), str(out.dtype).removeprefix("torch.")) != expect:
+            code, out = FAILED, None
+            logger.warning("CFG-parallel rank 1: an output's shape changed within a call")
+        link.send(torch.tensor([code], dtype=torch.int64, device=link.device))
+        if out is None:
+            out = torch.zeros(expect[0], dtype=getattr(torch, expect[1]), device=link.device)
         link.send(out)
         del out, args, kwargs, tensors
 
@@ -241,6 +285,10 @@ class SplitCFG(torch.nn.Module):
 
     def arm(self, kwargs: dict[str, Any]) -> None:
         self.rows = 2 * len(kwargs["generator"])
+        self.leader.arm()
+
+    def settle(self) -> None:
+        self.leader.settle()
 
     def disarm(self) -> None:
         self.rows = 0
@@ -277,6 +325,13 @@ class PairCFG(BatchedCFG):
     def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
         super().__init__(model)
         self.leader = leader
+
+    def arm(self, kwargs: dict[str, Any]) -> None:
+        super().arm(kwargs)
+        self.leader.arm()
+
+    def settle(self) -> None:
+        self.leader.settle()
 
     def _branches(self, kwargs: dict[str, Any], negative: torch.Tensor) -> tuple[tuple, tuple]:
         mine, theirs = self.leader.alongside(

@@ -303,7 +303,10 @@ class DiffusionStage(Stage):
             self.cfg.arm(kwargs)
         try:
             with torch.inference_mode():
-                return pipe(**kwargs)
+                result = pipe(**kwargs)
+            if self.cfg is not None:
+                self.cfg.settle()
+            return result
         finally:
             if self.cfg is not None:
                 self.cfg.disarm()

@@ -1,0 +1,27 @@
+"""A diffusion stage for the CFG-parallel tests, imported by 'module:Class' in its workers (a
+module of its own: the null stages' helpers must not import torch)."""
+
+from __future__ import annotations
+
+from vllm_omni_like.stages.diffusion import DiffusionStage
+
+
+class BranchFaultStage(DiffusionStage):
+    """A diffusion stage whose CFG-parallel rank 1 fails its branch, as a device would:
+    out of memory on the first call for 96x96 images (24x24 latents), and a plain error on
+    the third of four calls for 128x128 ones (32x32 latents)."""
+
+    def load(self, device: str) -> None:
+        super().load(device)
+        model, calls = self.branch_model, {"n": 0}
+
+        def branch(*args, **kwargs):
+            side = (args[0] if args else kwargs["sample"]).shape[-1]
+            if side == 24:
+                raise MemoryError("simulated out of memory on rank 1")
+            calls["n"] = (calls["n"] + 1) if side == 32 else 0
+            if calls["n"] % 4 == 3:
+                raise RuntimeError("simulated failure on rank 1")
+            return model(*args, **kwargs)
+
+        self.branch_model = branch
