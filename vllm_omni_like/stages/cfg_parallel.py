@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,7 @@ from vllm_omni_like.stages.isolation import (
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 WARM_UP = -1  # the batch id of the compile warm-up, which rank 0 drives at load
+HEADER_BYTES = 4096  # a call's header (its arguments' structure) fits in one message
 
 
 class RankDiverged(FatalStageError):
@@ -73,6 +76,7 @@ class Link:
         self.rank = ranks.rank
         self.peer = 1 - ranks.rank
         self.device = device
+        self._codes: dict[int, torch.Tensor] = {}
         if device.type == "cuda":  # (no eager NCCL init: the two talk point to point only)
             torch.cuda.set_device(device)
         else:  # both ranks compute at once on the same cores: each takes half of them, or
@@ -100,14 +104,37 @@ class Link:
             raise RankDiverged(f"rank {self.rank}: {what} rank {self.peer} failed: {exc}") from exc
 
     def send_obj(self, obj: object) -> None:
-        self._io("sending to", lambda: dist.send_object_list([obj], self.peer, device=self.device))
+        """A small object as one fixed-size message (a longer one in a second message), copied
+        to the device from pinned memory without waiting: torch's own send_object_list copies
+        from pageable memory, which waits for everything queued on the device first."""
+        data = pickle.dumps(obj)
+        head = np.zeros(HEADER_BYTES, np.uint8)
+        head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+        fits = len(data) <= HEADER_BYTES - 8
+        if fits:
+            head[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
+        self.send(self._to_device(head))
+        if not fits:
+            self.send(self._to_device(np.frombuffer(data, np.uint8)))
 
     def recv_obj(self) -> Any:
-        box: list[Any] = [None]
-        self._io(
-            "receiving from", lambda: dist.recv_object_list(box, self.peer, device=self.device)
-        )
-        return box[0]
+        head = self.recv((HEADER_BYTES,), "uint8").cpu().numpy()
+        size = int.from_bytes(head[:8].tobytes(), "little")
+        if size <= HEADER_BYTES - 8:
+            return pickle.loads(head[8 : 8 + size].tobytes())
+        return pickle.loads(self.recv((size,), "uint8").cpu().numpy().tobytes())
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def code(self, value: int) -> torch.Tensor:
+        """A status as a one-element tensor on the device, made once per value."""
+        if value not in self._codes:
+            self._codes[value] = torch.full((1,), value, dtype=torch.int64, device=self.device)
+        return self._codes[value]
 
     def send(self, tensor: torch.Tensor) -> None:
         self._io("sending to", lambda: dist.send(tensor.contiguous(), dst=self.peer))
@@ -257,7 +284,7 @@ def serve(link: Link, model: Any, batch_id: int) -> None:
         if out is not None and (tuple(out.shape), str(out.dtype).removeprefix("torch.")) != expect:
             code, out = FAILED, None
             logger.warning("CFG-parallel rank 1: an output's shape changed within a call")
-        link.send(torch.tensor([code], dtype=torch.int64, device=link.device))
+        link.send(link.code(code))
         if out is None:
             out = torch.zeros(expect[0], dtype=getattr(torch, expect[1]), device=link.device)
         link.send(out)
