@@ -29,7 +29,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -39,7 +38,7 @@ import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
-from vllm_omni_like.media import read_video
+from vllm_omni_like.media import decode_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,16 +122,6 @@ def serve(label: str, args: argparse.Namespace, body: dict[str, Any], log: str) 
     return {"start_s": round(server.start_s, 1), "median": median, "runs": runs, "mp4": mp4}
 
 
-def frames_of(data: bytes) -> np.ndarray:
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    try:
-        return read_video(path)
-    finally:
-        os.unlink(path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -159,7 +148,7 @@ def main() -> int:
     log = os.path.join(args.out_dir, f"cfg_parallel-{device}.log")
     found = {label: serve(label, args, body, log) for label in SETTINGS}
     one, two = found["1gpu"]["median"], found["cfg_parallel"]["median"]
-    a, b = (frames_of(found[k].pop("mp4")) for k in SETTINGS)
+    a, b = (decode_video(found[k].pop("mp4")) for k in SETTINGS)
     value = psnr(a, b) if a.shape == b.shape else -np.inf
     report = {
         "cfg_parallel_denoise_ratio": round(two["denoise_s"] / one["denoise_s"], 4),

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -19,7 +17,7 @@ import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
-from vllm_omni_like.media import read_video
+from vllm_omni_like.media import decode_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 
 CODEC_TOLERANCE_DB = 0.5  # MP4s: the server's as close to the reference frames as the reference's
@@ -73,13 +71,7 @@ def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float
 def video_bench(args: argparse.Namespace, log: str) -> dict[str, Any]:
     reference = ref.video_reference(args.video_dtype, args.video_runs, 16, video_options(args))
     server_s, mp4, _ = serve_video(args, log)
-    paths = []
-    for data in (reference["mp4"], mp4):
-        fd, path = tempfile.mkstemp(suffix=".mp4")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        paths.append(path)
-    a, b = (read_video(p) for p in paths)
+    a, b = (decode_video(data) for data in (reference["mp4"], mp4))
     same_shape = a.shape == b.shape == reference["frames"].shape
     value = psnr(a, b) if same_shape else -math.inf
     # H.264 is lossy: frames that differ by a rounding step can encode to MP4s further apart

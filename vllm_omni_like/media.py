@@ -173,6 +173,17 @@ def encode_video(frames: np.ndarray, fps: int) -> bytes:
         os.unlink(path)
 
 
+def decode_video(data: bytes) -> np.ndarray:
+    """An encoded video's frames (FxHxWx3 uint8): encode_video's inverse, for tests and checks."""
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    try:
+        return read_video(path)
+    finally:
+        os.unlink(path)
+
+
 def read_video(path: str) -> np.ndarray:
     """Decode a video to FxHxWx3 uint8 with the bundled ffmpeg (or PyAV) - for tests and checks."""
     try:

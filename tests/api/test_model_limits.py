@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from tests.api.conftest import live_server
-from vllm_omni_like.media import read_video
+from vllm_omni_like.media import decode_video
 from vllm_omni_like.shapes import world
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def test_openai_video_sizes_run_at_the_nearest_size_and_the_object_says_so(tiny)
         33,
         8,
     )
-    frames = read_video_bytes(client.videos.download_content(video.id).read())
+    frames = decode_video(client.videos.download_content(video.id).read())
     assert frames.shape[:3] == (33, 64, 32)
     with tiny.http() as http:
         wide = http.post(
@@ -128,19 +128,6 @@ def test_openai_video_sizes_run_at_the_nearest_size_and_the_object_says_so(tiny)
         )
         frames = http.post("/v1/videos", json={"prompt": "x", "num_frames": 40})
         assert _error(frames, 400, "num_frames", "invalid_value").startswith("num_frames 40 ")
-
-
-def read_video_bytes(data: bytes) -> np.ndarray:
-    import os
-    import tempfile
-
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    try:
-        return read_video(path)
-    finally:
-        os.unlink(path)
 
 
 def _edit(http, image: bytes, mask: bytes | None = None, **fields):

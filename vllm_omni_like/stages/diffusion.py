@@ -113,7 +113,7 @@ class DiffusionStage(Stage):
         self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
         # the decode of a deferred batch runs here, beside the next batch's steps
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if cfg.compile and self.ranks.rank > 0:
+        if cfg.compile and self.link is not None and self.ranks.rank > 0:
             self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles this one's
         elif cfg.compile:
             self._warm_up()
