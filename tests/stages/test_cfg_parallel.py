@@ -127,8 +127,10 @@ def test_images_equal_one_rank_and_rank_0_computes_half_the_batch(cfgp, referenc
 
 
 def test_a_video_equals_one_rank():
-    """Wan: the pipeline's second (unconditional) call is rank 1's."""
-    config = StageConfig(name="diffusion", kind="diffusion", model="tiny-video", **KW)
+    """Wan: the pipeline's second (unconditional) call is rank 1's. Compiled (dynamo's eager
+    backend: real tracing, no C compiler): rank 0's warm-up at load drives rank 1's."""
+    compiled = {"compile": True, "batch_buckets": (1,), "options": {"compile_backend": "eager"}}
+    config = StageConfig(name="diffusion", kind="diffusion", model="tiny-video", **KW, **compiled)
     sink: queue.Queue = queue.Queue()
     ex = MultiprocExecutor(config, 0, sink.put)
     ex.start()
