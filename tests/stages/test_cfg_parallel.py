@@ -25,8 +25,10 @@ from vllm_omni_like.messages import BatchDone, ExecuteBatch, RequestResult, Stag
 from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
+from vllm_omni_like.stages import cfg_parallel
 from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.tiny_models import image_pipeline
 
 pytestmark = pytest.mark.slow
 KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "first_step_timeout": 30.0}
@@ -93,6 +95,14 @@ def test_config_takes_devices_two_by_two():
     # a whole pipeline's flag leaves its LLM stage alone
     llm, diffusion = resolve("tiny-omni", cfg_parallel=True)[0].stages
     assert (llm.cfg_parallel, diffusion.cfg_parallel) == (False, True)
+
+
+def test_rank_1_keeps_only_the_denoiser():
+    """Rank 1 never encodes text nor decodes: its pipeline drops all models but the denoiser."""
+    pipe = image_pipeline()
+    dropped = cfg_parallel.keep_only_the_denoiser(pipe)
+    assert {"text_encoder", "vae"} <= set(dropped) and "unet" not in dropped
+    assert pipe.text_encoder is None and pipe.vae is None and pipe.unet is not None
 
 
 def test_pinning_a_rank_shows_it_its_peer_after_its_own_gpu(monkeypatch):

@@ -101,8 +101,14 @@ class DiffusionStage(Stage):
             configured = cfg.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
         self.leader: cfg_parallel.Leader | None = None
+        self.cfg: accel.BatchedCFG | cfg_parallel.SplitCFG | None = None
         self.branch_model = getattr(pipe, accel.denoiser_name(pipe))  # rank 1's, compiled or not
-        if self.link is not None and self.ranks.rank == 0:
+        if self.link is not None and self.ranks.rank > 0:  # rank 1 runs its denoiser only
+            cfg_parallel.keep_only_the_denoiser(pipe)
+            if cfg.compile:
+                self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
+            return
+        if self.link is not None:
             self.leader = cfg_parallel.Leader(self.link)
             self.cfg = cfg_parallel.split_branches(pipe, self.leader)
         else:
@@ -113,9 +119,7 @@ class DiffusionStage(Stage):
         self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
         # the decode of a deferred batch runs here, beside the next batch's steps
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if cfg.compile and self.link is not None and self.ranks.rank > 0:
-            self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles this one's
-        elif cfg.compile:
+        if cfg.compile:
             self._warm_up()
             self.end_branches(cfg_parallel.WARM_UP)
 
