@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.base import Deferred, StageControl
+from vllm_omni_like.stages.isolation import FatalStageError
 from vllm_omni_like.stages.null import NullStage
 
 
 class DeviceErrorStage(NullStage):
-    """Fails like a broken GPU when a prompt says 'device-error', OOMs on 'oom-always'."""
+    """Fails like a broken GPU when a prompt says 'device-error', like a CFG-parallel rank whose
+    peer is gone on 'link-broken'."""
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         if any("device-error" in r.prompt for r in batch):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if any("link-broken" in r.prompt for r in batch):
+            raise FatalStageError("rank 0: sending to rank 1 failed: Connection reset by peer")
         return super().begin(batch, control)
 
 

@@ -72,6 +72,13 @@ def test_device_error_is_fatal_not_bisected():
         run_isolated(_stage(DeviceErrorStage), _batch(["a", "device-error"]), _control())
 
 
+def test_an_error_that_ends_the_worker_is_not_a_request_error():
+    """A CFG-parallel rank whose peer died raises FatalStageError itself: never bisected into
+    request errors (their requests must re-run once the replica restarts)."""
+    with pytest.raises(FatalStageError, match="Connection reset by peer"):
+        run_isolated(_stage(DeviceErrorStage), _batch(["a", "link-broken"]), _control())
+
+
 def test_aborted_requests_are_skipped():
     control = _control()
     control.abort(["r0", "r1"])

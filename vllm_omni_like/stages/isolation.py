@@ -67,6 +67,8 @@ def _bisect(
         return run(live)
     except StageAborted:
         return []
+    except FatalStageError:  # raised as such (a CFG-parallel rank's link broke): the worker's
+        raise
     except Exception as exc:
         if is_fatal_device_error(exc):
             raise FatalStageError(str(exc)) from exc
