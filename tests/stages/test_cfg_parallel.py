@@ -185,6 +185,41 @@ def test_a_failed_branch_on_rank_1_fails_its_request_and_the_replica_stays(cfgp)
     assert replica.executor.pids == before and replica.live
 
 
+def test_an_abort_mid_step_stops_both_ranks_and_the_replica_serves_on(cfgp, reference_image):
+    """Rank 0 alone decides: it stops at its next step boundary and ends rank 1's batch; the
+    next request runs on the same two processes to the right image."""
+    replica = cfgp.orchestrator.pools["tiny-image"][0].replicas[0]
+    before = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
+
+    async def main():
+        stepped = asyncio.Event()
+
+        async def run():
+            async for ev in cfgp.generate(req("cut", "a red circle", "tiny-image", LONG, seed=9)):
+                if isinstance(ev, OmniRequestOutput):
+                    return ev
+                if ev.step >= 3:
+                    stepped.set()
+            raise AssertionError("no final output")
+
+        task = asyncio.create_task(run())
+        await asyncio.wait_for(stepped.wait(), 30)
+        cfgp.abort("cut")
+        cut = await asyncio.wait_for(task, 10)
+        after = await final(cfgp, req("after-cut", "a red circle", "tiny-image", 4, seed=1))
+        return cut, after
+
+    cut, after = asyncio.run(main())
+    assert cut.error is not None and cut.error.code == "aborted"
+    (report,) = wait_for(
+        lambda: [b for b in cfgp.batches if "cut" in b.steps_after_abort], 10, "the cut batch"
+    )
+    assert report.steps_after_abort["cut"] <= 1 and report.steps_run["cut"] < LONG
+    want = reference_image(GenerationParams(num_inference_steps=4, seed=1))
+    assert _max_diff(_pixels(after), [i.pixels.astype(int) for i in want.images]) <= 2
+    assert _ranks(replica) == before
+
+
 def _ranks(replica) -> list[int]:
     """The pids of a live replica's two ranks (empty while it is down)."""
     executor = replica.executor
