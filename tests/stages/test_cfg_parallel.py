@@ -32,7 +32,7 @@ from vllm_omni_like.stages.tiny_models import image_pipeline
 
 pytestmark = pytest.mark.slow
 KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "first_step_timeout": 30.0}
-LONG = 24  # steps of the requests a rank is signalled in the middle of
+LONG = 16  # steps of the requests a rank is signalled in the middle of
 
 
 def _reference(spec: str, device: str = "cpu"):
