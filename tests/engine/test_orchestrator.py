@@ -6,12 +6,17 @@ import asyncio
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.conftest import wait_for, wait_until
 from tests.engine.helpers import assert_clean, collect, engine, final, gather, req, steps_of
+from vllm_omni_like.config import EngineConfig
+from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import EngineDeadError, ErrorKind, NotFoundError, QueueFullError
+from vllm_omni_like.executor.multiproc import SHUTDOWN_GRACE_S
 from vllm_omni_like.outputs import RequestProgress
+from vllm_omni_like.pipelines.catalog import resolve
 
 FAULTS = (
     "stage=llm,point=execute,kind=raise,match=@llmfail;"
@@ -239,3 +244,32 @@ def test_offline_omni_is_the_same_path():
         assert all(o.ok and o.output.images for o in outs)
         future = omni.submit(req("bad", "x", pipeline="null-image", width=99999))
         assert future.result(10).error.status == 400
+
+
+def test_stages_shut_down_side_by_side_not_one_after_the_other():
+    """Two pipelines, each with a batch its worker will not end early (no abort reaches it):
+    each executor gives its worker SHUTDOWN_GRACE_S before killing it, and the engine's
+    shutdown takes about one grace period, not one per stage."""
+    eng = AsyncOmni(EngineConfig(pipelines=(*resolve("null-image"), *resolve("null-video"))))
+    eng.start()
+    names = ("null-image", "null-video")
+
+    async def main() -> float:
+        tasks = [  # 100 steps x 0.1 s each: 10 s of work
+            asyncio.create_task(final(eng, req(f"long-{n}", pipeline=n, steps=100, delay=0.1)))
+            for n in names
+        ]
+        for n in names:
+            replica = eng.orchestrator.pools[n][0].replicas[0]
+            assert await asyncio.to_thread(wait_until, lambda r=replica: r.inflight, 10)
+        pids = [p for n in names for p in eng.orchestrator.pools[n][0].replicas[0].executor.pids]
+        started = time.monotonic()
+        await asyncio.to_thread(eng.shutdown)
+        took = time.monotonic() - started
+        assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)  # both stopped
+        outs = await asyncio.gather(*tasks)
+        assert all(o.error is not None for o in outs)  # ended by the shutdown, none left waiting
+        return took
+
+    took = asyncio.run(main())
+    assert took < SHUTDOWN_GRACE_S + 2.0, f"shutdown took {took:.1f}s"

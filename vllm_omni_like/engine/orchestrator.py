@@ -163,9 +163,9 @@ class Orchestrator:
         self.inbox.put(StopOrchestrator())
         if self._thread is not None:
             self._thread.join(30)
-        for pools in self.pools.values():
-            for pool in pools:
-                pool.shutdown()
+        every = [pool for pools in self.pools.values() for pool in pools]
+        for exc in in_parallel(lambda pool: pool.shutdown(), every):  # their grace periods overlap
+            logger.error("a stage failed to shut down: %r", exc)
         for state in list(self.requests.values()):
             self._finish(state, EngineDeadError("the engine shut down"))
 

@@ -17,7 +17,7 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine import routing
 from vllm_omni_like.engine.batching import make_policy, take_compatible
 from vllm_omni_like.engine.replica import InFlight, Replica
-from vllm_omni_like.engine.replica_start import ReplicaStarter, lacks_room
+from vllm_omni_like.engine.replica_start import ReplicaStarter, in_parallel, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
@@ -98,12 +98,12 @@ class StagePool:
         self.started = True
 
     def shutdown(self) -> None:
-        starting = self.starter.shutdown()
-        for r in self.replicas:
-            if r.executor is not None:
-                r.executor.shutdown()
-        for executor in starting:  # a start under way, or done but not yet handed over
-            executor.shutdown()
+        """Every executor at once: each may give its workers a grace period to end a batch, and
+        one after the other those would add up."""
+        starting = self.starter.shutdown()  # a start under way, or done but not handed over
+        executors = [r.executor for r in self.replicas if r.executor is not None] + starting
+        for exc in in_parallel(lambda executor: executor.shutdown(), executors):
+            logger.error("stage %s: an executor failed to shut down: %r", self.name, exc)
 
     # ---- state -----------------------------------------------------------------------------------
     @property
