@@ -45,10 +45,7 @@ def measure(args: argparse.Namespace, flags: list[str], log: str) -> dict[str, A
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--guidance", type=float, default=7.5)
-    ap.add_argument("--dtype", default="fp16")
+    ref.add_workload_args(ap)
     ap.add_argument("--lone", type=int, default=6, help="requests at concurrency 1")
     ap.add_argument("--rounds", type=int, default=3, help="requests per client at c32")
     ap.add_argument("--out-dir", default="bench/results")

@@ -172,11 +172,16 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def add_image_args(ap: argparse.ArgumentParser) -> None:
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The SD1.5 image workload every image benchmark runs, reference and servers alike."""
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--guidance", type=float, default=7.5)
+
+
+def add_image_args(ap: argparse.ArgumentParser) -> None:
+    add_workload_args(ap)
     ap.add_argument("--latency-runs", type=int, default=5)
     ap.add_argument("--runs", type=int, default=2, help="timed calls per batch size")
 

@@ -131,10 +131,7 @@ def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="1,2,4", help="replica counts (GPUs 0..N-1 each)")
-    ap.add_argument("--size", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--guidance", type=float, default=7.5)
-    ap.add_argument("--dtype", default="fp16")
+    ref.add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=3, help="requests per client")
     ap.add_argument("--keep", type=int, default=8, help="seeds whose images are compared")
     ap.add_argument("--batch-buckets", default="8,32")
