@@ -63,8 +63,11 @@ class _Slot:
     """Where a tensor stood in a call's arguments: it follows the header, in order."""
 
     index: int
-    shape: tuple[int, ...]
-    dtype: str
+
+
+def _spec(tensor: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    """A tensor's shape and dtype name, as the other rank allocates it."""
+    return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
 
 class Link:
@@ -153,7 +156,7 @@ def _pack(value: Any, tensors: list[torch.Tensor]) -> Any:
     """`value` with each tensor replaced by its slot (the tensors go separately)."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
-        return _Slot(len(tensors) - 1, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+        return _Slot(len(tensors) - 1)
     if isinstance(value, dict):
         return {k: _pack(v, tensors) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -169,15 +172,6 @@ def _unpack(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_unpack(v, tensors) for v in value)
     return value
-
-
-def _slots(value: Any) -> list[_Slot]:
-    if isinstance(value, _Slot):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, dict | list | tuple):
-        return [s for v in items for s in _slots(v)]
-    return []
 
 
 OK, FAILED, OUT_OF_MEMORY = 0, 1, 2  # rank 1's status of one branch call
@@ -205,7 +199,8 @@ class Leader:
         tensors: list[torch.Tensor] = []
         meta = _pack((args, kwargs), tensors)
         first = self.expect is None
-        self.link.send_obj(("call", meta, first))
+        specs = [_spec(t) for t in tensors]
+        self.link.send_obj(("call", meta, specs, first))
         for t in tensors:
             self.link.send(t)
         try:
@@ -255,8 +250,8 @@ def serve(link: Link, model: Any, batch_id: int) -> None:
         match link.recv_obj():
             case ("end", ended) if ended == batch_id:
                 return
-            case ("call", meta, first) if first or expect is not None:
-                tensors = [link.recv(s.shape, s.dtype) for s in _slots(meta)]
+            case ("call", meta, specs, first) if first or expect is not None:
+                tensors = [link.recv(shape, dtype) for shape, dtype in specs]
                 args, kwargs = _unpack(meta, tensors)
             case other:
                 raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
@@ -276,12 +271,12 @@ def serve(link: Link, model: Any, batch_id: int) -> None:
             if out is None:
                 link.send_obj(("error", code, text))
                 continue
-            expect = (tuple(out.shape), str(out.dtype).removeprefix("torch."))
+            expect = _spec(out)
             link.send_obj(("ok", *expect))
             link.send(out)
             continue
         assert expect is not None
-        if out is not None and (tuple(out.shape), str(out.dtype).removeprefix("torch.")) != expect:
+        if out is not None and _spec(out) != expect:
             code, out = FAILED, None
             logger.warning("CFG-parallel rank 1: an output's shape changed within a call")
         link.send(link.code(code))
