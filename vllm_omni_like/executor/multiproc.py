@@ -80,7 +80,6 @@ class MultiprocExecutor(Executor):
         self.sink = sink
         self.faults = faults
         self.devices = placement.rank_devices(config, replica)  # one per rank
-        self.device = placement.replica_label(config, replica)
         # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
         self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.cfg_parallel else ""
         self._workers: list[_WorkerHandle] = []
