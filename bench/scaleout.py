@@ -54,6 +54,34 @@ def restart_seconds(url: str, replica: int) -> float:
     return time.monotonic() - t0
 
 
+def batch_counts(url: str) -> dict[str, float]:
+    """The diffusion stage's batch-size histogram from /metrics: batches, requests in them, and
+    batches of at most half the largest size (a closed loop's batches split by the policy)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {"batches": 0.0, "requests": 0.0, "split": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("vllm_omni_like_batch_size") or 'stage="diffusion"' not in line:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if line.startswith("vllm_omni_like_batch_size_count"):
+            out["batches"] = value
+        elif line.startswith("vllm_omni_like_batch_size_sum"):
+            out["requests"] = value
+        elif f'le="{PER_GPU // 2}.0"' in line:
+            out["split"] = value
+    return out
+
+
+def batch_use(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    batches = after["batches"] - before["batches"]
+    requests = after["requests"] - before["requests"]
+    return {
+        "batches": int(batches),
+        "mean_batch": round(requests / max(batches, 1), 2),
+        f"batches_up_to_{PER_GPU // 2}": int(after["split"] - before["split"]),
+    }
+
+
 def worker_pid(url: str, replica: int) -> int:
     stage = httpx.get(f"{url}/health", timeout=10).json()["stages"][0]
     return stage["replicas"][replica]["pids"][0]
@@ -96,17 +124,23 @@ def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dic
         "--batch-buckets",
         args.batch_buckets,
     ]
-    server = Server(flags, log, timeout=1800)
+    server = Server([*flags, *args.server_flags.split()], log, timeout=1800)
     out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     try:
         c = PER_GPU * n
         asyncio.run(closed_loop(server.url, args, c, c, 0))  # warm-up: every replica, full batch
         total = c * args.rounds
+        before = batch_counts(server.url)
         _, wall, kept = asyncio.run(closed_loop(server.url, args, c, total, args.keep))
         out.update(concurrency=c, requests=total, img_s=round(total / wall, 3))
+        out["batch_use"] = batch_use(before, batch_counts(server.url))
         health = httpx.get(f"{server.url}/health", timeout=10).json()["stages"][0]
         out["replicas"] = health["replicas"]
-        print(f"N={n}: {out['img_s']} img/s at c{c}, start {out['start_s']} s", file=sys.stderr)
+        print(
+            f"N={n}: {out['img_s']} img/s at c{c}, start {out['start_s']} s, batches "
+            f"{out['batch_use']}",
+            file=sys.stderr,
+        )
         if n == max(args.gpus) and n > 1 and args.kill_under_load:
             batch_s = PER_GPU / (out["img_s"] / n)  # one replica's full batch
             done, at = asyncio.run(kill_under_load(server.url, args, c, c * args.rounds, n - 1))
@@ -132,24 +166,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", default="1,2,4", help="replica counts (GPUs 0..N-1 each)")
     ref.add_workload_args(ap)
-    ap.add_argument("--rounds", type=int, default=3, help="requests per client")
+    ap.add_argument("--rounds", type=int, default=5, help="requests per client")
     ap.add_argument("--keep", type=int, default=8, help="seeds whose images are compared")
     ap.add_argument("--batch-buckets", default="8,32")
     ap.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--kill-under-load", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--server-flags", default="", help="more `serve` flags, e.g. a batch policy")
+    ap.add_argument("--label", default="", help="suffix of the result files' names")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     args.gpus = [int(g) for g in args.gpus.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
     name = ref.device_name()
-    path = os.path.join(args.out_dir, f"scaleout-{name}.json")
-    log = os.path.join(args.out_dir, f"scaleout-{name}.log")
+    path = os.path.join(args.out_dir, f"scaleout-{name}{args.label}.json")
+    log = os.path.join(args.out_dir, f"scaleout-{name}{args.label}.log")
     report: dict[str, Any] = {
         "device": ref.gpu_name(),
         "gpus": max(args.gpus),
         "workload": f"sd15 dummy {args.size}x{args.size} {args.steps} steps CFG "
         f"{args.guidance} {args.dtype}, --compile --batch-buckets {args.batch_buckets}, "
-        f"closed loop at {PER_GPU} clients per replica",
+        f"closed loop at {PER_GPU} clients per replica, {args.rounds} requests each"
+        + (f", serve flags {args.server_flags}" if args.server_flags else ""),
         "runs": {},
     }
     images: dict[int, dict[int, np.ndarray]] = {}

@@ -67,6 +67,21 @@ def test_refill_holds_for_the_clients_of_the_last_batch():
     assert not never.hold(0, [_Queued("a")], 5.0)
 
 
+def test_refill_a_hold_ends_only_for_the_replica_that_takes_the_batch():
+    """Replicas share one queue: when it reaches what two holding replicas wait for, one takes
+    it and the other keeps waiting for its own clients (it used to stop holding as well and
+    take the next request that came back alone: a batch split with 4 replicas)."""
+    policy = RefillHold(max_batch=4, share=0.5)
+    policy.batch_done(0, size=4, started=0.0, now=2.0, waiting=0)
+    policy.batch_done(1, size=4, started=0.0, now=2.0, waiting=0)
+    full = [_Queued("a")] * 4
+    assert not policy.hold(0, full, 2.1) and not policy.hold(1, full, 2.1)
+    policy.took(0)  # replica 0 took the four
+    assert policy.hold(1, [_Queued("b")], 2.2)  # replica 1 still waits for its four
+    assert not policy.hold(0, [_Queued("b")], 2.2)  # replica 0's hold is over
+    assert not policy.hold(1, [_Queued("b")], 3.0)  # until its window closes
+
+
 def test_request_level_waits_from_the_oldest_for_a_full_batch():
     policy = RequestLevel(max_batch=4, max_wait=0.2)
     queued = [_Queued(str(i), enqueued_at=10.0) for i in range(3)]

@@ -57,7 +57,12 @@ class BatchPolicy:
         self.max_batch = max_batch
 
     def hold(self, replica: int, waiting: Sequence[RequestState], now: float) -> bool:
+        """Whether idle `replica` holds back now. Asked of every idle replica in one pass, so
+        it changes nothing: a hold ends only for the replica that takes a batch (`took`)."""
         return False
+
+    def took(self, replica: int) -> None:
+        """Replica `replica` was given a batch: what it held out for is over."""
 
     def denoised(self, replica: int, size: int, waiting: int) -> None:
         """Replica `replica`'s batch of `size` is denoised; `waiting` are queued."""
@@ -77,10 +82,10 @@ class RefillHold(BatchPolicy):
 
     def hold(self, replica: int, waiting: Sequence[RequestState], now: float) -> bool:
         target, until = self._holds.get(replica, (0, 0.0))
-        if target <= len(waiting) or now >= until:
-            self._holds.pop(replica, None)
-            return False
-        return True
+        return len(waiting) < target and now < until
+
+    def took(self, replica: int) -> None:
+        self._holds.pop(replica, None)
 
     def denoised(self, replica: int, size: int, waiting: int) -> None:
         if self.share > 0:  # its clients come back only after its decode: until then

@@ -160,6 +160,7 @@ class StagePool:
             flight = self._in_flight(next_batch_id(), batch, now)
             replica = routing.choose(free, flight.units_left, self.config.routing)
             replica.dispatched(flight)
+            self.policy.took(replica.index)
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
