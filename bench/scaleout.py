@@ -3,13 +3,15 @@
     python bench/scaleout.py --gpus 1,2,4          # on a machine with 4 GPUs
 
 For each N of `--gpus`, `vllm-omni-like serve sd15 --load-format dummy --devices 0..N-1
---compile --batch-buckets 8,32` starts as its own process (one replica per GPU) and closed-loop
-HTTP clients drive it at concurrency 32 x N (the SD1.5 architecture as in bench/serving.py:
-512x512, 30 DDIM steps, CFG 7.5). Every N's images must equal N = 1's at the same seeds
+--compile --batch-buckets 8,32 --batch-policy refill` starts as its own process (one replica
+per GPU) and closed-loop HTTP clients drive it at concurrency 32 x N (the SD1.5 architecture as
+in bench/serving.py: 512x512, 30 DDIM steps, CFG 7.5); each N's batch use (batches, mean size,
+split batches) is read from /metrics. `--server-flags ''` measures the server's default
+(request-level) policy instead. Every N's images must equal N = 1's at the same seeds
 (PSNR >= 35 dB). On the largest N, one replica's worker is SIGKILLed (its pid from /health) and
 the time until /health shows that replica ready again is the compiled restart (the inductor
 cache that the first start filled is shared under the server's cache dir).
-Result: bench/results/scaleout-<device>.json.
+Result: bench/results/scaleout-<device><label>.json.
 """
 
 from __future__ import annotations
@@ -171,7 +173,12 @@ def main() -> None:
     ap.add_argument("--batch-buckets", default="8,32")
     ap.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--kill-under-load", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--server-flags", default="", help="more `serve` flags, e.g. a batch policy")
+    ap.add_argument(
+        "--server-flags",
+        default="--batch-policy refill",
+        help="more `serve` flags (default: the policy for closed-loop clients; '' for the "
+        "server's default)",
+    )
     ap.add_argument("--label", default="", help="suffix of the result files' names")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()

@@ -15,7 +15,10 @@ holds back for now (`hold`). Which requests go together is the same for every po
   N, with W already waiting, the replica waits until N + W requests (a full batch at most) are
   queued, for at most `batch_wait` x that batch's run time (10 %: 0.6 s after a 6 s GPU batch).
   With the decode deferred, the hold starts when the batch is denoised and its window opens
-  when the batch's results are out. An idle stage takes a new request at once.
+  when the batch's results are out. An idle stage takes a new request at once. Replicas share
+  the queue: a hold ends only for the replica given the batch (`took`), the others keep
+  waiting for their own clients. Needed for closed loops over several replicas with compiled
+  batch buckets (a fragment costs a bucket): 3.87x one GPU on 4 against 3.62x with `request`.
 """
 
 from __future__ import annotations
