@@ -186,7 +186,8 @@ def test_after_a_batch_the_replica_waits_briefly_for_its_clients_to_come_back(wa
 
 
 def test_a_stage_that_was_idle_takes_a_request_at_once():
-    with engine("null-image", stage_kw={"batch_wait": 1.0}) as e:
+    kw = {"batch_policy": "refill", "batch_wait": 1.0}  # (request-level never holds)
+    with engine("null-image", stage_kw=kw) as e:
 
         async def run():
             await final(e, req("warm", pipeline="null-image", steps=2, delay=0.2))
