@@ -10,8 +10,9 @@ two ranks each run one guidance branch of every step). Each serves a warm-up vid
 server's /metrics, read before and after, split the time:
 
 - denoise: the worker's denoising loop (`batch_phase_seconds{phase="denoise"}`);
-- decode: the VAE decode and the frames to the host (`phase="finish"`);
-- encode: the MP4 and its thumbnail (`video_encode_seconds`);
+- decode: the VAE decode, the frames to the host and the MP4, encoded while the VAE decodes
+  (`phase="finish"`);
+- encode: what the server process still encodes: the thumbnail (`video_encode_seconds`);
 - engine other: the rest of the job's end-to-end time (`e2e_latency_seconds`, which for a video
   job ends once its files are written): queueing, the frames' way from the worker to the server
   process;
@@ -38,8 +39,8 @@ import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
-from vllm_omni_like.media import decode_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
+from vllm_omni_like.video_codec import decode_video
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = ("1gpu", "cfg_parallel")

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vllm_omni_like.media import PNG_COMPRESS_LEVEL, encode_video
+from vllm_omni_like.media import PNG_COMPRESS_LEVEL
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.torch_utils import dummy_pipeline
+from vllm_omni_like.video_codec import encode_video
 
 PROMPT = "a red circle at the top left on a blue background"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -17,8 +17,8 @@ import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
-from vllm_omni_like.media import decode_video
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
+from vllm_omni_like.video_codec import decode_video
 
 CODEC_TOLERANCE_DB = 0.5  # MP4s: the server's as close to the reference frames as the reference's
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 from vllm_omni_like.batch import parse_line
 from vllm_omni_like.cli import main
-from vllm_omni_like.media import read_video
+from vllm_omni_like.video_codec import read_video
 
 LINES = [
     {

@@ -19,10 +19,10 @@ from tqdm import tqdm
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
-from vllm_omni_like.media import write_video
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items, image_request, video_request
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
+from vllm_omni_like.video_codec import write_video
 
 URLS = {"/v1/images/generations": "image", "/v1/videos": "video"}
 RESULTS_FILE = "results.jsonl"
@@ -141,8 +141,12 @@ class BatchRunner:
     def _write(self, line: Line, output) -> dict[str, Any]:
         stem = os.path.join(self.out_dir, line.stem)
         if output.output.video is not None:
-            path = stem + ".mp4"
-            write_video(output.output.video.frames, output.output.video.fps, path)
+            path, video = stem + ".mp4", output.output.video
+            if video.mp4 is not None:  # encoded by the stage while it decoded
+                with open(path, "wb") as f:
+                    f.write(video.mp4)
+            else:
+                write_video(video.frames, video.fps, path)
             return {
                 "created": int(time.time()),
                 "file": path,

@@ -6,10 +6,7 @@ CPU work: callers run it off the event loop (a thread) and off the GPU worker's 
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -108,100 +105,3 @@ def decode_mask(data: bytes, max_bytes: int, max_pixels: int, param: str = "mask
             code="invalid_image",
         )
     return mask
-
-
-X264_PRESET = "veryfast"
-
-
-def write_video(frames: np.ndarray, fps: int, path: str) -> None:
-    """H.264 MP4 with the moov atom first (faststart), written to `path`.
-
-    Encoded by imageio's bundled ffmpeg; where imageio-ffmpeg is missing, by PyAV's libx264
-    (the same codec, pixel format and container flags). x264's `veryfast` preset: the encode
-    is on every video's critical path, and it took 0.43 s against the default preset's 1.45 s
-    for 33 frames of 832x480 on this project's CPU, for a smaller file of the same PSNR.
-    """
-    h, w = frames.shape[1:3]
-    if h % 2 or w % 2:  # yuv420p needs even sides
-        frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    try:
-        import imageio_ffmpeg  # noqa: F401 - only asks whether the plugin can run
-    except ImportError:
-        _write_video_pyav(frames, fps, path)
-        return
-    import imageio.v2 as imageio
-
-    writer = imageio.get_writer(
-        path,
-        format="FFMPEG",
-        mode="I",
-        fps=fps,
-        codec="libx264",
-        pixelformat="yuv420p",
-        macro_block_size=1,
-        output_params=["-movflags", "+faststart", "-preset", X264_PRESET],
-        ffmpeg_log_level="error",
-    )
-    try:
-        for frame in frames:
-            writer.append_data(frame)
-    finally:
-        writer.close()
-
-
-def _write_video_pyav(frames: np.ndarray, fps: int, path: str) -> None:
-    import av
-
-    with av.open(path, "w", format="mp4", options={"movflags": "+faststart"}) as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"preset": X264_PRESET}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-
-
-def encode_video(frames: np.ndarray, fps: int) -> bytes:
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    os.close(fd)
-    try:
-        write_video(frames, fps, path)
-        with open(path, "rb") as f:
-            return f.read()
-    finally:
-        os.unlink(path)
-
-
-def decode_video(data: bytes) -> np.ndarray:
-    """An encoded video's frames (FxHxWx3 uint8): encode_video's inverse, for tests and checks."""
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    try:
-        return read_video(path)
-    finally:
-        os.unlink(path)
-
-
-def read_video(path: str) -> np.ndarray:
-    """Decode a video to FxHxWx3 uint8 with the bundled ffmpeg (or PyAV) - for tests and checks."""
-    try:
-        import imageio_ffmpeg
-    except ImportError:
-        import av
-
-        with av.open(path) as container:
-            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    exe = imageio_ffmpeg.get_ffmpeg_exe()
-    info = subprocess.run([exe, "-hide_banner", "-i", path], capture_output=True, text=True)
-    size = re.search(r"Video:.*?, (\d+)x(\d+)", info.stderr)
-    if size is None:
-        raise ValueError(f"{path}: no video stream found")
-    w, h = int(size.group(1)), int(size.group(2))
-    raw = subprocess.run(
-        [exe, "-v", "error", "-i", path, "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    return np.frombuffer(raw, np.uint8).reshape(-1, h, w, 3)

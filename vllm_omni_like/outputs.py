@@ -23,6 +23,7 @@ class VideoPayload:
     frames: Any
     fps: int
     seed: int | None = None
+    mp4: bytes | None = None  # the frames encoded as H.264 MP4, when the stage did it
 
 
 @dataclass

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from tests.api.conftest import live_server
-from vllm_omni_like.media import decode_video
 from vllm_omni_like.shapes import world
+from vllm_omni_like.video_codec import decode_video
 
 pytestmark = pytest.mark.slow
 

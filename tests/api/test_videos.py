@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
-from vllm_omni_like.media import read_video
+from vllm_omni_like.video_codec import read_video
 
 
 def test_create_and_poll_then_download(null_server, tmp_path):

@@ -24,12 +24,13 @@ from vllm_omni_like.errors import (
     ShuttingDownError,
     UnavailableError,
 )
-from vllm_omni_like.media import encode_image, encode_video
+from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.protocol.requests import video_request
 from vllm_omni_like.protocol.schemas import VideoRequest
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.video_codec import encode_video
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,9 @@ class VideoService:
         try:
             self.faults.fire("store", [omni])
             started = time.monotonic()
-            write_durably(path, encode_video(video.frames, video.fps))
+            # the stage's MP4 when it encoded while decoding (stages/video_stream.py)
+            mp4 = video.mp4 if video.mp4 is not None else encode_video(video.frames, video.fps)
+            write_durably(path, mp4)
             write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
             if self.on_encoded is not None:
                 self.on_encoded(time.monotonic() - started)

@@ -19,7 +19,7 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits
+from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits, video_stream
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
@@ -223,9 +223,12 @@ class DiffusionStage(Stage):
         if decoder is None:  # a pipeline we cannot decode for: it did, in the call
             with torch.inference_mode():
                 pixels = tensor_to_uint8(media[:rows])
-            decode = pixels.__getitem__
+            decode = lambda picked, fps: (pixels[picked], [None] * len(picked))  # noqa: E731
         else:
-            decode = latent_decode.PendingDecode(decoder, media, self.side_stream, self.buckets)
+            chunks = video_stream.chunk_source(pipe) if self.is_video else None
+            decode = latent_decode.PendingDecode(
+                decoder, media, self.side_stream, self.buckets, chunks
+            )
         first_row, k = {}, 0
         for r in batch:
             first_row[r.request_id] = k
@@ -237,7 +240,9 @@ class DiffusionStage(Stage):
                 for r in requests
                 for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
             ]
-            return self._split(requests, decode(picked), [seeds[i] for i in picked])
+            fps = [r.params.fps or 8 for r in requests] if self.is_video else None
+            pixels, mp4 = decode(picked, fps)
+            return self._split(requests, pixels, [seeds[i] for i in picked], mp4)
 
         return Deferred(batch, finish)
 
@@ -376,13 +381,14 @@ class DiffusionStage(Stage):
         return {r.request_id: img for r, img in zip(want, images, strict=True)}
 
     def _split(
-        self, batch: list[StageRequest], pixels: np.ndarray, seeds: list[int]
+        self, batch: list[StageRequest], pixels: np.ndarray, seeds: list[int], mp4: list
     ) -> list[StageOutput]:
         outputs, k = [], 0
         for r in batch:
             out = StageOutput(request_id=r.request_id, stage=self.name)
             if self.is_video:
-                out.video = VideoPayload(frames=pixels[k], fps=r.params.fps or 8, seed=seeds[k])
+                fps = r.params.fps or 8
+                out.video = VideoPayload(frames=pixels[k], fps=fps, seed=seeds[k], mp4=mp4[k])
                 k += 1
             else:
                 for _ in range(r.params.n):

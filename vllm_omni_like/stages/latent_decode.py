@@ -17,6 +17,7 @@ import torch
 
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.stages.video_stream import StreamedMP4
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]
 
@@ -73,8 +74,10 @@ class PendingDecode:
         latents: torch.Tensor,
         stream: torch.cuda.Stream | None,
         buckets: tuple[int, ...] = (),
+        chunks: tuple[torch.nn.Module, int | None] | None = None,
     ) -> None:
         self.decoder = decoder
+        self.chunks = chunks  # where a video's frames come from chunk by chunk (video_stream)
         self.latents = latents
         self.stream = stream
         self.buckets = buckets  # a compiled decoder runs only these batch sizes: pad up
@@ -83,14 +86,21 @@ class PendingDecode:
             self.ready = torch.cuda.Event()
             self.ready.record()  # on the main stream, after the last step's kernels
 
-    def __call__(self, picked: list[int]) -> np.ndarray:
-        """uint8 pixels of the `picked` rows, on the host."""
+    def __call__(
+        self, picked: list[int], fps: list[int] | None = None
+    ) -> tuple[np.ndarray, list[bytes] | list[None]]:
+        """uint8 pixels of the `picked` rows, on the host; with `fps` (videos, a rate per row)
+        and a chunked decoder, each row's MP4 encoded while it decodes (else Nones)."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
             pad = bucket_for(len(picked), self.buckets) - len(picked)  # no buckets: 0
             if pad:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
-            return tensor_to_uint8(self.decoder(rows)[: len(picked)])
+            if fps is None or self.chunks is None:
+                return tensor_to_uint8(self.decoder(rows)[: len(picked)]), [None] * len(picked)
+            with StreamedMP4(self.chunks, fps) as mp4:
+                pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
+            return pixels, mp4.result()
 
     @contextlib.contextmanager
     def _on_side_stream(self) -> Iterator[None]:

@@ -1,0 +1,100 @@
+"""A video's MP4 encoded while its VAE decodes (stages/video_stream.py): chunk by chunk, the same
+bytes as encoding the finished frames, and a failed encode leaves the frames to the API."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages import video_stream
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.video_codec import VideoBytes, decode_video, encode_video
+
+pytestmark = pytest.mark.slow
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# on CUDA each chunk goes to the host through pinned memory and an event, off the side stream
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=CUDA)])
+def video_stage(request):
+    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model="tiny-video"))
+    stage.load(request.param)
+    yield stage
+    stage.close()
+
+
+def _batch() -> list[StageRequest]:
+    """Two clips of 9 frames: the first latent frame decodes to one frame, each later one to
+    the VAE's temporal ratio of frames (4 in Wan2.1, 2 in the tiny model)."""
+    return [
+        StageRequest(
+            f"v{i}",
+            "a red square moving left",
+            GenerationParams(seed=i, num_inference_steps=2, num_frames=9, fps=fps),
+            mode="text2video",
+        )
+        for i, fps in enumerate((8, 12))
+    ]
+
+
+def _run(stage: DiffusionStage):
+    batch = _batch()
+    return stage.begin(batch, StageControl(FaultInjector((), "diffusion"))).finish(batch)
+
+
+def test_each_clip_is_encoded_chunk_by_chunk_to_the_bytes_of_its_finished_frames(
+    video_stage, monkeypatch
+):
+    appends: dict[int, list[int]] = {}
+    append = VideoBytes.append
+
+    def spy(self, frames):
+        appends.setdefault(id(self), []).append(len(frames))
+        append(self, frames)
+
+    monkeypatch.setattr(VideoBytes, "append", spy)
+    outs = _run(video_stage)
+    ratio = video_stage.pipe.vae_scale_factor_temporal
+    chunks = [1] + [ratio] * (8 // ratio)  # as the decoder made them
+    assert len(chunks) > 2 and list(appends.values()) == [chunks, chunks]
+    for out, fps in zip(outs, (8, 12), strict=True):
+        video = out.video
+        assert video.frames.shape == (9, 64, 64, 3) and video.fps == fps
+        assert video.mp4 is not None and video.mp4 == encode_video(video.frames, fps)
+        assert decode_video(video.mp4).shape == (9, 64, 64, 3)
+    assert not np.array_equal(outs[0].video.frames, outs[1].video.frames)
+
+
+def test_a_failed_encode_leaves_the_frames_to_the_api(video_stage, monkeypatch, caplog):
+    want = [o.video.frames for o in _run(video_stage)]
+
+    def broken(self, frames):
+        raise OSError("ffmpeg: broken pipe")
+
+    monkeypatch.setattr(VideoBytes, "append", broken)
+    with caplog.at_level(logging.WARNING, logger=video_stream.__name__):
+        outs = _run(video_stage)
+    assert [o.video.mp4 for o in outs] == [None, None]
+    for have, frames in zip(outs, want, strict=True):
+        assert np.array_equal(have.video.frames, frames)
+    assert "streamed MP4 encode failed (ffmpeg: broken pipe)" in caplog.text
+
+
+def test_only_an_untiled_wan_decoder_streams(video_stage):
+    module, patch = video_stream.chunk_source(video_stage.pipe)
+    assert module is video_stage.pipe.vae.decoder and patch is None
+    video_stage.pipe.vae.enable_tiling()
+    try:
+        assert video_stream.chunk_source(video_stage.pipe) is None  # it decodes tile by tile
+    finally:
+        video_stage.pipe.vae.disable_tiling()

@@ -1,0 +1,116 @@
+"""A video's MP4 encoded while its VAE still decodes it.
+
+Wan's VAE decodes a video latent frame by latent frame (one decoder call makes the first frame,
+each later call four more). A forward hook on that decoder turns each call's output into uint8
+frames with the same elementwise maths as the whole video's post-processing (clamp to [-1, 1],
+x * 0.5 + 0.5 clamped to [0, 1], x 255 rounded; the ops commute with cutting the frames into
+chunks, so the frames and the MP4's bytes are those of encoding the finished video) and hands
+them to a thread that appends them to one encoder per video: the encoder (an ffmpeg process)
+works on the first frames while the GPU decodes the next. On CUDA the chunk is copied to pinned
+host memory without waiting; the thread waits on the copy's event, so the decode never waits
+for the host. What is left after the decode is the encode of the last chunk and the file's end.
+
+A failed encode (no encoder, an ffmpeg error) costs nothing but the overlap: its videos carry
+no MP4 and the API encodes their frames itself, as it does for stages that do not stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_like.video_codec import VideoBytes
+
+log = logging.getLogger(__name__)
+
+
+def chunk_source(pipe: Any) -> tuple[torch.nn.Module, int | None] | None:
+    """The module whose calls make a video's frames chunk by chunk, and the patch size its
+    output is in: a Wan VAE's decoder when it does not tile (a tiled decode calls it per tile);
+    None for other pipelines."""
+    import diffusers
+
+    vae = getattr(pipe, "vae", None)
+    if not isinstance(pipe, diffusers.WanPipeline) or vae is None or vae.use_tiling:
+        return None
+    return vae.decoder, vae.config.patch_size
+
+
+def chunk_pixels(out: torch.Tensor, patch_size: int | None) -> torch.Tensor:
+    """One decoder call's output (B, C, t, H, W) in model units -> uint8 (B, t, H, W, 3) on the
+    device: the VAE's own clamp, the video processor's denormalize, `tensor_to_uint8`'s maths."""
+    if patch_size is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=patch_size)
+    frames = torch.clamp(out, min=-1.0, max=1.0).permute(0, 2, 1, 3, 4)
+    frames = (frames * 0.5 + 0.5).clamp(0, 1)
+    pixels = (frames.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.movedim(-3, -1)
+
+
+class StreamedMP4:
+    """While entered, every call of `source` sends its frames of rows 0..len(fps)-1 to one MP4
+    encoder per row (at `fps[row]` frames per second). `result()`: each row's MP4 bytes, or
+    None for every row if the encode failed."""
+
+    def __init__(self, source: tuple[torch.nn.Module, int | None], fps: list[int]) -> None:
+        (self.source, self.patch_size), self.fps = source, fps
+        self.videos = [VideoBytes(f) for f in fps]
+        self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._encode, name="mp4-stream", daemon=True)
+        self.hook: Any = None
+        self.mp4: list[bytes] | None = None
+
+    def __enter__(self) -> StreamedMP4:
+        self.thread.start()
+        self.hook = self.source.register_forward_hook(self._on_chunk)
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.hook.remove()
+        self.chunks.put(None)
+        self.thread.join()
+        if kind is None and self.error is None:
+            try:
+                self.mp4 = [v.finish() for v in self.videos]
+            except Exception as e:  # the API encodes the frames instead
+                self.error = e
+        for v in self.videos:
+            v.discard()
+        if self.error is not None and kind is None:
+            log.warning("streamed MP4 encode failed (%s); the frames go out unencoded", self.error)
+
+    def result(self) -> list[bytes] | list[None]:
+        return self.mp4 if self.mp4 is not None else [None] * len(self.fps)
+
+    def _on_chunk(self, module: Any, args: Any, out: torch.Tensor) -> None:
+        pixels = chunk_pixels(out[: len(self.fps)], self.patch_size)
+        if pixels.device.type != "cuda":
+            self.chunks.put((None, pixels.cpu()))
+            return
+        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(pixels, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.chunks.put((copied, host))
+
+    def _encode(self) -> None:
+        while (item := self.chunks.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the decode goes on; the API will encode
+            copied, host = item
+            try:
+                if copied is not None:
+                    copied.synchronize()
+                frames = host.numpy()
+                for row, video in enumerate(self.videos):
+                    video.append(np.ascontiguousarray(frames[row]))
+            except Exception as e:  # reported once the decode ends
+                self.error = e
