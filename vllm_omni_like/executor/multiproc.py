@@ -18,16 +18,13 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
+from vllm_omni_like.executor.inbound import Inbound
 from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,
-    BatchDone,
-    Denoised,
     ExecuteBatch,
     FollowBatch,
-    Progress,
     ReplicaDied,
-    RequestResult,
     Shutdown,
     WorkerLoadFailed,
     WorkerReady,
@@ -77,7 +74,6 @@ class MultiprocExecutor(Executor):
     ) -> None:
         self.config = config
         self.replica = replica
-        self.sink = sink
         self.faults = faults
         self.devices = placement.rank_devices(config, replica)  # one per rank
         # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
@@ -85,13 +81,11 @@ class MultiprocExecutor(Executor):
         self._workers: list[_WorkerHandle] = []
         self._callbacks: list[FailureCallback] = []
         self._lock = threading.Lock()
-        self._inflight: dict[int, set[str]] = {}
-        self._startup: queue.Queue[object] = queue.Queue()
+        self._inbound = Inbound(sink)
         self._ready: set[int] = set()  # ranks whose load finished
         self._dead = False
         self._stopping = False
         self._kill_reason: str | None = None
-        self._last_activity = time.monotonic()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None
 
@@ -159,7 +153,7 @@ class MultiprocExecutor(Executor):
                     stage=self.config.name,
                 )
             try:
-                msg = self._startup.get(timeout=0.05)
+                msg = self._inbound.startup.get(timeout=0.05)
             except queue.Empty:
                 msg = None
             if msg is None:
@@ -168,7 +162,7 @@ class MultiprocExecutor(Executor):
                         break  # the check above says why
                     if w.proc.exitcode is not None and w.rank not in ready:
                         time.sleep(0.05)  # a load failure message may still be in the pipe
-                        if self._startup.empty():
+                        if self._inbound.startup.empty():
                             raise EngineDeadError(
                                 f"{where}: worker {w.rank} {describe_exit(w.proc.exitcode)} "
                                 "while loading",
@@ -229,7 +223,7 @@ class MultiprocExecutor(Executor):
         with self._lock:
             if self._dead or self._stopping:
                 raise EngineDeadError(f"replica {self.replica} is dead", stage=self.config.name)
-            self._inflight[batch.batch_id] = {r.request_id for r in batch.requests}
+            self._inbound.sent(batch.batch_id, {r.request_id for r in batch.requests})
         if self.config.cfg_parallel:  # rank 0 runs the batch; rank 1 serves its branch calls
             self._send_all(batch, self._workers[:1])
             self._send_all(FollowBatch(batch.batch_id), self._workers[1:])
@@ -271,12 +265,11 @@ class MultiprocExecutor(Executor):
 
     @property
     def in_flight(self) -> set[str]:
-        with self._lock:
-            return set().union(*self._inflight.values()) if self._inflight else set()
+        return self._inbound.requests
 
     @property
     def last_activity(self) -> float:
-        return self._last_activity
+        return self._inbound.last_activity
 
     @property
     def pids(self) -> list[int]:
@@ -289,23 +282,7 @@ class MultiprocExecutor(Executor):
                 msg = transport.recv(w.conn)
             except (EOFError, OSError, ValueError):
                 return
-            self._last_activity = time.monotonic()
-            match msg:
-                case WorkerReady() | WorkerLoadFailed():
-                    self._startup.put(msg)
-                case RequestResult(batch_id=bid, output=out):
-                    with self._lock:
-                        pending = self._inflight.get(bid)
-                        if pending is None or out.request_id not in pending:
-                            continue
-                        pending.discard(out.request_id)
-                    self.sink(msg)
-                case BatchDone(batch_id=bid):
-                    with self._lock:
-                        self._inflight.pop(bid, None)
-                    self.sink(msg)
-                case Progress() | Denoised():
-                    self.sink(msg)
+            self._inbound.route(msg)
 
     def _monitor_forever(self) -> None:
         sentinels = {w.proc.sentinel: w for w in self._workers}
@@ -338,8 +315,7 @@ class MultiprocExecutor(Executor):
         # (ReplicaDied lists it: no result and no BatchDone are made up for it)
         with self._lock:
             self._dead = True
-            inflight, self._inflight = self._inflight, {}
-        lost = [rid for ids in inflight.values() for rid in sorted(ids)]
+            lost = self._inbound.lost()
         # 4) tell the owner, once
         event = ReplicaDied(self.config.name, self.replica, desc, lost)
         for cb in self._callbacks:

@@ -76,13 +76,13 @@ class _Job:
 class _Worker:
     def __init__(
         self,
-        conn: Connection,
+        channel: transport.Channel,
         config: StageConfig,
         ranks: Ranks,
         device: str,
         faults: tuple[FaultRule, ...],
     ) -> None:
-        self.conn = conn
+        self.channel = channel
         self.config = config
         self.ranks = ranks
         self.rank = ranks.rank
@@ -90,7 +90,6 @@ class _Worker:
         # other ranks compute the same batch, or (CFG-parallel) serve rank 0's branch calls;
         # rank 0 answers
         self.reports = self.rank == 0
-        self.send_lock = threading.Lock()
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.batch_id = -1
         self.control = StageControl(FaultInjector(faults, config.name), self._progress)
@@ -101,7 +100,7 @@ class _Worker:
         self.finisher_free = threading.Semaphore(1)
 
     def send(self, msg: object) -> None:
-        transport.send(self.conn, msg, self.send_lock)
+        self.channel.send(msg)
 
     def _progress(self, ids: list[str], step: int, total: int, previews: dict[str, Any]) -> None:
         if self.reports:
@@ -126,7 +125,7 @@ class _Worker:
     def receive_forever(self) -> None:
         while True:
             try:
-                msg = transport.recv(self.conn)
+                msg = self.channel.recv()
             except (EOFError, OSError):
                 os._exit(0)  # the parent closed the pipe or died
             match msg:
@@ -285,7 +284,7 @@ def worker_main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _process_local_locks()
     ranks = Ranks(rank, config.workers_per_replica, rendezvous)
-    worker = _Worker(conn, config, ranks, device, faults)
+    worker = _Worker(transport.PipeChannel(conn), config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()

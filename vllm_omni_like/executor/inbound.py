@@ -1,0 +1,68 @@
+"""What a replica's workers send, sorted the same way whatever carries it (a pipe, Ray).
+
+Startup answers (`WorkerReady`, `WorkerLoadFailed`) go to `startup`, read by the executor's
+start; results of requests still in flight, their batches' ends, progress and `Denoised` go to
+the owner's sink; a result for a request no longer the replica's (a second copy, one sent after
+a death listed it as lost) is dropped. A death takes what is in flight (`lost`): no result and
+no `BatchDone` is made up for it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from vllm_omni_like.executor.base import MessageSink
+from vllm_omni_like.messages import (
+    BatchDone,
+    Denoised,
+    Progress,
+    RequestResult,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+
+
+class Inbound:
+    def __init__(self, sink: MessageSink) -> None:
+        self.sink = sink
+        self.startup: queue.Queue[object] = queue.Queue()
+        self.last_activity = time.monotonic()  # of the last message (progress counts)
+        self._lock = threading.Lock()
+        self._batches: dict[int, set[str]] = {}
+
+    def sent(self, batch_id: int, request_ids: set[str]) -> None:
+        with self._lock:
+            self._batches[batch_id] = request_ids
+
+    def route(self, msg: object) -> None:
+        """Called on the thread that read `msg`."""
+        self.last_activity = time.monotonic()
+        match msg:
+            case WorkerReady() | WorkerLoadFailed():
+                self.startup.put(msg)
+            case RequestResult(batch_id=bid, output=out):
+                with self._lock:
+                    pending = self._batches.get(bid)
+                    if pending is None or out.request_id not in pending:
+                        return
+                    pending.discard(out.request_id)
+                self.sink(msg)
+            case BatchDone(batch_id=bid):
+                with self._lock:
+                    self._batches.pop(bid, None)
+                self.sink(msg)
+            case Progress() | Denoised():
+                self.sink(msg)
+
+    def lost(self) -> list[str]:
+        """Every request in flight, taken: from now on their results are dropped."""
+        with self._lock:
+            batches, self._batches = self._batches, {}
+        return [rid for ids in batches.values() for rid in sorted(ids)]
+
+    @property
+    def requests(self) -> set[str]:
+        with self._lock:
+            return set().union(*self._batches.values()) if self._batches else set()
