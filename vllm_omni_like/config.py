@@ -283,3 +283,5 @@ class EngineConfig:
     # work admitted per pipeline, in seconds at the replicas' measured speed (cost.py)
     max_queue_seconds: float = 300.0
     faults: tuple[FaultRule, ...] = ()
+    executor: str = "multiproc"  # multiproc | ray: how every stage's workers run
+    ray_address: str | None = None  # with ray: an existing cluster to join (None: local)

@@ -264,6 +264,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             default=_ENGINE[name],
             help=f"{text} (default: %(default)s)",
         )
+    g.add_argument(
+        "--executor",
+        choices=("multiproc", "ray"),
+        default="multiproc",
+        help="how the workers run: processes of this host, or Ray actors on any node of a Ray "
+        "cluster (the ray extra; docs: README, Serving across machines) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="with --executor ray: the cluster to join (`ray start --head` prints it); "
+        "default: a local Ray instance that starts and stops with the server",
+    )
     g = parser.add_argument_group(
         "model limits (override every stage; default: the model's own, from what it was built "
         "or trained for, shown by /v1/models)"
@@ -319,6 +332,8 @@ def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...
         max_queue_size=args.max_queue_size,
         max_queue_seconds=args.max_queue_seconds,
         faults=faults_from_env(),
+        executor=args.executor,
+        ray_address=args.ray_address,
     )
 
 

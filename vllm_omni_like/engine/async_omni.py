@@ -12,7 +12,7 @@ from vllm_omni_like.config import EngineConfig, PipelineConfig
 from vllm_omni_like.engine.orchestrator import Orchestrator
 from vllm_omni_like.engine.stage_pool import ExecutorFactory
 from vllm_omni_like.errors import EngineDeadError, InvalidRequestError
-from vllm_omni_like.executor import MultiprocExecutor
+from vllm_omni_like.executor import factory_for, release
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.stages.model_limits import ModelLimits, pipeline_limits
@@ -22,10 +22,10 @@ class AsyncOmni:
     """`generate` yields progress events, then the final OmniRequestOutput (result or error)."""
 
     def __init__(
-        self, config: EngineConfig, executor_factory: ExecutorFactory = MultiprocExecutor
+        self, config: EngineConfig, executor_factory: ExecutorFactory | None = None
     ) -> None:
         self.config = config
-        self.orchestrator = Orchestrator(config, executor_factory)
+        self.orchestrator = Orchestrator(config, executor_factory or factory_for(config))
         self._started = False
         self._limits: dict[str, ModelLimits] = {}
 
@@ -110,6 +110,7 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
+        release(self.config)
 
 
 class RequestStream:

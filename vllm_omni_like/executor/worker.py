@@ -275,16 +275,29 @@ def worker_main(
 ) -> None:
     """Entry point of a spawned worker process (`peers`: the other ranks' devices)."""
     device = placement.pin(device, peers)  # first: nothing may have touched CUDA yet
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    run_worker(transport.PipeChannel(conn), config, rank, device, faults, rendezvous)
+
+
+def run_worker(
+    channel: transport.Channel,
+    config: StageConfig,
+    rank: int,
+    device: str,
+    faults: tuple[FaultRule, ...],
+    rendezvous: str = "",
+) -> None:
+    """A worker's life once its device is pinned: load, then serve batches until `Shutdown`
+    (a process of its own, or a Ray actor's thread); exits the process on a fatal error."""
     if config.compile:
         placement.share_compile_cache()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
     )
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _process_local_locks()
     ranks = Ranks(rank, config.workers_per_replica, rendezvous)
-    worker = _Worker(transport.PipeChannel(conn), config, ranks, device, faults)
+    worker = _Worker(channel, config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()

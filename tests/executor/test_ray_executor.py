@@ -1,0 +1,186 @@
+"""The Ray executor on a local cluster of two simulated nodes (null stages: no torch).
+
+One cluster for the module (dashboard off, node health checked every 200 ms so a lost node is
+found in about a second). What is checked through Ray: no actor of ours alive and no placement
+group left after each test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import time
+
+import pytest
+
+from tests.conftest import drain_batch, wait_until
+from tests.engine.helpers import engine, final, req
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.messages import (
+    BatchDone,
+    ExecuteBatch,
+    Progress,
+    RequestResult,
+    StageRequest,
+)
+from vllm_omni_like.params import GenerationParams
+
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ImportError:  # the ray extra brings it
+    ray = None
+if ray is None and os.environ.get("CI") == "true":
+    raise RuntimeError("the Ray executor tests need Ray under CI: pip install -e '.[test,ray]'")
+pytestmark = pytest.mark.skipif(ray is None, reason="Ray is not installed (the ray extra)")
+
+HEALTH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 200,
+    "health_check_timeout_ms": 200,
+    "health_check_failure_threshold": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from vllm_omni_like.executor import ray_runtime
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH},
+    )
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray_runtime.configure(c.address)
+    ray_runtime.ray_module()
+    yield c
+    ray_runtime.shutdown()
+    ray_runtime.configure(None)
+    c.shutdown()
+
+
+def _ours_alive() -> list:
+    return [
+        a
+        for a in ray._private.state.actors().values()
+        if a["State"] != "DEAD" and "WorkerActor" in a["ActorClassName"]
+    ]
+
+
+def _groups_left() -> list:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+@pytest.fixture
+def nothing_left(cluster):
+    yield cluster
+    assert wait_until(lambda: not _ours_alive() and not _groups_left(), 10), (
+        _ours_alive(),
+        _groups_left(),
+    )
+
+
+def _req(rid: str, steps: int = 2, delay: float = 0.0) -> StageRequest:
+    return StageRequest(
+        rid, "a cat", GenerationParams(seed=1, num_inference_steps=steps, step_delay=delay)
+    )
+
+
+def _started(config: StageConfig):
+    from vllm_omni_like.executor.ray_executor import RayExecutor
+
+    sink: queue.Queue = queue.Queue()
+    ex = RayExecutor(config, 0, sink.put)
+    deaths: list = []
+    ex.add_failure_callback(deaths.append)
+    ex.start()
+    return ex, sink, deaths
+
+
+def test_a_batch_runs_on_an_actor_and_a_killed_actor_is_a_death_within_a_second(nothing_left):
+    ex, sink, deaths = _started(StageConfig(name="diffusion", kind="null"))
+    try:
+        ex.execute(ExecuteBatch(1, [_req("a"), _req("b")]))
+        msgs = drain_batch(sink, 1, timeout=20)
+        results = {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}
+        assert sorted(results) == ["a", "b"] and results["a"].images[0].pixels.shape == (
+            64,
+            64,
+            3,
+        )
+        assert any(isinstance(m, Progress) for m in msgs) and ex.in_flight == set()
+        ex.execute(ExecuteBatch(2, [_req("slow", steps=100, delay=0.05)]))
+        assert isinstance(sink.get(timeout=10), Progress)  # it runs
+        (pid,) = ex.pids
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert wait_until(lambda: deaths, 5)
+        assert time.monotonic() - t0 < 1.0
+        (death,) = deaths
+        assert death.in_flight == ["slow"] and "ActorDiedError" in death.exit_desc
+        assert not ex.alive
+    finally:
+        ex.shutdown()
+
+
+def test_an_abort_reaches_the_actor_during_its_batch(nothing_left):
+    ex, sink, deaths = _started(StageConfig(name="diffusion", kind="null"))
+    try:
+        ex.execute(ExecuteBatch(1, [_req("long", steps=200, delay=0.02)]))
+        assert isinstance(sink.get(timeout=10), Progress)
+        t0 = time.monotonic()
+        ex.abort(["long"])
+        msgs = drain_batch(sink, 1, timeout=10)
+        done = next(m for m in msgs if isinstance(m, BatchDone))
+        assert time.monotonic() - t0 < 2.0
+        assert done.steps_run["long"] < 200 and done.steps_after_abort["long"] <= 1
+        assert [m.output.request_id for m in msgs if isinstance(m, RequestResult)] == []
+        assert deaths == []
+    finally:
+        ex.shutdown()
+
+
+def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back(cluster):
+    """Two replicas, one on each node; the second node removed without grace while requests
+    run: none fails or hangs, the live replica takes them, the lost one restarts once a node
+    has room again."""
+    kw = {"replicas": 2, "max_batch_size": 4}
+    with engine("null-image", stage_kw=kw, executor="ray", max_request_retries=2) as e:
+        nodes = {a["Address"]["NodeID"] for a in _ours_alive()}
+        assert len(nodes) == 2  # one CPU a node: a replica on each
+
+        async def load():
+            jobs = [
+                final(e, req(f"r{i}", pipeline="null-image", steps=20, delay=0.05))
+                for i in range(12)
+            ]
+            return await asyncio.gather(*jobs)
+
+        async def scenario():
+            running = asyncio.ensure_future(load())
+            await asyncio.sleep(0.6)  # batches on both replicas
+            worker = next(n for n in cluster.list_all_nodes() if n is not cluster.head_node)
+            await asyncio.to_thread(cluster.remove_node, worker, False)
+            t0 = time.monotonic()
+            while e.stats.snapshot()["worker_deaths"] < 1 and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.02)
+            seen = time.monotonic() - t0
+            outs = await asyncio.wait_for(running, 60)
+            return outs, seen, time.monotonic() - t0
+
+        outs, seen, took = asyncio.run(scenario())
+        # found by the health checks (3 x 200 ms here), not by a timeout of ours
+        print(f"node loss seen after {seen:.2f}s, requests done {took:.2f}s after the removal")
+        assert e.stats.snapshot()["worker_deaths"] == 1 and seen < 3.0, seen
+        assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
+        assert took < 30
+        cluster.add_node(num_cpus=1)
+        stage = e.health()[0]
+        assert wait_until(lambda: e.health()[0]["replicas_live"] == 2, 60), stage
+        assert asyncio.run(final(e, req("after", pipeline="null-image"))).ok
+    from vllm_omni_like.executor import ray_runtime
+
+    ray_runtime.ray_module()  # the engine's shutdown left the cluster: back, to look
+    assert wait_until(lambda: not _ours_alive() and not _groups_left(), 10)
