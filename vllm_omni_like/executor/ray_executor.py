@@ -14,6 +14,7 @@ lists what was in flight, as with processes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -234,14 +235,22 @@ class RayExecutor(Executor):
 
     # ---- threads -----------------------------------------------------------------------------
     def _read_forever(self, rank: int, actor: Any) -> None:
+        """Two `events` calls outstanding, read oldest first (the messages' order): the actor
+        starts the second as it answers the first, so no message waits for a call to come."""
         ray = ray_module()
+
+        def ask() -> Any:
+            return actor.events.options(concurrency_group="events").remote()
+
+        pending = collections.deque([ask(), ask()])
         while not self._stopping:
             try:
-                messages = ray.get(actor.events.options(concurrency_group="events").remote())
-            except Exception as exc:
+                messages = ray.get(pending.popleft())
+            except Exception as exc:  # RayActorError and kin: the actor is gone
                 if not self._stopping:
                     self._on_death(rank, exc)
                 return
+            pending.append(ask())
             for msg in messages:
                 self._inbound.route(msg)
 
