@@ -1,8 +1,7 @@
 """The Ray executor on a local cluster of two simulated nodes (null stages: no torch).
 
-One cluster for the module (dashboard off, node health checked every 200 ms so a lost node is
-found in about a second). What is checked through Ray: no actor of ours alive and no placement
-group left after each test."""
+One cluster for the module (tests/ray_cluster.py). After each test: no actor of ours alive, no
+placement group left, no actor process."""
 
 from __future__ import annotations
 
@@ -14,8 +13,10 @@ import time
 
 import pytest
 
+from tests import ray_cluster
 from tests.conftest import drain_batch, wait_until
 from tests.engine.helpers import engine, final, req
+from tests.ray_cluster import MISSING, ours_alive, two_nodes
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.messages import (
     BatchDone,
@@ -26,60 +27,19 @@ from vllm_omni_like.messages import (
 )
 from vllm_omni_like.params import GenerationParams
 
-try:
-    import ray
-    from ray.cluster_utils import Cluster
-except ImportError:  # the ray extra brings it
-    ray = None
-if ray is None and os.environ.get("CI") == "true":
-    raise RuntimeError("the Ray executor tests need Ray under CI: pip install -e '.[test,ray]'")
-pytestmark = pytest.mark.skipif(ray is None, reason="Ray is not installed (the ray extra)")
-
-HEALTH = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 200,
-    "health_check_timeout_ms": 200,
-    "health_check_failure_threshold": 3,
-}
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    from vllm_omni_like.executor import ray_runtime
-
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH},
-    )
-    c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray_runtime.configure(c.address)
-    ray_runtime.ray_module()
-    yield c
-    ray_runtime.shutdown()
-    ray_runtime.configure(None)
-    c.shutdown()
-
-
-def _ours_alive() -> list:
-    return [
-        a
-        for a in ray._private.state.actors().values()
-        if a["State"] != "DEAD" and "WorkerActor" in a["ActorClassName"]
-    ]
-
-
-def _groups_left() -> list:
-    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    with two_nodes() as c:
+        yield c
 
 
 @pytest.fixture
 def nothing_left(cluster):
     yield cluster
-    assert wait_until(lambda: not _ours_alive() and not _groups_left(), 10), (
-        _ours_alive(),
-        _groups_left(),
-    )
+    ray_cluster.nothing_left()
 
 
 def _req(rid: str, steps: int = 2, delay: float = 0.0) -> StageRequest:
@@ -148,7 +108,7 @@ def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back
     has room again."""
     kw = {"replicas": 2, "max_batch_size": 4}
     with engine("null-image", stage_kw=kw, executor="ray", max_request_retries=2) as e:
-        nodes = {a["Address"]["NodeID"] for a in _ours_alive()}
+        nodes = {a["Address"]["NodeID"] for a in ours_alive()}
         assert len(nodes) == 2  # one CPU a node: a replica on each
 
         async def load():
@@ -180,7 +140,4 @@ def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back
         stage = e.health()[0]
         assert wait_until(lambda: e.health()[0]["replicas_live"] == 2, 60), stage
         assert asyncio.run(final(e, req("after", pipeline="null-image"))).ok
-    from vllm_omni_like.executor import ray_runtime
-
-    ray_runtime.ray_module()  # the engine's shutdown left the cluster: back, to look
-    assert wait_until(lambda: not _ours_alive() and not _groups_left(), 10)
+    ray_cluster.nothing_left()  # (the engine's shutdown left the cluster: back, to look)

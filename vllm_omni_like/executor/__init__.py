@@ -33,7 +33,8 @@ def factory_for(config: EngineConfig) -> Callable[..., Executor]:
     from vllm_omni_like.executor import ray_runtime
     from vllm_omni_like.executor.ray_executor import RayExecutor
 
-    ray_runtime.configure(config.ray_address)
+    if config.ray_address:
+        ray_runtime.configure(config.ray_address)
     ray_runtime.ray_module()  # connected now, on this thread (see ray_module)
     return RayExecutor
 

@@ -57,10 +57,16 @@ def remote_worker() -> Any:
         return _worker_class
 
 
-def shutdown() -> None:
-    """Disconnect (and stop a local instance); the server's last step."""
+def shutdown(joined_too: bool = False) -> None:
+    """Stop the local instance this process started (the server's last step). A joined
+    cluster stays connected (the process's exit leaves it) unless `joined_too`: engines made
+    one after another in a process (tests) keep one connection."""
     import sys
 
+    global _worker_class
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    with _lock:
+        if ray is None or not ray.is_initialized() or (_address and not joined_too):
+            return
+        _worker_class = None  # a remote class belongs to the connection (job) it was made in
         ray.shutdown()
