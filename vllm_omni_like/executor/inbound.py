@@ -9,19 +9,23 @@ no `BatchDone` is made up for it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 
-from vllm_omni_like.executor.base import MessageSink
+from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
 from vllm_omni_like.messages import (
     BatchDone,
     Denoised,
     Progress,
+    ReplicaDied,
     RequestResult,
     WorkerLoadFailed,
     WorkerReady,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Inbound:
@@ -66,3 +70,38 @@ class Inbound:
     def requests(self) -> set[str]:
         with self._lock:
             return set().union(*self._batches.values()) if self._batches else set()
+
+
+class InboundExecutor(Executor):
+    """What both executors keep the same way: the sorted inbound messages, the failure
+    callbacks (each fired once per death, by `_report`), and the alive / stopping state."""
+
+    def __init__(self, sink: MessageSink) -> None:
+        self._inbound = Inbound(sink)
+        self._callbacks: list[FailureCallback] = []
+        self._lock = threading.Lock()
+        self._dead = False
+        self._stopping = False
+        self._kill_reason: str | None = None
+
+    def add_failure_callback(self, callback: FailureCallback) -> None:
+        self._callbacks.append(callback)
+
+    def _report(self, event: ReplicaDied) -> None:
+        for cb in self._callbacks:
+            try:
+                cb(event)
+            except Exception:
+                logger.exception("failure callback raised")
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and not self._stopping
+
+    @property
+    def in_flight(self) -> set[str]:
+        return self._inbound.requests
+
+    @property
+    def last_activity(self) -> float:
+        return self._inbound.last_activity

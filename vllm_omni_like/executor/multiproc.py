@@ -17,8 +17,8 @@ from multiprocessing.connection import Connection, wait
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import placement, transport
-from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
-from vllm_omni_like.executor.inbound import Inbound
+from vllm_omni_like.executor.base import MessageSink
+from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.worker import worker_main
 from vllm_omni_like.messages import (
     AbortRequests,
@@ -62,7 +62,7 @@ class _WorkerHandle:
         self.writer: threading.Thread | None = None
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(InboundExecutor):
     """Workers of one stage replica as spawned processes, with a monitor thread on sentinels."""
 
     def __init__(
@@ -72,6 +72,7 @@ class MultiprocExecutor(Executor):
         sink: MessageSink,
         faults: tuple[FaultRule, ...] = (),
     ) -> None:
+        super().__init__(sink)
         self.config = config
         self.replica = replica
         self.faults = faults
@@ -79,13 +80,7 @@ class MultiprocExecutor(Executor):
         # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
         self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.cfg_parallel else ""
         self._workers: list[_WorkerHandle] = []
-        self._callbacks: list[FailureCallback] = []
-        self._lock = threading.Lock()
-        self._inbound = Inbound(sink)
         self._ready: set[int] = set()  # ranks whose load finished
-        self._dead = False
-        self._stopping = False
-        self._kill_reason: str | None = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None
 
@@ -250,26 +245,11 @@ class MultiprocExecutor(Executor):
             except (OSError, ValueError):
                 return  # the worker is gone: its death is the monitor's to report
 
-    def add_failure_callback(self, callback: FailureCallback) -> None:
-        self._callbacks.append(callback)
-
     def kill(self, reason: str) -> None:
         self._kill_reason = reason
         for w in self._workers:
             if w.proc.is_alive():
                 w.proc.kill()
-
-    @property
-    def alive(self) -> bool:
-        return not self._dead and not self._stopping
-
-    @property
-    def in_flight(self) -> set[str]:
-        return self._inbound.requests
-
-    @property
-    def last_activity(self) -> float:
-        return self._inbound.last_activity
 
     @property
     def pids(self) -> list[int]:
@@ -317,9 +297,4 @@ class MultiprocExecutor(Executor):
             self._dead = True
             lost = self._inbound.lost()
         # 4) tell the owner, once
-        event = ReplicaDied(self.config.name, self.replica, desc, lost)
-        for cb in self._callbacks:
-            try:
-                cb(event)
-            except Exception:
-                logger.exception("failure callback raised")
+        self._report(ReplicaDied(self.config.name, self.replica, desc, lost))

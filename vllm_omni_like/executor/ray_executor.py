@@ -24,8 +24,8 @@ from typing import Any
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
 from vllm_omni_like.executor import placement
-from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
-from vllm_omni_like.executor.inbound import Inbound
+from vllm_omni_like.executor.base import MessageSink
+from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.ray_runtime import ray_module, remote_worker
 from vllm_omni_like.messages import (
     AbortRequests,
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 
 
-class RayExecutor(Executor):
+class RayExecutor(InboundExecutor):
     def __init__(
         self,
         config: StageConfig,
@@ -49,17 +49,14 @@ class RayExecutor(Executor):
         sink: MessageSink,
         faults: tuple[FaultRule, ...] = (),
     ) -> None:
+        super().__init__(sink)
         self.config, self.replica, self.faults = config, replica, faults
         self.devices = placement.rank_devices(config, replica)
-        self._inbound = Inbound(sink)
-        self._callbacks: list[FailureCallback] = []
-        self._lock = threading.Lock()
         self._actors: list[Any] = []
         self._readers: list[threading.Thread] = []
         self._group: Any = None
         self._pids: list[int] = []
-        self._dead = self._stopping = self._started = False
-        self._kill_reason: str | None = None
+        self._started = False
         self._death: ReplicaDied | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -207,27 +204,12 @@ class RayExecutor(Executor):
         """Fire and forget: a failure shows as the actor's death, on its reader."""
         getattr(actor, method).options(concurrency_group="control").remote(msg)
 
-    def add_failure_callback(self, callback: FailureCallback) -> None:
-        self._callbacks.append(callback)
-
     def kill(self, reason: str) -> None:
         self._kill_reason = reason
         ray = ray_module()
         for actor in list(self._actors):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-
-    @property
-    def alive(self) -> bool:
-        return not self._dead and not self._stopping
-
-    @property
-    def in_flight(self) -> set[str]:
-        return self._inbound.requests
-
-    @property
-    def last_activity(self) -> float:
-        return self._inbound.last_activity
 
     @property
     def pids(self) -> list[int]:
@@ -273,10 +255,3 @@ class RayExecutor(Executor):
         self._death = ReplicaDied(self.config.name, self.replica, desc, lost)
         if started:  # during the load, start() raises instead
             self._report(self._death)
-
-    def _report(self, event: ReplicaDied) -> None:
-        for cb in self._callbacks:
-            try:
-                cb(event)
-            except Exception:
-                logger.exception("failure callback raised")
