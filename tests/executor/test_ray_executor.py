@@ -141,3 +141,13 @@ def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back
         assert wait_until(lambda: e.health()[0]["replicas_live"] == 2, 60), stage
         assert asyncio.run(final(e, req("after", pipeline="null-image"))).ok
     ray_cluster.nothing_left()  # (the engine's shutdown left the cluster: back, to look)
+
+
+def test_a_tiny_model_serves_through_ray(nothing_left):
+    """Torch in the actor: the embedded tiny image model, its image back through the object
+    store."""
+    with engine("tiny-image", executor="ray") as e:
+        out = asyncio.run(final(e, req("t", "a red circle", pipeline="tiny-image", steps=4)))
+        assert out.ok, out.error
+        (image,) = out.output.images
+        assert image.pixels.shape == (64, 64, 3) and image.pixels.std() > 0
