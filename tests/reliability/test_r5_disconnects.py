@@ -1,4 +1,4 @@
-"""R5: 300 clients on the tiny models, 30% of them disconnect at random points."""
+"""R5: 200 clients on the tiny models, 30% of them disconnect at random points."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.reliability.leaks import Baseline, check_engine, client_of, statuses
 
 pytestmark = pytest.mark.slow
 STEPS = 4
+CLIENTS = 200  # a fifth to two fifths of them leave (30 % drawn)
 
 
 def _pixels(b64: str) -> np.ndarray:
@@ -26,7 +27,7 @@ def _pixels(b64: str) -> np.ndarray:
 
 
 class EngineIds:
-    """x-request-id -> the engine's id, for 300 clients polling every 5 ms: one shared index,
+    """x-request-id -> the engine's id, for 200 clients polling every 5 ms: one shared index,
     rebuilt at most every 5 ms (a scan per poll would load the test's own event loop)."""
 
     def __init__(self, orch) -> None:
@@ -92,7 +93,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         async def run():
             limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
             async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
-                draws = [rng.random() for _ in range(300)]
+                draws = [rng.random() for _ in range(CLIENTS)]
                 plan = [
                     rng.uniform(0.05, 6.0) if d < 0.2 else "mid-denoising" if d < 0.3 else None
                     for d in draws
@@ -104,7 +105,7 @@ def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
         assert time.monotonic() - t0 < 150
         assert late_aborts == []
         left = [rid for rid, r in results.items() if r is None]
-        assert 60 <= len(left) <= 120
+        assert CLIENTS // 5 <= len(left) <= CLIENTS * 2 // 5
         final = statuses(server, results)
         aborted = [rid for rid in left if final[rid] == "aborted"]
         assert len(aborted) >= len(left) // 2  # most left before their image was done
