@@ -143,11 +143,19 @@ def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back
     ray_cluster.nothing_left()  # (the engine's shutdown left the cluster: back, to look)
 
 
-def test_a_tiny_model_serves_through_ray(nothing_left):
+def test_a_tiny_model_serves_through_ray(nothing_left, capfd):
     """Torch in the actor: the embedded tiny image model, its image back through the object
-    store."""
+    store; the worker's log lines reach the server's output, named after the actor."""
+    seen = ""
+
+    def worker_logged() -> bool:
+        nonlocal seen
+        seen += "".join(capfd.readouterr())
+        return "(WorkerActor pid=" in seen and "stage diffusion: attention" in seen
+
     with engine("tiny-image", executor="ray") as e:
         out = asyncio.run(final(e, req("t", "a red circle", pipeline="tiny-image", steps=4)))
         assert out.ok, out.error
         (image,) = out.output.images
         assert image.pixels.shape == (64, 64, 3) and image.pixels.std() > 0
+        assert wait_until(worker_logged, 10), seen[-2000:]
