@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
 from vllm_omni_like.messages import (
     BatchDone,
@@ -83,6 +84,18 @@ class InboundExecutor(Executor):
         self._dead = False
         self._stopping = False
         self._kill_reason: str | None = None
+
+    def _hello(self, msg: object, ready: set[int], stage: str, where: str) -> None:
+        """A start-up answer: a ready rank joins `ready` (rank 0's devices and memory are
+        kept); a load failure is logged with its traceback and raised."""
+        match msg:
+            case WorkerReady(rank=rank) as hello:
+                ready.add(rank)
+                if rank == 0:
+                    self.visible_devices, self.gpu_memory = hello.visible_devices, hello.gpu_memory
+            case WorkerLoadFailed(error=info, traceback=tb):
+                logger.error("stage %s %s failed to load:\n%s", stage, where, tb)
+                raise EngineDeadError(f"{where}: {info.message}", stage=stage)
 
     def add_failure_callback(self, callback: FailureCallback) -> None:
         self._callbacks.append(callback)

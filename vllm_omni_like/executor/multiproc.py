@@ -26,8 +26,6 @@ from vllm_omni_like.messages import (
     FollowBatch,
     ReplicaDied,
     Shutdown,
-    WorkerLoadFailed,
-    WorkerReady,
 )
 
 logger = logging.getLogger(__name__)
@@ -169,17 +167,7 @@ class MultiprocExecutor(InboundExecutor):
                         stage=self.config.name,
                     )
                 continue
-            match msg:
-                case WorkerReady(rank=rank) as hello:
-                    ready.add(rank)
-                    if rank == 0:
-                        self.visible_devices, self.gpu_memory = (
-                            hello.visible_devices,
-                            hello.gpu_memory,
-                        )
-                case WorkerLoadFailed(error=info, traceback=tb):
-                    logger.error("stage %s %s failed to load:\n%s", self.config.name, where, tb)
-                    raise EngineDeadError(f"{where}: {info.message}", stage=self.config.name)
+            self._hello(msg, ready, self.config.name, where)
 
     def shutdown(self) -> None:
         with self._lock:

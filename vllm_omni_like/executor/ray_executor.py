@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -32,7 +33,6 @@ from vllm_omni_like.messages import (
     ExecuteBatch,
     ReplicaDied,
     Shutdown,
-    WorkerLoadFailed,
     WorkerReady,
 )
 
@@ -88,7 +88,6 @@ class RayExecutor(InboundExecutor):
                         max_restarts=0,
                         max_task_retries=0,
                         scheduling_strategy=strategy,
-                        name=None,
                     )
                     .remote(self.config, rank, "cuda:0" if on_gpu else "cpu", self.faults)
                 )
@@ -140,18 +139,11 @@ class RayExecutor(InboundExecutor):
                 )
             try:
                 msg = self._inbound.startup.get(timeout=0.05)
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 continue
-            match msg:
-                case WorkerReady(rank=rank, pid=pid) as hello:
-                    ready.add(rank)
-                    self._pids.append(pid)
-                    if rank == 0:
-                        self.visible_devices = hello.visible_devices
-                        self.gpu_memory = hello.gpu_memory
-                case WorkerLoadFailed(error=info, traceback=tb):
-                    logger.error("stage %s %s failed to load:\n%s", self.config.name, where, tb)
-                    raise EngineDeadError(f"{where}: {info.message}", stage=self.config.name)
+            self._hello(msg, ready, self.config.name, where)
+            if isinstance(msg, WorkerReady):
+                self._pids.append(msg.pid)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -174,10 +166,14 @@ class RayExecutor(InboundExecutor):
                 reader.join(2)
         self._dead = True
 
-    def _kill_all(self, ray: Any, actors: list[Any]) -> None:
+    @staticmethod
+    def _kill_actors(ray: Any, actors: list[Any]) -> None:
         for actor in actors:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
+
+    def _kill_all(self, ray: Any, actors: list[Any]) -> None:
+        self._kill_actors(ray, actors)
         group, self._group = self._group, None
         if group is not None:
             from ray.util.placement_group import remove_placement_group
@@ -206,10 +202,7 @@ class RayExecutor(InboundExecutor):
 
     def kill(self, reason: str) -> None:
         self._kill_reason = reason
-        ray = ray_module()
-        for actor in list(self._actors):
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+        self._kill_actors(ray_module(), list(self._actors))
 
     @property
     def pids(self) -> list[int]:
