@@ -82,8 +82,9 @@ class StreamedMP4:
                 self.mp4 = [v.finish() for v in self.videos]
             except Exception as e:  # the API encodes the frames instead
                 self.error = e
-        for v in self.videos:
-            v.discard()
+        if self.mp4 is None:  # (finish removed each file it read)
+            for v in self.videos:
+                v.discard()
         if self.error is not None and kind is None:
             log.warning("streamed MP4 encode failed (%s); the frames go out unencoded", self.error)
 
