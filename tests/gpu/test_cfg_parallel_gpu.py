@@ -56,3 +56,41 @@ def test_a_rank_lost_mid_step_takes_its_replica_down_on_gpus(sig, rank):
     assert out.ok, out.error
     assert took <= bound, f"both ranks gone after {took:.2f}s (bound {bound:.2f}s)"
     print(f"{signal.Signals(sig).name} rank {rank}: both ranks gone after {took:.3f}s")
+
+
+def _header_rank(rank: int, rendezvous: str, sleep_cycles: int, took) -> None:
+    import time
+
+    from vllm_omni_like.stages.base import Ranks
+    from vllm_omni_like.stages.cfg_parallel import Link
+
+    link = Link(Ranks(rank, 2, rendezvous), torch.device("cuda", rank), timeout_s=60.0)
+    if rank == 0:
+        torch.cuda._sleep(sleep_cycles)  # the device busy for a while: an earlier step
+        link.send(torch.ones(4, device="cuda:0"))  # queued behind it on the device
+        link.send_obj(("call", "header"))  # the host does not wait for it
+    else:
+        start = time.monotonic()
+        assert link.recv_obj() == ("call", "header")
+        took.value = time.monotonic() - start
+        assert link.recv((4,), "float32").sum().item() == 4.0
+    torch.cuda.synchronize()
+    link.close()
+
+
+def test_a_header_reaches_rank_1_before_rank_0s_device_reaches_the_step(tmp_path):
+    """The header goes host to host: rank 1 reads it while rank 0's device is still busy with
+    the previous work (about 1 s here), so it can launch its branch ahead of the data."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    took = ctx.Value("d", -1.0)
+    cycles = 2_000_000_000  # about 1 s at H100/H200 clocks
+    procs = [
+        ctx.Process(target=_header_rank, args=(r, str(tmp_path / "rdv"), cycles, took))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert 0 <= took.value < 0.3, f"rank 1 read the header after {took.value:.3f}s"

@@ -13,9 +13,14 @@ apart. Whatever breaks the exchange itself (a rank gone, an unexpected message) 
 worker, and the executor restarts the replica as a whole; the process group's timeout is only a
 backstop behind the executor's death and stall detection.
 
-Transport: torch.distributed point to point (NCCL on CUDA, gloo on the CPU). Per step, rank 0
-sends a small header (the call's structure) and the branch's tensors, and receives a status and
-the branch's output, all outside any compiled region.
+Transport: torch.distributed point to point (NCCL on CUDA, gloo on the CPU) for tensors, and a
+second, gloo (host memory) group for the small objects that steer the exchange. Per step, rank 0
+sends a header (the call's structure) over the host group and the branch's tensors over the
+device group, and receives a status and the branch's output, all outside any compiled region.
+The header travels host to host: rank 1 reads it as soon as rank 0's host reaches the step, not
+once rank 0's device has, so rank 1 launches its branch ahead of the data it waits for (on the
+device), as rank 0 does; through the device group it would wait for rank 0's previous step to
+end, then for its own launches (measured: 5.5 ms a step on H200s).
 """
 
 from __future__ import annotations
@@ -85,20 +90,28 @@ class Link:
         else:  # both ranks compute at once on the same cores: each takes half of them, or
             # their thread pools' spinning waits slow both down (measured: 7x on 2 cores)
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             init_method=f"file://{ranks.rendezvous}",
             rank=ranks.rank,
             world_size=2,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
-        # the first exchange sets up the connection between the two: here, not in a request
+        # objects go host to host (gloo), whatever the tensors' backend
+        self._objects = dist.new_group(backend="gloo", timeout=timeout)
+        # the first exchanges set up the connections between the two: here, not in a request
         if self.rank == 0:
             self.send_obj(("hello", 0))
         if self.recv_obj() != ("hello", self.peer):
             raise RankDiverged("the other rank did not answer the handshake")
         if self.rank == 1:
             self.send_obj(("hello", 1))
+        # ... and the tensors' connection (NCCL makes it at the first send, with both ranks)
+        if self.rank == 0:
+            self.send(self.code(0))
+        elif self.recv((1,), "int64").item() != 0:
+            raise RankDiverged("the other rank's first tensor was not the handshake")
 
     def _io(self, what: str, run: Callable[[], T]) -> T:
         try:
@@ -107,31 +120,31 @@ class Link:
             raise RankDiverged(f"rank {self.rank}: {what} rank {self.peer} failed: {exc}") from exc
 
     def send_obj(self, obj: object) -> None:
-        """A small object as one fixed-size message (a longer one in a second message), copied
-        to the device from pinned memory without waiting: torch's own send_object_list copies
-        from pageable memory, which waits for everything queued on the device first."""
+        """A small object, host to host: one fixed-size message (a longer one in a second)."""
         data = pickle.dumps(obj)
         head = np.zeros(HEADER_BYTES, np.uint8)
         head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
         fits = len(data) <= HEADER_BYTES - 8
         if fits:
             head[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
-        self.send(self._to_device(head))
+        self._send_host(torch.from_numpy(head))
         if not fits:
-            self.send(self._to_device(np.frombuffer(data, np.uint8)))
+            self._send_host(torch.from_numpy(np.frombuffer(data, np.uint8).copy()))
 
     def recv_obj(self) -> Any:
-        head = self.recv((HEADER_BYTES,), "uint8").cpu().numpy()
+        head = self._recv_host(HEADER_BYTES).numpy()
         size = int.from_bytes(head[:8].tobytes(), "little")
         if size <= HEADER_BYTES - 8:
             return pickle.loads(head[8 : 8 + size].tobytes())
-        return pickle.loads(self.recv((size,), "uint8").cpu().numpy().tobytes())
+        return pickle.loads(self._recv_host(size).numpy().tobytes())
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _send_host(self, tensor: torch.Tensor) -> None:
+        self._io("sending to", lambda: dist.send(tensor, dst=self.peer, group=self._objects))
+
+    def _recv_host(self, size: int) -> torch.Tensor:
+        tensor = torch.empty(size, dtype=torch.uint8)
+        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer, group=self._objects))
+        return tensor
 
     def code(self, value: int) -> torch.Tensor:
         """A status as a one-element tensor on the device, made once per value."""
