@@ -38,6 +38,10 @@ class DiffusionOptions:
 class LLMOptions:
     prompt_template: str = "{prompt}"
     max_new_tokens: int = 24
+    # a rewriter trained to answer this alone for a prompt outside its model's world: the
+    # request fails with 400 `prompt_outside_model_domain` and `outside_message`
+    outside_answer: str | None = None
+    outside_message: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,22 @@ import yaml
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.shapes.world import OUTSIDE, describe
 
 VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
 
 
-# how the embedded models were trained (training/): the rewriter reads "<short prompt> <sep>";
+# how the embedded models were trained (training/): the rewriter reads "<prompt> <sep>" and
+# answers "<outside>" alone to a prompt that names nothing its world draws;
 # the image model draws 64x64 (and up to twice that, the default limit); the video model was
 # trained on 64x64 clips of 9 to 33 frames, at 8 fps 4 seconds at most
 TINY_OPTIONS: dict[str, dict[str, Any]] = {
-    "tiny-llm": {"prompt_template": "{prompt} <sep>", "max_new_tokens": 24},
+    "tiny-llm": {
+        "prompt_template": "{prompt} <sep>",
+        "max_new_tokens": 24,
+        "outside_answer": OUTSIDE,
+        "outside_message": f"the prompt names nothing this model draws: it draws {describe()}",
+    },
     "tiny-image": {"default_guidance": 5.0},
     "tiny-video": {
         "default_guidance": 5.0,

@@ -92,6 +92,47 @@ def parse_caption(text: str) -> Scene | None:
     return Scene(shape, colour, position, background, size)
 
 
+# What the rewriter draws for what a prompt leaves out (or names with a word the world does not
+# know): fixed, so a revised prompt is predictable and an unknown word is never guessed at.
+DEFAULT_SIZE, DEFAULT_SHAPE, DEFAULT_POSITION = "large", "circle", "center"
+DEFAULT_COLOUR, DEFAULT_BACKGROUND = "white", "black"
+ATTRIBUTES = ("size", "colour", "shape", "position", "background")
+OUTSIDE = "<outside>"  # the rewriter's whole answer to a prompt that names none of them
+
+
+def scene_from_named(named: dict[str, str]) -> Scene:
+    """The scene drawn for the attributes a prompt names (at least one), defaults elsewhere.
+
+    The shape's colour defaults to white, the background to black; a default that would equal
+    the other (named) colour takes the other default instead (white on white never happens).
+    """
+    if not named or set(named) - set(ATTRIBUTES):
+        raise ValueError(f"named attributes must be some of {ATTRIBUTES}, not {named}")
+    colour, background = named.get("colour"), named.get("background")
+    if colour == background and colour is not None:
+        raise ValueError(f"the shape and the background are both {colour}")
+    if colour is None:
+        colour = DEFAULT_COLOUR if background != DEFAULT_COLOUR else DEFAULT_BACKGROUND
+    if background is None:
+        background = DEFAULT_BACKGROUND if colour != DEFAULT_BACKGROUND else DEFAULT_COLOUR
+    return Scene(
+        named.get("shape", DEFAULT_SHAPE),
+        colour,
+        named.get("position", DEFAULT_POSITION),
+        background,
+        named.get("size", DEFAULT_SIZE),
+    )
+
+
+def describe() -> str:
+    """What the world can draw, in one sentence (the answer to a prompt outside it)."""
+    return (
+        f"one {', '.join(SHAPES[:-1])} or {SHAPES[-1]}, small or large, coloured "
+        f"{', '.join(list(COLOURS)[:-1])} or {list(COLOURS)[-1]}, at the {', '.join(POSITIONS)}"
+        ", on a background of another of those colours"
+    )
+
+
 def sample_scene(rng: random.Random, held_out: bool | None = False) -> Scene:
     """A random scene; held_out=False never gives a held-out combination, True only those."""
     while True:

@@ -155,7 +155,18 @@ class LLMStage(Stage):
             if self.tokenizer.eos_token_id in ids:
                 ids = ids[: ids.index(self.tokenizer.eos_token_id)]
             text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if self.options.outside_answer is not None and text == self.options.outside_answer:
+                outputs.append(StageOutput.from_error(r.request_id, self._outside(), self.name))
+                continue
             outputs.append(
                 StageOutput(request_id=r.request_id, stage=self.name, text=text, token_ids=ids)
             )
         return outputs
+
+    def _outside(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            self.options.outside_message or "the prompt names nothing this model draws",
+            stage=self.name,
+            param="prompt",
+            code="prompt_outside_model_domain",
+        )

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from importlib import resources
 
 from vllm_omni_like.config import cache_dir
+from vllm_omni_like.stages.tiny_llm import build_llm
 
 TINY_NAMES = ("tiny-llm", "tiny-image", "tiny-video")
-BUILD_VERSION = "2"
+BUILD_VERSION = "3"
 MAX_TEXT_TOKENS = 32
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
@@ -157,43 +158,6 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS, add_eos: bool = True):
         sep_token="<sep>",
         model_max_length=max_length,
     )
-
-
-def llm_model(tokenizer):
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        max_new_tokens=20,
-        do_sample=False,
-    )
-    return model
-
-
-def _build_llm(out: str) -> None:
-    import torch
-
-    tokenizer = build_tokenizer(max_length=64, add_eos=False)
-    tokenizer.padding_side = "left"
-    torch.manual_seed(0)
-    llm_model(tokenizer).save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 def _clip_text_encoder(vocab_size: int, tokenizer):
@@ -340,7 +304,7 @@ def _build_video(out: str) -> None:
 
 
 _BUILDERS: dict[str, Callable[[str], None]] = {
-    "tiny-llm": _build_llm,
+    "tiny-llm": build_llm,
     "tiny-image": _build_image,
     "tiny-video": _build_video,
 }
