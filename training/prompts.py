@@ -69,6 +69,8 @@ BACKGROUND_BEFORE = [  # before the shape
     "background {c},", "with a {c} background,", "over {c}:", "a {c} background and",
 ]
 BACKGROUND_SENTENCE = [
+    "The background, {c}.", "Background first: {c}.", "For the background, {c}.",
+    "Background? {c}.", "As for the background, {c}.", "Then the background: {c}.",
     "The background is {c}.", "Background: {c}.", "Use a {c} background.", "Make the background {c}.",
     "Set the background to {c}.", "{C} background.", "The backdrop should be {c}.",
     "Fill the background with {c}.", "Behind it, {c}.", "Put it on {c}.", "{C} behind it.",
@@ -95,12 +97,35 @@ FILLER_BEFORE = [
     "the idea:", "concept:", "request:", "task:", "prompt:", "note -", "ok,", "right, so",
     "i'd like", "we need", "go ahead and draw", "try drawing", "do", "could you do",
     "how about", "what about", "paint", "sketch me", "output", "i was hoping for",
+    "i am after", "we'd want", "looking for", "in need of", "hoping to get", "i'm after",
+    "could we get", "can i have", "gimme", "help me with", "one more:", "next:", "and now",
 ]
 FILLER_AFTER = [
     "please", "pls", "plz", "thx", "thanks", "thank you", "ty", "cheers!", "if you can",
     "asap", "nothing else", "that's all", "and that's it", "for me", "when you can", "ok?",
     "right now", "no text", "simple style", "keep it clean", "lol", "ta", "much appreciated",
-    "would be great", "please :)", "only that", "just that",
+    "would be great", "please :)", "only that", "just that", "can you do it",
+    "is that possible", "if that works", "no rush", "when ready", "do it now", "go",
+]
+# everyday words that name nothing the world draws (prompts outside it)
+OTHER_NOUNS = [
+    "house", "car", "tree", "book", "music", "table", "friend", "water", "story", "song",
+    "letter", "garden", "window", "bird", "flower", "river", "bread", "coffee", "train",
+    "computer", "email", "weather", "recipe", "joke", "essay", "chair", "horse", "boat",
+    "bicycle", "robot", "dragon", "castle", "forest", "beach", "road", "bridge", "clock",
+    "lamp", "pizza", "guitar", "piano", "cloud", "rain", "snow", "king", "queen", "map",
+    "planet", "rocket", "village", "market", "kitchen", "school", "doctor", "teacher",
+    "garden party", "birthday", "wedding", "storm", "island", "desert", "valley", "farm",
+]
+OTHER_ADJECTIVES = ["old", "happy", "quiet", "fast", "lonely", "ancient", "modern", "cozy",
+                    "busy", "sleepy", "famous", "strange", "lovely", "wooden", "frozen"]
+OTHER_FRAMES = [
+    "write me a {n}", "tell me a {n}", "a {a} {n}", "the {a} {n} next to the {m}",
+    "a watercolour of a {n}", "a drawing of a {n} and a {m}", "what is a {n}?",
+    "translate this {n}", "a {n} in the {m}", "the {a} {n} runs past the {a} {m}",
+    "summarise the {n}", "how do I fix my {n}", "a sketch of the {a} {m}", "{n}",
+    "a {a} {n} at {m} time", "make me a {n} about a {m}", "explain the {n} to me",
+    "a scene with a {n}", "an image of a {a} {n}", "my {n} is {a}",
 ]
 PUNCT = ["", "", "", ".", "!", "?", "!!", "...", " :)", ";", "?!"]
 CONSONANTS, VOWELS = "bcdfghjklmnprstvwxz", "aeiou"
@@ -143,6 +168,8 @@ def _noun_phrase(rng: random.Random, named: dict[str, str], unknown: dict[str, s
     if colour and rng.random() < 0.15:  # "a circle that is red", "a circle in red"
         tail = rng.choice([f"that is {colour}", f"in {colour}", f"coloured {colour}", f", {colour}"])
         words = [w for w in words if w != colour] + [shape, tail]
+    elif colour and rng.random() < 0.08:  # "red-triangle"
+        words[-1] = f"{colour}-{shape}"
     else:
         words.append(shape)
     article = rng.choice(["a", "a", "an" if words[0][0] in "aeiou" else "a", "one", "the", ""])
@@ -165,6 +192,9 @@ def _phrase(rng: random.Random, named: dict[str, str], unknown: dict[str, str]) 
     elif bg:
         tails.append(rng.choice(BACKGROUND_AFTER).format(c=bg))
     rng.shuffle(tails)
+    if tails and rng.random() < 0.1:  # "(top left)"
+        i = rng.randrange(len(tails))
+        tails[i] = rng.choice(["({})", "[{}]", "- {} -", "{{{}}}"]).format(tails[i])
     if tails and rng.random() < 0.2:  # the place first: "at the top, a red circle"
         lead = tails.pop(0)
         parts.insert(0, lead + rng.choice([",", "", ":", " -"]))
@@ -215,6 +245,11 @@ def _sentences(rng: random.Random, named: dict[str, str], unknown: dict[str, str
 
 
 def _outside(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        frame = rng.choice(OTHER_FRAMES)
+        return frame.format(
+            n=rng.choice(OTHER_NOUNS), m=rng.choice(OTHER_NOUNS), a=rng.choice(OTHER_ADJECTIVES)
+        )
     words = [made_up_word(rng) for _ in range(rng.randint(1, 4))]
     glue = rng.choice(["a {0}", "the {0}", "{0}", "a {0} of a {1}", "an image of {0}", "{0} with {1}",
                        "a {0} {1} on a {1} background", "{0} at the {1}", "picture of a {0}",
@@ -247,7 +282,7 @@ def _noise(rng: random.Random, text: str) -> str:
 
 def sample_pair(rng: random.Random) -> tuple[str, str]:
     """One (prompt, target caption or OUTSIDE)."""
-    if rng.random() < 0.08:
+    if rng.random() < 0.1:
         return _noise(rng, _case(rng, _outside(rng))), OUTSIDE
     named = _named(rng)
     target = world.scene_from_named(named).caption()
@@ -255,10 +290,14 @@ def sample_pair(rng: random.Random) -> tuple[str, str]:
         return _noise(rng, _case(rng, target)), target
     unknown: dict[str, str] = {}
     for key in ("colour", "shape", "background"):
-        if key not in named and rng.random() < 0.12:
+        if key not in named and rng.random() < 0.15:
             unknown[key] = made_up_word(rng)
     style = rng.random()
-    if style < 0.55:
+    if style < 0.08:  # the phrase inside a sentence
+        frame = rng.choice(["there is {} here", "{} is what i want", "picture {}",
+                            "imagine {}", "all i want is {}", "{}, that is the plan"])
+        text = frame.format(_phrase(rng, named, unknown))
+    elif style < 0.55:
         text = _phrase(rng, named, unknown)
     elif style < 0.75:
         text = _listing(rng, named, unknown)
