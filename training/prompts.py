@@ -146,6 +146,9 @@ def _named(rng: random.Random) -> dict[str, str]:
     scene = world.sample_scene(rng, held_out=None)
     odds = {"shape": 0.8, "colour": 0.85, "size": 0.35, "position": 0.5, "background": 0.5}
     named = {k: getattr(scene, k) for k, p in odds.items() if rng.random() < p}
+    if rng.random() < 0.08:  # the defaults' exception: a white or black shape, no background
+        named["colour"] = rng.choice([world.DEFAULT_COLOUR, world.DEFAULT_BACKGROUND])
+        named.pop("background", None)
     if not named:
         named = {"colour": scene.colour}
     return named
@@ -160,7 +163,8 @@ def _position(rng: random.Random, pos: str) -> str:
 def _noun_phrase(rng: random.Random, named: dict[str, str], unknown: dict[str, str]) -> str:
     words = []
     if "size" in named:
-        words.append(rng.choice(SIZE_WORDS[named["size"]]))
+        size = rng.choice(SIZE_WORDS[named["size"]])
+        words.append(f"({size})" if rng.random() < 0.05 else size)
     colour = named.get("colour") or unknown.get("colour")
     if colour:
         words.append(colour)
@@ -198,7 +202,7 @@ def _phrase(rng: random.Random, named: dict[str, str], unknown: dict[str, str]) 
     if tails and rng.random() < 0.2:  # the place first: "at the top, a red circle"
         lead = tails.pop(0)
         parts.insert(0, lead + rng.choice([",", "", ":", " -"]))
-    sep = rng.choice([" ", " ", " ", ", ", "; ", " - ", " / "])
+    sep = rng.choice([" ", " ", " ", ", ", "; ", " - ", " / ", ",", ";", "/"])
     return sep.join([" ".join(parts), *tails]) if tails else " ".join(parts)
 
 
@@ -218,7 +222,7 @@ def _listing(rng: random.Random, named: dict[str, str], unknown: dict[str, str])
             value = f"{key.replace('colour', rng.choice(['colour', 'color']))}: {value}"
         items.append(value)
     rng.shuffle(items)
-    return rng.choice([", ", "; ", " / ", " - ", ". ", " | "]).join(items)
+    return rng.choice([", ", "; ", " / ", " - ", ". ", " | ", ",", ";", "/"]).join(items)
 
 
 def _sentences(rng: random.Random, named: dict[str, str], unknown: dict[str, str]) -> str:
@@ -295,7 +299,9 @@ def sample_pair(rng: random.Random) -> tuple[str, str]:
     style = rng.random()
     if style < 0.08:  # the phrase inside a sentence
         frame = rng.choice(["there is {} here", "{} is what i want", "picture {}",
-                            "imagine {}", "all i want is {}", "{}, that is the plan"])
+                            "imagine {}", "all i want is {}", "{}, that is the plan",
+                            "an image with {}", "a picture featuring {}", "a render of {}",
+                            "a graphic containing {}", "artwork: {}"])
         text = frame.format(_phrase(rng, named, unknown))
     elif style < 0.55:
         text = _phrase(rng, named, unknown)
