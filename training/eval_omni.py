@@ -12,6 +12,9 @@ For each prompt (seed 1000 + its line number), through the real engine:
   any and are drawable;
 - `kept_attributes`: the same per attribute;
 - `drawn`: what `shapes/checker.py` reads in the image, per attribute the prompt names;
+- `exactly_named_and_defaults`: the revised prompt is exactly the named attributes with the
+  world's defaults for the rest (`world.scene_from_named`), so a word the world lacks was not
+  guessed at;
 - `outside_refused`: the prompts naming nothing drawable that got a 400
   `prompt_outside_model_domain`;
 - each figure per kind of prompt too. The report goes to `reports/omni-heldout-<label>.json`.
@@ -80,6 +83,8 @@ def score(rows: list[dict[str, Any]], outputs: list[Any]) -> dict[str, Any]:
             for k, ok in kept.items():
                 note(kind, f"kept_{k}", ok)
             note(kind, "kept_every_named", all(kept.values()))
+            # the rest from the defaults, an unknown word never guessed at
+            note(kind, "exactly_named_and_defaults", scene == world.scene_from_named(names))
         read = checker.read_image(out.output.images[0].pixels)
         for k in DRAWN:
             if k in names:

@@ -14,120 +14,29 @@ from __future__ import annotations
 
 import random
 
+from outside_words import OTHER_ADJECTIVES, OTHER_FRAMES, OTHER_NOUNS
+from prompt_words import (
+    BACKGROUND_AFTER,
+    BACKGROUND_BEFORE,
+    BACKGROUND_SENTENCE,
+    BARE_POSITION,
+    COLOUR_SENTENCE,
+    FILLER_AFTER,
+    FILLER_BEFORE,
+    NO_SHAPE,
+    POSITION_PHRASES,
+    POSITION_PREFIX,
+    POSITION_SENTENCE,
+    PUNCT,
+    SHAPE_SENTENCE,
+    SIZE_SENTENCE,
+    SIZE_WORDS,
+)
+
 from vllm_omni_like.shapes import world
 
 OUTSIDE = world.OUTSIDE
 
-SIZE_WORDS = {
-    "large": ["large", "big", "huge", "giant", "massive", "enormous", "jumbo", "oversized"],
-    "small": ["small", "little", "tiny", "teeny", "mini", "minuscule", "wee", "petite"],
-}
-_V = {"top": ["top", "upper"], "bottom": ["bottom", "lower"]}
-
-
-def _corner(v: str, h: str) -> list[str]:
-    out = []
-    for vw in _V[v]:
-        out += [f"{vw} {h}", f"{vw}-{h}", f"{vw} {h} corner", f"{vw}-{h} corner"]
-        out += [f"{vw} {h}-hand corner", f"{vw} {h} hand corner", f"{vw} {h} part"]
-    return out
-
-
-POSITION_PHRASES: dict[str, list[str]] = {
-    "center": ["center", "centre", "middle", "very center", "dead centre", "exact middle",
-               "middle of the image", "center of the canvas", "centre of the picture"],
-    "top": ["top", "very top", "top edge", "upper edge", "top middle", "top center",
-            "upper middle", "upper centre", "top of the image"],
-    "bottom": ["bottom", "very bottom", "bottom edge", "lower edge", "bottom middle",
-               "bottom centre", "lower middle", "lower center", "bottom of the canvas"],
-    "left": ["left", "left side", "left-hand side", "left edge", "middle left", "left of the image"],
-    "right": ["right", "right side", "right-hand side", "right edge", "middle right",
-              "right of the picture"],
-}
-for _v in ("top", "bottom"):
-    for _h in ("left", "right"):
-        POSITION_PHRASES[f"{_v} {_h}"] = _corner(_v, _h)
-POSITION_PREFIX = ["at the", "in the", "on the", "toward the", "towards the", "near the",
-                   "by the", "along the", "over at the", "up in the", "down in the", "in the far"]
-BARE_POSITION = {  # phrases that stand without "at the"
-    "center": ["centered", "centrally", "in the middle", "right in the middle", "mid-frame"],
-    "top": ["up top", "at the very top", "high up"],
-    "bottom": ["down low", "down at the bottom", "low down"],
-    "left": ["on the left", "leftmost", "to the left"],
-    "right": ["on the right", "rightmost", "to the right"],
-}
-
-BACKGROUND_AFTER = [  # after the shape: "{c}" is the background's colour
-    "on a {c} background", "on {c}", "on a {c} backdrop", "against {c}", "against a {c} background",
-    "over a {c} background", "with a {c} background", "with {c} behind it", "on top of {c}",
-    "{c} background", "{c} backdrop", "{c} bg", "background {c}", "background: {c}",
-    "on a plain {c} background", "on a solid {c} field", "upon {c}", "atop a {c} background",
-    "on a {c} canvas", "in front of {c}", "with a {c} backdrop", "{c} behind",
-]
-BACKGROUND_BEFORE = [  # before the shape
-    "on a {c} background,", "on {c},", "against {c},", "{c} background,", "{c} backdrop;",
-    "background {c},", "with a {c} background,", "over {c}:", "a {c} background and",
-]
-BACKGROUND_SENTENCE = [
-    "The background, {c}.", "Background first: {c}.", "For the background, {c}.",
-    "Background? {c}.", "As for the background, {c}.", "Then the background: {c}.",
-    "The background is {c}.", "Background: {c}.", "Use a {c} background.", "Make the background {c}.",
-    "Set the background to {c}.", "{C} background.", "The backdrop should be {c}.",
-    "Fill the background with {c}.", "Behind it, {c}.", "Put it on {c}.", "{C} behind it.",
-]
-SHAPE_SENTENCE = [
-    "Draw a {s}.", "A {s}.", "I need a {s}.", "Make a {s}.", "Shape: {s}.", "It is a {s}.",
-    "The shape is a {s}.", "Give me a {s}.", "Add a {s}.", "Put a {s} in it.", "{S}.",
-]
-COLOUR_SENTENCE = [
-    "Make it {c}.", "It is {c}.", "It should be {c}.", "Colour: {c}.", "Color it {c}.",
-    "The {s} is {c}.", "{C}.", "Paint it {c}.", "Its colour is {c}.", "In {c}.",
-]
-SIZE_SENTENCE = ["Make it {z}.", "It is {z}.", "Size: {z}.", "{Z}.", "Keep it {z}.", "Quite {z}."]
-POSITION_SENTENCE = [
-    "Put it {p}.", "Place it {p}.", "It sits {p}.", "Position: {q}.", "{P}.", "Move it {p}.",
-    "Keep it {p}.", "Where: {q}.",
-]
-NO_SHAPE = ["one", "shape", "thing", "object", "something", "blob", "figure", "form"]
-FILLER_BEFORE = [
-    "draw", "draw me", "i need", "give me", "i want", "show", "show me", "make", "make me",
-    "display", "depict", "let's have", "may i have", "could i see", "can you draw", "plz draw",
-    "pls", "hi,", "hello!", "yo", "so,", "well,", "um", "alright:", "just", "simply",
-    "quickly draw", "for a poster:", "for my homework,", "for a logo:", "my friend asked for",
-    "the idea:", "concept:", "request:", "task:", "prompt:", "note -", "ok,", "right, so",
-    "i'd like", "we need", "go ahead and draw", "try drawing", "do", "could you do",
-    "how about", "what about", "paint", "sketch me", "output", "i was hoping for",
-    "i am after", "we'd want", "looking for", "in need of", "hoping to get", "i'm after",
-    "could we get", "can i have", "gimme", "help me with", "one more:", "next:", "and now",
-]
-FILLER_AFTER = [
-    "please", "pls", "plz", "thx", "thanks", "thank you", "ty", "cheers!", "if you can",
-    "asap", "nothing else", "that's all", "and that's it", "for me", "when you can", "ok?",
-    "right now", "no text", "simple style", "keep it clean", "lol", "ta", "much appreciated",
-    "would be great", "please :)", "only that", "just that", "can you do it",
-    "is that possible", "if that works", "no rush", "when ready", "do it now", "go",
-]
-# everyday words that name nothing the world draws (prompts outside it)
-OTHER_NOUNS = [
-    "house", "car", "tree", "book", "music", "table", "friend", "water", "story", "song",
-    "letter", "garden", "window", "bird", "flower", "river", "bread", "coffee", "train",
-    "computer", "email", "weather", "recipe", "joke", "essay", "chair", "horse", "boat",
-    "bicycle", "robot", "dragon", "castle", "forest", "beach", "road", "bridge", "clock",
-    "lamp", "pizza", "guitar", "piano", "cloud", "rain", "snow", "king", "queen", "map",
-    "planet", "rocket", "village", "market", "kitchen", "school", "doctor", "teacher",
-    "garden party", "birthday", "wedding", "storm", "island", "desert", "valley", "farm",
-]
-OTHER_ADJECTIVES = ["old", "happy", "quiet", "fast", "lonely", "ancient", "modern", "cozy",
-                    "busy", "sleepy", "famous", "strange", "lovely", "wooden", "frozen"]
-OTHER_FRAMES = [
-    "write me a {n}", "tell me a {n}", "a {a} {n}", "the {a} {n} next to the {m}",
-    "a watercolour of a {n}", "a drawing of a {n} and a {m}", "what is a {n}?",
-    "translate this {n}", "a {n} in the {m}", "the {a} {n} runs past the {a} {m}",
-    "summarise the {n}", "how do I fix my {n}", "a sketch of the {a} {m}", "{n}",
-    "a {a} {n} at {m} time", "make me a {n} about a {m}", "explain the {n} to me",
-    "a scene with a {n}", "an image of a {a} {n}", "my {n} is {a}",
-]
-PUNCT = ["", "", "", ".", "!", "?", "!!", "...", " :)", ";", "?!"]
 CONSONANTS, VOWELS = "bcdfghjklmnprstvwxz", "aeiou"
 
 
@@ -170,7 +79,9 @@ def _noun_phrase(rng: random.Random, named: dict[str, str], unknown: dict[str, s
         words.append(colour)
     shape = named.get("shape") or unknown.get("shape") or rng.choice(NO_SHAPE)
     if colour and rng.random() < 0.15:  # "a circle that is red", "a circle in red"
-        tail = rng.choice([f"that is {colour}", f"in {colour}", f"coloured {colour}", f", {colour}"])
+        tail = rng.choice(
+            [f"that is {colour}", f"in {colour}", f"coloured {colour}", f", {colour}"]
+        )
         words = [w for w in words if w != colour] + [shape, tail]
     elif colour and rng.random() < 0.08:  # "red-triangle"
         words[-1] = f"{colour}-{shape}"
@@ -217,7 +128,9 @@ def _listing(rng: random.Random, named: dict[str, str], unknown: dict[str, str])
         elif key == "position":
             value = rng.choice(POSITION_PHRASES[named["position"]])
         elif key == "background":
-            value = rng.choice(["on {c}", "{c} background", "{c} bg", "bg {c}", "background {c}"]).format(c=value)
+            value = rng.choice(
+                ["on {c}", "{c} background", "{c} bg", "bg {c}", "background {c}"]
+            ).format(c=value)
         if rng.random() < 0.2 and key != "background":
             value = f"{key.replace('colour', rng.choice(['colour', 'color']))}: {value}"
         items.append(value)
@@ -255,10 +168,28 @@ def _outside(rng: random.Random) -> str:
             n=rng.choice(OTHER_NOUNS), m=rng.choice(OTHER_NOUNS), a=rng.choice(OTHER_ADJECTIVES)
         )
     words = [made_up_word(rng) for _ in range(rng.randint(1, 4))]
-    glue = rng.choice(["a {0}", "the {0}", "{0}", "a {0} of a {1}", "an image of {0}", "{0} with {1}",
-                       "a {0} {1} on a {1} background", "{0} at the {1}", "picture of a {0}",
-                       "hello", "hi there friend", "just {0}", "{0}?", "what is a {0}",
-                       "a {0} {1}", "draw a {0}", "my {0} and the {1}", "so, {0} {1}"])
+    glue = rng.choice(
+        [
+            "a {0}",
+            "the {0}",
+            "{0}",
+            "a {0} of a {1}",
+            "an image of {0}",
+            "{0} with {1}",
+            "a {0} {1} on a {1} background",
+            "{0} at the {1}",
+            "picture of a {0}",
+            "hello",
+            "hi there friend",
+            "just {0}",
+            "{0}?",
+            "what is a {0}",
+            "a {0} {1}",
+            "draw a {0}",
+            "my {0} and the {1}",
+            "so, {0} {1}",
+        ]
+    )
     return glue.format(*words, *words)
 
 
@@ -298,10 +229,21 @@ def sample_pair(rng: random.Random) -> tuple[str, str]:
             unknown[key] = made_up_word(rng)
     style = rng.random()
     if style < 0.08:  # the phrase inside a sentence
-        frame = rng.choice(["there is {} here", "{} is what i want", "picture {}",
-                            "imagine {}", "all i want is {}", "{}, that is the plan",
-                            "an image with {}", "a picture featuring {}", "a render of {}",
-                            "a graphic containing {}", "artwork: {}"])
+        frame = rng.choice(
+            [
+                "there is {} here",
+                "{} is what i want",
+                "picture {}",
+                "imagine {}",
+                "all i want is {}",
+                "{}, that is the plan",
+                "an image with {}",
+                "a picture featuring {}",
+                "a render of {}",
+                "a graphic containing {}",
+                "artwork: {}",
+            ]
+        )
         text = frame.format(_phrase(rng, named, unknown))
     elif style < 0.55:
         text = _phrase(rng, named, unknown)

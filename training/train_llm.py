@@ -49,7 +49,9 @@ def rewrite(model, tokenizer, prompts: list[str], batch: int = 256) -> list[str]
         out = model.generate(
             **enc, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
-        out_texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        out_texts += tokenizer.batch_decode(
+            out[:, enc.input_ids.shape[1] :], skip_special_tokens=True
+        )
     return [t.strip() for t in out_texts]
 
 
@@ -65,19 +67,27 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--eval", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--init", default=None, help="fine-tune this saved rewriter (its tokenizer)")
     args = ap.parse_args()
     seed_all(args.seed)
     dev = device()
     prompts, targets = pairs(args.n, args.seed + 1)
-    tokenizer = build_llm_tokenizer(prompts[:100_000] + targets[:20_000])
+    if args.init:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.init)
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(dev)
+    else:
+        tokenizer = build_llm_tokenizer(prompts[:100_000] + targets[:20_000])
+        model = llm_model(tokenizer, args.hidden, args.layers).to(dev)
     ids, labels = encode(tokenizer, prompts, targets)
     print(f"{len(ids)} of {len(prompts)} pairs fit {MAX_LEN} tokens", flush=True)
     ids, labels = ids.to(dev), labels.to(dev)
-    model = llm_model(tokenizer, args.hidden, args.layers).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     total = args.steps
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 300) * 0.5 * (1 + math.cos(math.pi * s / total))
+        opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * s / total))
     )
     log = Log()
     model.train()
@@ -114,6 +124,8 @@ def main() -> None:
             "params": sum(p.numel() for p in model.parameters()),
             "train_pairs": len(ids),
             "steps": total,
+            "init": args.init,
+            "lr": args.lr,
             "batch": args.batch,
             "seed": args.seed,
             "generated_eval_pairs": args.eval,
