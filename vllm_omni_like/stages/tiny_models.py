@@ -131,10 +131,11 @@ def vocabulary() -> list[str]:
     return list(seen)
 
 
-def build_tokenizer(max_length: int = MAX_TEXT_TOKENS, add_eos: bool = True):
+def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
     """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>).
 
-    Text encoders get `<s> text </s>`; the causal LM gets `<s> text` (it writes the rest).
+    The text encoders of the tiny diffusion models get `<s> text </s>` (the rewriter has its own
+    byte-level tokenizer: stages/tiny_llm.py).
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -146,7 +147,7 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS, add_eos: bool = True):
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
     )
     specials = [("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])]
-    single = "<s> $A </s>" if add_eos else "<s> $A"
+    single = "<s> $A </s>"
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     return PreTrainedTokenizerFast(
