@@ -21,10 +21,15 @@ class GenerationParams:
     num_frames: int | None = None
     fps: int | None = None
     partial_images: int = 0
-    # LLM stage
+    # LLM stage (each row of a batch its own: stages/decode_loop.py)
     max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # null stage: per-step delay in seconds
     step_delay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -40,6 +45,5 @@ class GenerationParams:
             self.guidance_scale,
             self.strength,
             self.negative_prompt is None,
-            self.max_new_tokens,
             self.step_delay,
         )

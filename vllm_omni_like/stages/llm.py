@@ -1,8 +1,7 @@
-"""LLM stage: a transformers causal LM from a local directory, batched generate, left padding."""
+"""LLM stage: a transformers causal LM from a local directory, decoded by our own loop (each row
+of a batch with its own sampling: stages/decode_loop.py)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -11,6 +10,7 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
+from vllm_omni_like.stages.decode_loop import DecodeLoop, RowSampling
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -19,54 +19,6 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_device,
     resolve_dtype,
 )
-
-
-class RowSampler:
-    """A logits processor that samples each row with its own generator and temperature.
-
-    Greedy rows (temperature 0) are left alone; sampled rows get every logit but the drawn
-    token set to -inf, so `generate`'s greedy pick returns the draw. A request's tokens thus
-    depend on its own seed only, never on its batch peers.
-    """
-
-    def __init__(
-        self,
-        temperatures: list[float],
-        top_ps: list[float],
-        generators: list[torch.Generator | None],
-    ) -> None:
-        self.temperatures = temperatures
-        self.top_ps = top_ps
-        self.generators = generators
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        for row, (temp, top_p, gen) in enumerate(
-            zip(self.temperatures, self.top_ps, self.generators, strict=True)
-        ):
-            if temp <= 0 or gen is None:
-                continue
-            probs = torch.softmax(scores[row].float() / temp, dim=-1)
-            if top_p < 1.0:
-                sorted_p, order = probs.sort(descending=True)
-                drop = sorted_p.cumsum(0) - sorted_p > top_p
-                probs[order[drop]] = 0.0
-                probs = probs / probs.sum()
-            token = torch.multinomial(probs.cpu(), 1, generator=gen).item()
-            scores[row].fill_(float("-inf"))
-            scores[row, token] = 0.0
-        return scores
-
-
-class _StepHook:
-    """A stopping criterion that only reports each decoding step (and sees aborts)."""
-
-    def __init__(self, batch: list[StageRequest], control: StageControl, total: int) -> None:
-        self.batch, self.control, self.total, self.step = batch, control, total, 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        self.step += 1
-        self.control.step(self.batch, self.step, self.total)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class LLMStage(Stage):
@@ -97,6 +49,7 @@ class LLMStage(Stage):
         self.model.eval()
         self.probe = BatchDimProbe()
         self.probe.attach(self.model)
+        self.loop = DecodeLoop(self.model, self.tokenizer, self.device)
         opts = self.options
         self.template = opts.prompt_template
         self.default_max_new = opts.max_new_tokens
@@ -122,46 +75,37 @@ class LLMStage(Stage):
         return Deferred.done(batch, self._generate(batch, control))
 
     def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        from transformers import LogitsProcessorList, StoppingCriteriaList
-
-        max_new = batch[0].params.max_new_tokens or self.default_max_new
-        enc = self.tokenizer([self._text(r) for r in batch], return_tensors="pt", padding=True)
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        sampler = RowSampler(
-            [r.params.temperature for r in batch],
-            [r.params.top_p for r in batch],
-            [
-                torch.Generator().manual_seed(r.params.seed or 0)
-                if r.params.temperature > 0
-                else None
-                for r in batch
-            ],
-        )
+        prompts = [self.tokenizer(self._text(r)).input_ids for r in batch]
+        rows = [self._sampling(r) for r in batch]
         self.probe.reset()
-        with torch.inference_mode():
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=max_new,
-                do_sample=False,
-                logits_processor=LogitsProcessorList([sampler]),
-                stopping_criteria=StoppingCriteriaList([_StepHook(batch, control, max_new)]),
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
+        results = self.loop.run(prompts, rows, lambda step, total: control.step(batch, step, total))
         control.saw_model_batch(self.probe.max_seen)
-        new_tokens = out[:, enc["input_ids"].shape[1] :].tolist()
         outputs = []
-        for r, ids in zip(batch, new_tokens, strict=True):
-            ids = [t for t in ids if t != self.tokenizer.pad_token_id]
-            if self.tokenizer.eos_token_id in ids:
-                ids = ids[: ids.index(self.tokenizer.eos_token_id)]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        for r, res in zip(batch, results, strict=True):
+            text = res.text.strip()
             if self.options.outside_answer is not None and text == self.options.outside_answer:
                 outputs.append(StageOutput.from_error(r.request_id, self._outside(), self.name))
                 continue
             outputs.append(
-                StageOutput(request_id=r.request_id, stage=self.name, text=text, token_ids=ids)
+                StageOutput(
+                    request_id=r.request_id, stage=self.name, text=text, token_ids=res.token_ids
+                )
             )
         return outputs
+
+    def _sampling(self, request: StageRequest) -> RowSampling:
+        p = request.params
+        return RowSampling(
+            max_new_tokens=p.max_new_tokens or self.default_max_new,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            stop=tuple(p.stop),
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+        )
 
     def _outside(self) -> InvalidRequestError:
         return InvalidRequestError(
