@@ -13,7 +13,8 @@ from vllm_omni_like.stage_options import parse_options
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
-FAULT_POINTS = ("load", "execute", "step", "output", "store")
+# tokenize, detokenize: one row of an LLM stage's batch (the others run on)
+FAULT_POINTS = ("load", "execute", "step", "output", "store", "tokenize", "detokenize")
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")

@@ -93,3 +93,50 @@ def test_penalties_follow_hf_and_openai():
     logits = torch.tensor([1.0, 1.0, 1.0, 1.0])
     penalize(logits, RowSampling(1, presence_penalty=0.5, frequency_penalty=0.25), [], [2, 2, 3])
     assert logits.tolist() == [1.0, 1.0, 0.0, 0.25]  # 1 - (0.5 + 0.25 * count)
+
+
+def test_a_row_failing_to_tokenize_or_detokenize_ends_alone_and_its_peers_finish():
+    """Fault points in a real worker: one row's tokenization fails as the request's fault (400),
+    another's detokenization as the server's (500); both end alone, the two healthy rows of
+    the same batch finish exactly as they would have, and the worker serves on."""
+    import queue
+
+    from tests.conftest import drain_batch
+    from vllm_omni_like.config import FaultRule, StageConfig
+    from vllm_omni_like.errors import ErrorKind
+    from vllm_omni_like.executor import MultiprocExecutor
+    from vllm_omni_like.messages import ExecuteBatch, RequestResult, StageRequest
+    from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
+
+    faults = (
+        FaultRule("llm", "tokenize", "invalid", match="@badtok"),
+        FaultRule("llm", "detokenize", "raise", match="@baddetok"),
+    )
+    sink: queue.Queue = queue.Queue()
+    config = StageConfig(name="llm", kind="llm", model="tiny-llm", options=TINY_OPTIONS["tiny-llm"])
+    ex = MultiprocExecutor(config, 0, sink.put, faults)
+    ex.start()
+
+    def run(batch_id: int, prompts: list[str]) -> tuple[dict, object]:
+        reqs = [StageRequest(f"{batch_id}-{i}", p, mode="text") for i, p in enumerate(prompts)]
+        ex.execute(ExecuteBatch(batch_id, reqs))
+        msgs = drain_batch(sink, batch_id, timeout=60)
+        return {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}, msgs[
+            -1
+        ]
+
+    try:
+        mixed, done = run(
+            1, ["red circle", "blue square @badtok", "green @baddetok", "a tiny white square"]
+        )
+        clean, _ = run(2, ["red circle", "a tiny white square"])
+        assert mixed["1-1"].error.kind is ErrorKind.INVALID and mixed["1-1"].text is None
+        assert "injected invalid fault at tokenize" in mixed["1-1"].error.message
+        assert mixed["1-2"].error.kind is ErrorKind.GENERATE and mixed["1-2"].text is None
+        assert "injected raise fault at detokenize" in mixed["1-2"].error.message
+        assert done.model_batch_dim == 3  # the row that failed to tokenize never ran
+        assert mixed["1-0"].text == clean["2-0"].text and mixed["1-0"].error is None
+        assert mixed["1-3"].text == clean["2-1"].text and mixed["1-3"].error is None
+        assert mixed["1-0"].text == "a large red circle in the center on a black background"
+    finally:
+        ex.shutdown()

@@ -9,6 +9,7 @@ token under a zero attention mask, and its output is final.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class RowResult:
     text: str = ""
     finish_reason: str = "length"  # "stop" (end of sequence or a stop string) or "length"
     prompt_tokens: int = 0
+    error: Exception | None = None  # this row failed alone (its peers ran on)
 
 
 def penalize(logits: torch.Tensor, row: RowSampling, seen: list[int], out: list[int]) -> None:
@@ -75,14 +77,21 @@ class DecodeLoop:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+        # the KV cache's keyword: `cache` in recent transformers, `past_key_values` before
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     def run(
         self,
         prompts: list[list[int]],
         rows: list[RowSampling],
         on_step: Callable[[int, int], None] = lambda step, total: None,
+        before_detokenize: Callable[[int], None] = lambda row: None,
     ) -> list[RowResult]:
-        """Decode every row; `on_step(step, total)` after each step (it may raise to stop)."""
+        """Decode every row; `on_step(step, total)` after each step (it may raise to stop the
+        batch). A row whose detokenization raises (`before_detokenize(i)` runs first: a fault
+        point) ends alone with that error; the others run on."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -102,10 +111,11 @@ class DecodeLoop:
                     input_ids=ids,
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=cache,
                     use_cache=True,
+                    **{self.cache_arg: cache},
+                    **self.extra,
                 )
-                cache, logits = out.past_key_values, out.logits[:, -1].float()
+                cache, logits = getattr(out, self.cache_arg), out.logits[:, -1].float()
                 step += 1
                 nxt = []
                 for i, row in enumerate(rows):
@@ -116,7 +126,11 @@ class DecodeLoop:
                     penalize(logits[i], row, prompts[i] + res.token_ids, res.token_ids)
                     token = choose(logits[i], row, gens[i])
                     nxt.append(token)
-                    done[i] = self._advance(res, row, token)
+                    try:
+                        before_detokenize(i)
+                        done[i] = self._advance(res, row, token)
+                    except Exception as exc:  # this row's alone: its peers run on
+                        res.error, done[i] = exc, True
                 live = torch.tensor([[0 if d else 1] for d in done])
                 ids = torch.tensor(nxt, device=self.device)[:, None]
                 mask = torch.cat([mask, live.to(self.device)], dim=1)

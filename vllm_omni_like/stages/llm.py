@@ -10,7 +10,8 @@ from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
-from vllm_omni_like.stages.decode_loop import DecodeLoop, RowSampling
+from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult, RowSampling
+from vllm_omni_like.stages.isolation import is_fatal_device_error
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -74,24 +75,47 @@ class LLMStage(Stage):
         """Generation runs whole here: nothing is left to defer."""
         return Deferred.done(batch, self._generate(batch, control))
 
+    def _tokenize(self, request: StageRequest, control: StageControl) -> list[int]:
+        control.faults.fire("tokenize", [request])
+        return self.tokenizer(self._text(request)).input_ids
+
     def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        prompts = [self.tokenizer(self._text(r)).input_ids for r in batch]
-        rows = [self._sampling(r) for r in batch]
-        self.probe.reset()
-        results = self.loop.run(prompts, rows, lambda step, total: control.step(batch, step, total))
-        control.saw_model_batch(self.probe.max_seen)
-        outputs = []
-        for r, res in zip(batch, results, strict=True):
-            text = res.text.strip()
-            if self.options.outside_answer is not None and text == self.options.outside_answer:
-                outputs.append(StageOutput.from_error(r.request_id, self._outside(), self.name))
-                continue
-            outputs.append(
-                StageOutput(
-                    request_id=r.request_id, stage=self.name, text=text, token_ids=res.token_ids
-                )
+        """Each row's tokenization, detokenization and result are its own: a row that fails
+        there ends alone with its error (400 if the request caused it, 500 otherwise)."""
+        failed: dict[str, StageOutput] = {}
+        live, prompts = [], []
+        for r in batch:
+            try:
+                prompts.append(self._tokenize(r, control))
+                live.append(r)
+            except Exception as exc:
+                if is_fatal_device_error(exc):
+                    raise
+                failed[r.request_id] = StageOutput.from_error(r.request_id, exc, self.name)
+        results: list[RowResult] = []
+        if live:
+            self.probe.reset()
+            results = self.loop.run(
+                prompts,
+                [self._sampling(r) for r in live],
+                lambda step, total: control.step(live, step, total),
+                lambda i: control.faults.fire("detokenize", [live[i]]),
             )
-        return outputs
+            control.saw_model_batch(self.probe.max_seen)
+        done = {r.request_id: self._output(r, res) for r, res in zip(live, results, strict=True)}
+        return [failed.get(r.request_id) or done[r.request_id] for r in batch]
+
+    def _output(self, r: StageRequest, res: RowResult) -> StageOutput:
+        if res.error is not None:
+            if is_fatal_device_error(res.error):
+                raise res.error
+            return StageOutput.from_error(r.request_id, res.error, self.name)
+        text = res.text.strip()
+        if self.options.outside_answer is not None and text == self.options.outside_answer:
+            return StageOutput.from_error(r.request_id, self._outside(), self.name)
+        return StageOutput(
+            request_id=r.request_id, stage=self.name, text=text, token_ids=res.token_ids
+        )
 
     def _sampling(self, request: StageRequest) -> RowSampling:
         p = request.params
