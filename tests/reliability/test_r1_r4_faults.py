@@ -193,23 +193,28 @@ def test_r2_only_worker_killed_without_restarts(tmp_path_factory):
     base.check(fd_slack=10)
 
 
+def killed_worker_reruns(server, n: int, ready_within: float) -> None:
+    """R2 with restarts: the only worker SIGKILLed with `n` requests in flight; /health says
+    restarting within 2 s, every request re-runs to a 200, the stage is ready again within
+    `ready_within` seconds and nothing is left behind (the Ray battery runs it too)."""
+    results, threads = _in_flight(server, n, {**SLOW, "num_inference_steps": 30})
+    assert wait_until(lambda: len(server.engine.orchestrator.requests) == n, 5)
+    time.sleep(0.2)
+    killed = time.monotonic()
+    _kill(server, "null-image", 0)
+    assert wait_until(lambda: httpx.get(f"{server.url}/health").json()["status"] == "restarting", 2)
+    assert time.monotonic() - killed < 2
+    for t in threads:
+        t.join(30)
+    assert [r.status_code for r, _, _ in results] == [200] * n  # re-run, within deadline
+    assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, ready_within)
+    check_engine(server)
+
+
 def test_r2_only_worker_killed_with_restarts(tmp_path_factory):
     base = Baseline()
     with live_server(tmp_path_factory, "null-image", engine_kw={"max_restarts": 2}) as server:
-        results, threads = _in_flight(server, 16, {**SLOW, "num_inference_steps": 30})
-        assert wait_until(lambda: len(server.engine.orchestrator.requests) == 16, 5)
-        time.sleep(0.2)
-        killed = time.monotonic()
-        _kill(server, "null-image", 0)
-        assert wait_until(
-            lambda: httpx.get(f"{server.url}/health").json()["status"] == "restarting", 2
-        )
-        assert time.monotonic() - killed < 2
-        for t in threads:
-            t.join(30)
-        assert [r.status_code for r, _, _ in results] == [200] * 16  # re-run, within deadline
-        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 10)
-        check_engine(server)
+        killed_worker_reruns(server, 16, ready_within=10)
     base.check(fd_slack=10)
 
 
@@ -267,6 +272,21 @@ def test_r3_two_replicas_reroute_and_poison(tmp_path_factory, placement):
     base.check(fd_slack=10)
 
 
+def stopped_worker_reruns(server) -> None:
+    """R4: the only worker SIGSTOPped after its first steps (a hang mid-run; the first step
+    has its own bound): the stall detector kills it, its 4 requests re-run to a 200, the stall
+    counts as one death and nothing is left behind (the Ray battery runs it too)."""
+    results, threads = _in_flight(server, 4, {**SLOW, "num_inference_steps": 20})
+    replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]
+    wait_for(lambda: replica.critical is not None and replica.clock.shapes, 5, "a step")
+    _kill(server, "null-image", 0, sig=signal.SIGSTOP)
+    for t in threads:
+        t.join(30)
+    assert [r.status_code for r, _, _ in results] == [200] * 4
+    wait_for(lambda: server.engine.stats.worker_deaths == 1, 5, "the stall counted as a death")
+    check_engine(server)
+
+
 def test_r4_stopped_worker_is_killed_and_its_work_rerun(tmp_path_factory):
     base = Baseline()
     with live_server(
@@ -275,16 +295,7 @@ def test_r4_stopped_worker_is_killed_and_its_work_rerun(tmp_path_factory):
         stage_kw={"stall_timeout": 1.0},
         engine_kw={"max_restarts": 2, "request_timeout": 20},
     ) as server:
-        results, threads = _in_flight(server, 4, {**SLOW, "num_inference_steps": 20})
-        replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]
-        # a hang mid-run: stopped after its first steps (the first step has its own bound)
-        wait_for(lambda: replica.critical is not None and replica.clock.shapes, 5, "a step")
-        _kill(server, "null-image", 0, sig=signal.SIGSTOP)
-        for t in threads:
-            t.join(30)
-        assert [r.status_code for r, _, _ in results] == [200] * 4
-        wait_for(lambda: server.engine.stats.worker_deaths == 1, 5, "the stall counted as a death")
-        check_engine(server)
+        stopped_worker_reruns(server)
     base.check(fd_slack=10)
 
 

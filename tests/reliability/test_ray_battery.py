@@ -5,7 +5,6 @@ the leak checks look through Ray (tests/ray_cluster.py) and exclude the cluster'
 
 from __future__ import annotations
 
-import signal
 import time
 
 import httpx
@@ -17,7 +16,13 @@ from tests.conftest import wait_for, wait_until
 from tests.ray_cluster import MISSING, actor_processes, two_nodes
 from tests.reliability.leaks import check_engine
 from tests.reliability.procs import ServeProcess
-from tests.reliability.test_r1_r4_faults import SLOW, _in_flight, _kill
+from tests.reliability.test_r1_r4_faults import (
+    SLOW,
+    _in_flight,
+    _kill,
+    killed_worker_reruns,
+    stopped_worker_reruns,
+)
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 RAY = {"executor": "ray"}
@@ -37,18 +42,7 @@ def ray_leaks(cluster):
 
 def test_r2_killed_actor_reruns_its_requests(tmp_path_factory, ray_leaks):
     with live_server(tmp_path_factory, "null-image", engine_kw={**RAY, "max_restarts": 2}) as s:
-        results, threads = _in_flight(s, 8, {**SLOW, "num_inference_steps": 30})
-        assert wait_until(lambda: len(s.engine.orchestrator.requests) == 8, 5)
-        time.sleep(0.2)
-        killed = time.monotonic()
-        _kill(s, "null-image", 0)
-        assert wait_until(lambda: httpx.get(f"{s.url}/health").json()["status"] == "restarting", 2)
-        assert time.monotonic() - killed < 2
-        for t in threads:
-            t.join(30)
-        assert [r.status_code for r, _, _ in results] == [200] * 8
-        assert wait_until(lambda: httpx.get(f"{s.url}/health").status_code == 200, 15)
-        check_engine(s)
+        killed_worker_reruns(s, 8, ready_within=15)
 
 
 def test_r3_two_replicas_reroute_and_poison(tmp_path_factory, ray_leaks):
@@ -90,15 +84,7 @@ def test_r4_stopped_actor_is_killed_and_its_work_rerun(tmp_path_factory, ray_lea
         stage_kw={"stall_timeout": 1.0},
         engine_kw={**RAY, "max_restarts": 2, "request_timeout": 20},
     ) as s:
-        results, threads = _in_flight(s, 4, {**SLOW, "num_inference_steps": 20})
-        replica = s.engine.orchestrator.pools["null-image"][0].replicas[0]
-        wait_for(lambda: replica.critical is not None and replica.clock.shapes, 5, "a step")
-        _kill(s, "null-image", 0, sig=signal.SIGSTOP)
-        for t in threads:
-            t.join(30)
-        assert [r.status_code for r, _, _ in results] == [200] * 4
-        wait_for(lambda: s.engine.stats.worker_deaths == 1, 5, "the stall counted as a death")
-        check_engine(s)
+        stopped_worker_reruns(s)
 
 
 def test_r7_sigkill_of_the_server_takes_its_actors_along(tmp_path, cluster):
