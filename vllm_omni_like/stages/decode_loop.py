@@ -139,15 +139,24 @@ class DecodeLoop:
         return results
 
     def _advance(self, res: RowResult, row: RowSampling, token: int) -> bool:
-        """Add `token` to the row; whether the row is finished."""
+        """Add `token` to the row; whether the row is finished. The text is decoded at every
+        step only for a row with stop strings to look for; otherwise once, when it ends."""
         if token == self.eos:
             res.finish_reason = "stop"
+            res.text = self._decode(res.token_ids)
             return True
         res.token_ids.append(token)
-        res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        for stop in row.stop:
-            at = res.text.find(stop)
-            if at >= 0:
-                res.text, res.finish_reason = res.text[:at], "stop"
-                return True
-        return len(res.token_ids) >= row.max_new_tokens
+        if row.stop:
+            res.text = self._decode(res.token_ids)
+            for stop in row.stop:
+                at = res.text.find(stop)
+                if at >= 0:
+                    res.text, res.finish_reason = res.text[:at], "stop"
+                    return True
+        if len(res.token_ids) >= row.max_new_tokens:
+            res.text = self._decode(res.token_ids)
+            return True
+        return False
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
