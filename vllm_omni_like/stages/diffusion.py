@@ -21,6 +21,7 @@ from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits, video_stream
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
+from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
@@ -86,6 +87,8 @@ class DiffusionStage(Stage):
         self.tuned = accel.tune_kernels(
             pipe, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
         )
+        if host_scheduler(pipe):  # the same steps, none of them waiting on the device
+            self.tuned.append("UniPC coefficients on the host")
         logger.info(
             "stage %s: attention %s, channels_last %s, %s",
             self.name,
