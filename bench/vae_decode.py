@@ -54,7 +54,9 @@ def main() -> None:
         ("both", True, torch.channels_last_3d),
     ):
         torch.backends.cudnn.benchmark = bench
-        vae.to(memory_format=layout)
+        for module in vae.modules():  # (`vae.to(memory_format=...)` wants every weight 5-D)
+            if isinstance(module, torch.nn.Conv3d):
+                module.weight.data = module.weight.data.contiguous(memory_format=layout)
         seconds, video = decode_s(vae, latents.contiguous(memory_format=layout), args.runs)
         levels = video.float().clamp(-1, 1).add(1).mul(127.5).round()
         base = levels if base is None else base

@@ -24,6 +24,7 @@ class VideoPayload:
     fps: int
     seed: int | None = None
     mp4: bytes | None = None  # the frames encoded as H.264 MP4, when the stage did it
+    thumbnail: bytes | None = None  # the middle frame as PNG, when the stage did it
 
 
 @dataclass

@@ -375,3 +375,34 @@ def test_wan_guidance_runs_as_one_batch_with_the_same_videos():
     assert dims == {True: 4, False: 2}  # 2 requests x (conditional + unconditional) at once
     for a, b in zip(videos[True], videos[False], strict=True):
         assert np.abs(a - b).max() <= 2
+
+
+def test_channels_last_auto_puts_a_video_vae_in_ndhwc_on_cuda():
+    import diffusers
+
+    def video_vae() -> torch.nn.Module:
+        return diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1], num_res_blocks=1)
+
+    def ndhwc(vae: torch.nn.Module) -> list[bool]:
+        convs = [m.weight for m in vae.modules() if isinstance(m, torch.nn.Conv3d)]
+        assert len(convs) > 5
+        # (a 1x1x1 kernel is both layouts at once)
+        return [
+            w.is_contiguous(memory_format=torch.channels_last_3d)
+            and (not w.is_contiguous() or w.shape[2:] == (1, 1, 1))
+            for w in convs
+        ]
+
+    class Video:
+        vae = video_vae()
+
+    x = torch.randn(1, 3, 5, 16, 16)
+    with torch.inference_mode():
+        before = Video.vae(x).sample
+    assert accel.use_channels_last(Video(), "auto", torch.device("cpu"), compiled=False) is False
+    assert accel.use_channels_last(Video(), "off", torch.device("cuda"), compiled=False) is False
+    assert not all(ndhwc(Video.vae))  # (only its 1x1x1 kernels count as both)
+    assert accel.use_channels_last(Video(), "auto", torch.device("cuda"), compiled=False) is True
+    assert all(ndhwc(Video.vae))
+    with torch.inference_mode():  # the same model: only the weights' layout changed
+        assert torch.allclose(Video.vae(x).sample, before, atol=1e-5)

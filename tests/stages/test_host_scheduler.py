@@ -88,6 +88,7 @@ def test_installed_for_unipc_only():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_steps_never_wait_on_the_device():
     """Every step after the first (which finds its index in the device's timesteps) runs with
     CUDA's sync debugging set to raise, and matches diffusers' steps on the GPU."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_omni_like.config import StageConfig
+from vllm_omni_like.media import encode_image
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages import video_stream
@@ -72,6 +73,8 @@ def test_each_clip_is_encoded_chunk_by_chunk_to_the_bytes_of_its_finished_frames
         assert video.frames.shape == (9, 64, 64, 3) and video.fps == fps
         assert video.mp4 is not None and video.mp4 == encode_video(video.frames, fps)
         assert decode_video(video.mp4).shape == (9, 64, 64, 3)
+        # the thumbnail the videos API stores, encoded as its frame went by
+        assert video.thumbnail is not None and video.thumbnail == encode_image(video.frames[4])
     assert not np.array_equal(outs[0].video.frames, outs[1].video.frames)
 
 
@@ -85,9 +88,27 @@ def test_a_failed_encode_leaves_the_frames_to_the_api(video_stage, monkeypatch, 
     with caplog.at_level(logging.WARNING, logger=video_stream.__name__):
         outs = _run(video_stage)
     assert [o.video.mp4 for o in outs] == [None, None]
+    assert [o.video.thumbnail for o in outs] == [None, None]  # the API makes both
     for have, frames in zip(outs, want, strict=True):
         assert np.array_equal(have.video.frames, frames)
     assert "streamed MP4 encode failed (ffmpeg: broken pipe)" in caplog.text
+
+
+def test_a_video_of_other_than_the_expected_frames_gets_no_thumbnail(video_stage, monkeypatch):
+    """The stage expects the frames asked for; a pipeline that makes another count (Wan rounds
+    num_frames to 4k + 1) leaves the thumbnail to the API rather than store the wrong frame."""
+    made = []
+    init = video_stream.StreamedMP4.__init__
+
+    def expect_more(self, source, fps, frames=0):
+        made.append(frames)
+        init(self, source, fps, frames + 4)
+
+    monkeypatch.setattr(video_stream.StreamedMP4, "__init__", expect_more)
+    outs = _run(video_stage)
+    assert made == [9]
+    assert [o.video.thumbnail for o in outs] == [None, None]
+    assert all(o.video.mp4 == encode_video(o.video.frames, o.video.fps) for o in outs)
 
 
 def test_only_an_untiled_wan_decoder_streams(video_stage):

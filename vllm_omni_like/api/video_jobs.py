@@ -283,7 +283,8 @@ class VideoService:
             # the stage's MP4 when it encoded while decoding (stages/video_stream.py)
             mp4 = video.mp4 if video.mp4 is not None else encode_video(video.frames, video.fps)
             write_durably(path, mp4)
-            write_durably(thumb, encode_image(video.frames[len(video.frames) // 2]))
+            middle = video.frames[len(video.frames) // 2]
+            write_durably(thumb, video.thumbnail or encode_image(middle))
             if self.on_encoded is not None:
                 self.on_encoded(time.monotonic() - started)
         except BaseException:

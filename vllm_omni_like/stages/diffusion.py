@@ -10,13 +10,12 @@ import random
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
-from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits, video_stream
@@ -34,6 +33,7 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_dtype,
     tensor_to_uint8,
 )
+from vllm_omni_like.stages.trace import BatchTracer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class DiffusionStage(Stage):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
         self.link = self._connect_ranks()
+        self.tracer = BatchTracer(self.name, self.ranks.rank)
         self._check_text_encoder(path)
         if self.config.load_format == "dummy":
             pipe = dummy_pipeline(path, self.device, self.dtype)
@@ -137,7 +138,8 @@ class DiffusionStage(Stage):
 
     def serve_branches(self, batch_id: int) -> None:
         assert self.link is not None, "serve_branches on a stage without CFG-parallel ranks"
-        cfg_parallel.serve(self.link, self.branch_model, batch_id)
+        with self.tracer.batch():
+            cfg_parallel.serve(self.link, self.branch_model, batch_id)
 
     def end_branches(self, batch_id: int) -> None:
         if self.leader is not None:
@@ -226,7 +228,10 @@ class DiffusionStage(Stage):
         if decoder is None:  # a pipeline we cannot decode for: it did, in the call
             with torch.inference_mode():
                 pixels = tensor_to_uint8(media[:rows])
-            decode = lambda picked, fps: (pixels[picked], [None] * len(picked))  # noqa: E731
+            decode = lambda picked, fps, frames: (  # noqa: E731
+                pixels[picked],
+                [video_stream.Encoded() for _ in picked],
+            )
         else:
             chunks = video_stream.chunk_source(pipe) if self.is_video else None
             decode = latent_decode.PendingDecode(
@@ -244,8 +249,11 @@ class DiffusionStage(Stage):
                 for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
             ]
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
-            pixels, mp4 = decode(picked, fps)
-            return self._split(requests, pixels, [seeds[i] for i in picked], mp4)
+            frames = (requests[0].params.num_frames or self.default_frames) if self.is_video else 0
+            pixels, encoded = decode(picked, fps, frames)
+            return latent_decode.split_outputs(
+                self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
+            )
 
         return Deferred(batch, finish)
 
@@ -293,7 +301,8 @@ class DiffusionStage(Stage):
 
     def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
         self.probe.reset()
-        result = self._run(pipe, kwargs)
+        with self.tracer.batch():
+            result = self._run(pipe, kwargs)
         control.saw_model_batch(self.probe.max_seen)
         return result
 
@@ -382,23 +391,6 @@ class DiffusionStage(Stage):
             decoded = vae.decode(picked / vae.config.scaling_factor, return_dict=False)[0]
             images = tensor_to_uint8(pipe.image_processor.postprocess(decoded, output_type="pt"))
         return {r.request_id: img for r, img in zip(want, images, strict=True)}
-
-    def _split(
-        self, batch: list[StageRequest], pixels: np.ndarray, seeds: list[int], mp4: list
-    ) -> list[StageOutput]:
-        outputs, k = [], 0
-        for r in batch:
-            out = StageOutput(request_id=r.request_id, stage=self.name)
-            if self.is_video:
-                fps = r.params.fps or 8
-                out.video = VideoPayload(frames=pixels[k], fps=fps, seed=seeds[k], mp4=mp4[k])
-                k += 1
-            else:
-                for _ in range(r.params.n):
-                    out.images.append(ImagePayload(pixels=pixels[k], seed=seeds[k]))
-                    k += 1
-            outputs.append(out)
-        return outputs
 
     def close(self) -> None:
         if self.link is not None:

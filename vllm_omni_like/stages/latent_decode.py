@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
-from vllm_omni_like.stages.video_stream import StreamedMP4
+from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
 
 Decoder = Callable[[torch.Tensor], torch.Tensor]
 
@@ -87,18 +89,20 @@ class PendingDecode:
             self.ready.record()  # on the main stream, after the last step's kernels
 
     def __call__(
-        self, picked: list[int], fps: list[int] | None = None
-    ) -> tuple[np.ndarray, list[bytes] | list[None]]:
-        """uint8 pixels of the `picked` rows, on the host; with `fps` (videos, a rate per row)
-        and a chunked decoder, each row's MP4 encoded while it decodes (else Nones)."""
+        self, picked: list[int], fps: list[int] | None = None, frames: int = 0
+    ) -> tuple[np.ndarray, list[Encoded]]:
+        """uint8 pixels of the `picked` rows, on the host; with `fps` (videos, a rate per row,
+        of `frames` frames) and a chunked decoder, each row's MP4 and thumbnail encoded while it
+        decodes (else empty `Encoded`s)."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
             pad = bucket_for(len(picked), self.buckets) - len(picked)  # no buckets: 0
             if pad:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
             if fps is None or self.chunks is None:
-                return tensor_to_uint8(self.decoder(rows)[: len(picked)]), [None] * len(picked)
-            with StreamedMP4(self.chunks, fps) as mp4:
+                pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
+                return pixels, [Encoded() for _ in picked]
+            with StreamedMP4(self.chunks, fps, frames) as mp4:
                 pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
             return pixels, mp4.result()
 
@@ -111,3 +115,29 @@ class PendingDecode:
         self.latents.record_stream(self.stream)  # the main stream may not reuse it before
         with torch.cuda.stream(self.stream):
             yield
+
+
+def split_outputs(
+    stage: str,
+    batch: list[StageRequest],
+    pixels: np.ndarray,
+    seeds: list[int],
+    encoded: list[Encoded],
+    is_video: bool,
+) -> list[StageOutput]:
+    """Each request's output from the decoded rows (a video: one row; images: `n` rows)."""
+    outputs, k = [], 0
+    for r in batch:
+        out = StageOutput(request_id=r.request_id, stage=stage)
+        if is_video:
+            files = encoded[k]
+            out.video = VideoPayload(
+                pixels[k], r.params.fps or 8, seeds[k], mp4=files.mp4, thumbnail=files.thumbnail
+            )
+            k += 1
+        else:
+            for _ in range(r.params.n):
+                out.images.append(ImagePayload(pixels=pixels[k], seed=seeds[k]))
+                k += 1
+        outputs.append(out)
+    return outputs

@@ -9,6 +9,8 @@ them to a thread that appends them to one encoder per video: the encoder (an ffm
 works on the first frames while the GPU decodes the next. On CUDA the chunk is copied to pinned
 host memory without waiting; the thread waits on the copy's event, so the decode never waits
 for the host. What is left after the decode is the encode of the last chunk and the file's end.
+The same thread encodes each video's thumbnail (its middle frame as PNG, what the videos API
+stores beside the MP4) when that frame goes by, so the API has nothing left to encode.
 
 A failed encode (no encoder, an ffmpeg error) costs nothing but the overlap: its videos carry
 no MP4 and the API encodes their frames itself, as it does for stages that do not stream.
@@ -19,11 +21,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_omni_like.media import encode_image
 from vllm_omni_like.video_codec import VideoBytes
 
 log = logging.getLogger(__name__)
@@ -54,13 +58,29 @@ def chunk_pixels(out: torch.Tensor, patch_size: int | None) -> torch.Tensor:
     return pixels.movedim(-3, -1)
 
 
+@dataclass
+class Encoded:
+    """A video's files, made by the stage: its MP4 and its thumbnail (PNG of the middle frame);
+    None for what it did not make (the API makes it from the frames)."""
+
+    mp4: bytes | None = None
+    thumbnail: bytes | None = None
+
+
 class StreamedMP4:
     """While entered, every call of `source` sends its frames of rows 0..len(fps)-1 to one MP4
-    encoder per row (at `fps[row]` frames per second). `result()`: each row's MP4 bytes, or
-    None for every row if the encode failed."""
+    encoder per row (at `fps[row]` frames per second), and encodes each row's frame `middle`
+    (the middle one of the `frames` the caller expects) as its thumbnail. `result()`: each row's
+    `Encoded`: no MP4 for any row if the encode failed, no thumbnail if the video did not have
+    the expected number of frames."""
 
-    def __init__(self, source: tuple[torch.nn.Module, int | None], fps: list[int]) -> None:
+    def __init__(
+        self, source: tuple[torch.nn.Module, int | None], fps: list[int], frames: int = 0
+    ) -> None:
         (self.source, self.patch_size), self.fps = source, fps
+        self.middle, self.seen = frames // 2, 0
+        self.thumbnails: list[bytes | None] = [None] * len(fps)
+        self.expected = frames
         self.videos = [VideoBytes(f) for f in fps]
         self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.error: BaseException | None = None
@@ -88,8 +108,11 @@ class StreamedMP4:
         if self.error is not None and kind is None:
             log.warning("streamed MP4 encode failed (%s); the frames go out unencoded", self.error)
 
-    def result(self) -> list[bytes] | list[None]:
-        return self.mp4 if self.mp4 is not None else [None] * len(self.fps)
+    def result(self) -> list[Encoded]:
+        mp4s: list[bytes] | list[None] = self.mp4 or [None] * len(self.fps)
+        whole = self.error is None and self.seen == self.expected  # (else: the API's thumbnail)
+        thumbs = self.thumbnails if whole else [None] * len(self.fps)
+        return [Encoded(m, t) for m, t in zip(mp4s, thumbs, strict=True)]
 
     def _on_chunk(self, module: Any, args: Any, out: torch.Tensor) -> None:
         pixels = chunk_pixels(out[: len(self.fps)], self.patch_size)
@@ -113,5 +136,9 @@ class StreamedMP4:
                 frames = host.numpy()
                 for row, video in enumerate(self.videos):
                     video.append(np.ascontiguousarray(frames[row]))
+                if self.seen <= self.middle < self.seen + frames.shape[1]:
+                    for row in range(len(self.videos)):
+                        self.thumbnails[row] = encode_image(frames[row, self.middle - self.seen])
+                self.seen += frames.shape[1]
             except Exception as e:  # reported once the decode ends
                 self.error = e
