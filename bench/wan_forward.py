@@ -4,6 +4,7 @@
 
 - the transformer's forward alone at batch 1 and 2 (CUDA events, median of `--runs`): what
   CFG-parallel's split step (batch 1 per rank) can at best take against one GPU's (batch 2);
+  and the host's time to launch it, from an empty queue (near the device's: host-bound);
 - a step of the pipeline (`--steps` steps, CFG 5, batched guidance as the server runs it) against
   its forward: the host's share of a step;
 - the host-device synchronisations in the pipeline's steps, with where they happen (CUDA's sync
@@ -18,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 import warnings
 
@@ -31,18 +33,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WAN = os.path.join(HERE, "..", "vllm_omni_like", "assets", "archs", "wan2.1-t2v-1.3b")
 
 
-def forward_ms(model, latents, timestep, text, runs: int) -> float:
-    times = []
+def forward_ms(model, latents, timestep, text, runs: int) -> tuple[float, float]:
+    """The forward's device time and the host's time to launch it (from an empty queue)."""
+    times, host = [], []
     for i in range(2 + runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text)
+        launched = time.perf_counter() - t0
         end.record()
         end.synchronize()
         if i >= 2:
             times.append(start.elapsed_time(end))
-    return statistics.median(times)
+            host.append(1000 * launched)
+    return statistics.median(times), statistics.median(host)
 
 
 def main() -> None:
@@ -63,9 +69,9 @@ def main() -> None:
     latents = torch.randn(2, 16, 9, 60, 104, device="cuda", dtype=torch.bfloat16)
     t = torch.full((2,), 900.0, device="cuda")
     for rows in (1, 2):
-        out[f"forward_b{rows}_ms"] = round(
-            forward_ms(model, latents[:rows], t[:rows], text[:rows], args.runs), 2
-        )
+        device_ms, host_ms = forward_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
+        out[f"forward_b{rows}_ms"] = round(device_ms, 2)
+        out[f"forward_b{rows}_launch_ms"] = round(host_ms, 2)  # the host's, to the return
     cfg = accel.batch_cfg(pipe)
     kwargs = dict(
         prompt_embeds=text[:1],

@@ -303,6 +303,8 @@ class DiffusionStage(Stage):
         self.probe.reset()
         with self.tracer.batch():
             result = self._run(pipe, kwargs)
+            if self.device.type == "cuda":  # no step waits on the device (HostUniPC): the loop
+                torch.cuda.current_stream(self.device).synchronize()  # ends when its steps do
         control.saw_model_batch(self.probe.max_seen)
         return result
 
