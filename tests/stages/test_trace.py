@@ -1,0 +1,34 @@
+"""stages/trace.py: the batches VLLM_OMNI_LIKE_TRACE_BATCHES names are traced, no others."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import torch
+
+from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV, BatchTracer
+
+
+def test_only_the_named_batches_are_traced(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path / "traces"))
+    monkeypatch.setenv(TRACE_BATCHES_ENV, "2,4")
+    tracer = BatchTracer("diffusion", rank=1)
+    x = torch.ones(64, 64)
+    for _ in range(4):
+        with tracer.batch():
+            x = x @ x / 64
+    names = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert names == ["diffusion-rank1-batch2.json.gz", "diffusion-rank1-batch4.json.gz"]
+    events = json.loads(gzip.open(tmp_path / "traces" / names[0]).read())["traceEvents"]
+    assert any("mm" in str(e.get("name", "")) for e in events)  # the batch's matmul is in it
+
+
+def test_off_without_a_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    tracer = BatchTracer("diffusion", rank=0)
+    for _ in range(3):
+        with tracer.batch():
+            torch.ones(4).sum()
+    assert tracer.count == 3 and list(tmp_path.iterdir()) == []
