@@ -14,7 +14,17 @@ FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
 # tokenize, detokenize: one row of an LLM stage's batch (the others run on)
-FAULT_POINTS = ("load", "execute", "step", "output", "store", "tokenize", "detokenize")
+FAULT_POINTS = (
+    "load",
+    "execute",
+    "step",
+    "output",
+    "store",
+    "template",
+    "tokenize",
+    "constraint",
+    "detokenize",  # an LLM stage's rows
+)
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")

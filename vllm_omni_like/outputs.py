@@ -35,6 +35,11 @@ class StageOutput:
     stage: str
     text: str | None = None
     token_ids: list[int] | None = None
+    # an LLM stage's: "stop" or "length", the prompt's token count, per-token log-probabilities
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens sampled, an end of sequence included
+    logprobs: list[dict[str, Any]] | None = None
     images: list[ImagePayload] = field(default_factory=list)
     video: VideoPayload | None = None
     error: ErrorInfo | None = None
@@ -44,6 +49,16 @@ class StageOutput:
     @classmethod
     def from_error(cls, request_id: str, exc: BaseException, stage: str) -> StageOutput:
         return cls(request_id=request_id, stage=stage, error=classify(exc, stage))
+
+
+@dataclass
+class TextDelta:
+    """An LLM row's text since its last step (streamed chat): its new tokens and their
+    log-probabilities, if asked."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+GUIDE_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """A constraint on an LLM row's output (stages/guided.py compiles it): `value` is a JSON
+    schema (as JSON text), a regex, a JSON list of choices, or a Lark grammar."""
+
+    kind: str
+    value: str
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -30,6 +41,13 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: bool = False  # each output token's log-probability (the model's, raw)
+    top_logprobs: int = 0  # and this many of the most likely tokens at each position
+    stream_text: bool = False  # each step's new text goes out as it is made
+    guide: GuideSpec | None = None
+    # a chat (role, content) turns, rendered with the model's chat template (else the stage's
+    # prompt template over the user turns); None: `prompt` as it is
+    messages: tuple[tuple[str, str], ...] | None = None
     # null stage: per-step delay in seconds
     step_delay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_like.stages.decode_loop import DecodeLoop, RowSampling, choose, penalize
+from vllm_omni_like.stages.decode_loop import DecodeLoop
+from vllm_omni_like.stages.sampling import RowSampling, choose, penalize
 from vllm_omni_like.stages.tiny_models import ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import BatchDimProbe
 
@@ -20,7 +21,7 @@ def lm():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     probe = BatchDimProbe()
     probe.attach(model)
-    return DecodeLoop(model, tok, torch.device("cpu")), tok, probe
+    return DecodeLoop(model, tok, torch.device("cpu"), None), tok, probe
 
 
 ROWS = [  # prompt, settings: every knob differs from row to row
@@ -50,7 +51,7 @@ def test_each_row_of_a_mixed_batch_equals_its_solo_run_and_the_rows_share_the_fo
     prompts = [tok(p).input_ids for p, _ in ROWS]
     probe.reset()
     steps: list[tuple[int, int]] = []
-    together = loop.run(prompts, [r for _, r in ROWS], lambda s, t: steps.append((s, t)))
+    together = loop.run(prompts, [r for _, r in ROWS], lambda s, t, d: steps.append((s, t)))
     assert probe.max_seen == len(ROWS)  # one forward for all rows
     assert steps[-1][1] == 20 and [s for s, _ in steps] == list(range(1, len(steps) + 1))
     for prompt, (_, row), got in zip(prompts, ROWS, together, strict=True):

@@ -1,10 +1,10 @@
 """The LLM stage's own decode loop: one forward per step for the whole batch (a KV cache), each
-row sampled with its own settings and its own generator.
+row sampled with its own settings, its own generator and its own constraint.
 
 Rows of different lengths, token budgets and sampling settings share every forward; what a
-row draws depends on its own logits and its own seeded generator only, so it equals the row's
-solo run. A finished row stays in the batch (its cache must keep the batch's shape) fed a pad
-token under a zero attention mask, and its output is final.
+row draws depends on its own logits, its own seeded generator and its own constraint only, so it
+equals the row's solo run. A finished row stays in the batch (its cache must keep the batch's
+shape) fed a pad token under a zero attention mask, and its output is final.
 """
 
 from __future__ import annotations
@@ -12,69 +12,39 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from vllm_omni_like.outputs import TextDelta
+from vllm_omni_like.stages.guided import Guides, apply_masks
+from vllm_omni_like.stages.sampling import RowSampling, choose, penalize, token_logprobs
 
-@dataclass(frozen=True)
-class RowSampling:
-    """One row's settings (OpenAI's names where it has them)."""
-
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    repetition_penalty: float = 1.0  # HF's: over the prompt and the output
-    presence_penalty: float = 0.0  # OpenAI's: over the output
-    frequency_penalty: float = 0.0
+REPLACEMENT = "\ufffd"  # a character whose bytes have not all been decoded yet
 
 
 @dataclass
 class RowResult:
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output's (no end of sequence)
     text: str = ""
-    finish_reason: str = "length"  # "stop" (end of sequence or a stop string) or "length"
+    finish_reason: str = "length"  # "stop" (end of sequence, a stop string, a complete
+    # constraint) or "length"
     prompt_tokens: int = 0
+    generated: int = 0  # tokens sampled, an end of sequence included (usage)
+    logprobs: list[dict[str, Any]] | None = None
     error: Exception | None = None  # this row failed alone (its peers ran on)
-
-
-def penalize(logits: torch.Tensor, row: RowSampling, seen: list[int], out: list[int]) -> None:
-    """The row's penalties, in place on its (vocab,) float logits."""
-    if row.repetition_penalty != 1.0 and seen:
-        ids = torch.tensor(sorted(set(seen)), device=logits.device)
-        picked = logits[ids]
-        logits[ids] = torch.where(
-            picked > 0, picked / row.repetition_penalty, picked * row.repetition_penalty
-        )
-    if (row.presence_penalty or row.frequency_penalty) and out:
-        ids, counts = torch.tensor(out, device=logits.device).unique(return_counts=True)
-        logits[ids] -= row.presence_penalty + row.frequency_penalty * counts.to(logits.dtype)
-
-
-def choose(logits: torch.Tensor, row: RowSampling, generator: torch.Generator | None) -> int:
-    """The next token from the row's penalized (vocab,) float logits."""
-    if row.temperature <= 0 or generator is None:
-        return int(logits.argmax())
-    scaled = logits / row.temperature
-    if 0 < row.top_k < scaled.numel():
-        kth = scaled.topk(row.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if row.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        drop = sorted_p.cumsum(0) - sorted_p > row.top_p
-        probs[order[drop]] = 0.0
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    sent: int = 0  # characters of `text` handed out as deltas (streamed rows)
+    sent_tokens: int = 0
 
 
 class DecodeLoop:
     """Batched greedy/sampled decoding over a causal LM's forward with a KV cache."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, device: torch.device, guides: Guides | None
+    ) -> None:
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.guides = guides
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         # the KV cache's keyword: `cache` in recent transformers, `past_key_values` before
@@ -86,17 +56,21 @@ class DecodeLoop:
         self,
         prompts: list[list[int]],
         rows: list[RowSampling],
-        on_step: Callable[[int, int], None] = lambda step, total: None,
-        before_detokenize: Callable[[int], None] = lambda row: None,
+        on_step: Callable[[int, int, dict[int, TextDelta]], None] = lambda s, t, d: None,
+        row_fault: Callable[[str, int], None] = lambda point, row: None,
     ) -> list[RowResult]:
-        """Decode every row; `on_step(step, total)` after each step (it may raise to stop the
-        batch). A row whose detokenization raises (`before_detokenize(i)` runs first: a fault
-        point) ends alone with that error; the others run on."""
+        """Decode every row; `on_step(step, total, deltas)` after each step, with the new text
+        of the rows that stream (it may raise to stop the batch). `row_fault(point, i)` runs
+        before row i's constraint follows its token ("constraint") and before its text is
+        decoded ("detokenize"): a row whose step raises there ends alone with that error."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         ids, mask = ids.to(self.device), mask.to(self.device)
-        results = [RowResult(prompt_tokens=len(p)) for p in prompts]
+        results = [
+            RowResult(prompt_tokens=len(p), logprobs=[] if r.logprobs else None)
+            for p, r in zip(prompts, rows, strict=True)
+        ]
         gens = [
             torch.Generator().manual_seed(r.seed or 0) if r.temperature > 0 else None for r in rows
         ]
@@ -115,9 +89,11 @@ class DecodeLoop:
                     **{self.cache_arg: cache},
                     **self.extra,
                 )
-                cache, logits = getattr(out, self.cache_arg), out.logits[:, -1].float()
+                cache, raw = getattr(out, self.cache_arg), out.logits[:, -1].float()
+                logits = raw.clone()
+                self._constrain(logits, rows, done)
                 step += 1
-                nxt = []
+                nxt, deltas = [], {}
                 for i, row in enumerate(rows):
                     if done[i]:
                         nxt.append(self.pad)
@@ -127,36 +103,96 @@ class DecodeLoop:
                     token = choose(logits[i], row, gens[i])
                     nxt.append(token)
                     try:
-                        before_detokenize(i)
-                        done[i] = self._advance(res, row, token)
+                        done[i] = self._take(res, row, token, raw[i], row_fault, i)
                     except Exception as exc:  # this row's alone: its peers run on
                         res.error, done[i] = exc, True
+                    if row.stream and res.error is None:
+                        deltas[i] = self._delta(res, row, done[i])
                 live = torch.tensor([[0 if d else 1] for d in done])
                 ids = torch.tensor(nxt, device=self.device)[:, None]
                 mask = torch.cat([mask, live.to(self.device)], dim=1)
                 positions = positions[:, -1:] + 1
-                on_step(step, total)
+                on_step(step, total, deltas)
         return results
 
-    def _advance(self, res: RowResult, row: RowSampling, token: int) -> bool:
+    def _constrain(self, logits: torch.Tensor, rows: list[RowSampling], done: list[bool]) -> None:
+        """-inf for what each constrained row's grammar forbids next."""
+        if self.guides is None:
+            return
+        guides = [None if done[i] else r.guide for i, r in enumerate(rows)]
+        bitmask = self.guides.masks(guides)
+        if bitmask is not None:
+            apply_masks(logits, bitmask, [i for i, g in enumerate(guides) if g is not None])
+
+    def _take(
+        self,
+        res: RowResult,
+        row: RowSampling,
+        token: int,
+        raw: torch.Tensor,
+        row_fault: Callable[[str, int], None],
+        i: int,
+    ) -> bool:
         """Add `token` to the row; whether the row is finished. The text is decoded at every
-        step only for a row with stop strings to look for; otherwise once, when it ends."""
+        step only for a row with stop strings to look for or that streams; otherwise once, when
+        it ends."""
+        res.generated += 1
+        if row.guide is not None:
+            row_fault("constraint", i)
+            row.guide.consume(token)
+        row_fault("detokenize", i)
         if token == self.eos:
             res.finish_reason = "stop"
             res.text = self._decode(res.token_ids)
             return True
         res.token_ids.append(token)
-        if row.stop:
+        if res.logprobs is not None:
+            res.logprobs.append(token_logprobs(raw, token, row.top_logprobs, self._piece))
+        if row.stop or row.stream:
             res.text = self._decode(res.token_ids)
             for stop in row.stop:
                 at = res.text.find(stop)
                 if at >= 0:
                     res.text, res.finish_reason = res.text[:at], "stop"
                     return True
+        if row.guide is not None and row.guide.complete:
+            res.text, res.finish_reason = self._decode(res.token_ids), "stop"
+            return True
         if len(res.token_ids) >= row.max_new_tokens:
             res.text = self._decode(res.token_ids)
             return True
         return False
+
+    def _delta(self, res: RowResult, row: RowSampling, finished: bool) -> TextDelta:
+        """The row's text and tokens since its last delta. Until it ends, text that may still
+        change is held back: a character not yet whole, or the start of a stop string."""
+        text = res.text
+        if not finished:
+            keep = len(text)
+            if text.endswith(REPLACEMENT):
+                keep = len(text.rstrip(REPLACEMENT))
+            for stop in row.stop:
+                for n in range(min(len(stop) - 1, keep), 0, -1):
+                    if text[:keep].endswith(stop[:n]):
+                        keep -= n
+                        break
+            text = text[:keep]
+        new = text[res.sent :] if len(text) > res.sent else ""
+        res.sent = max(res.sent, len(text))
+        tokens = res.token_ids[res.sent_tokens :]
+        logprobs = res.logprobs[res.sent_tokens :] if res.logprobs is not None else None
+        res.sent_tokens = len(res.token_ids)
+        return TextDelta(new, tokens, logprobs)
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and its exact bytes (a byte-level BPE token may be part of a
+        character: its text then holds a replacement character, its bytes are exact)."""
+        data = (
+            self.guides.tokenizer.decode_bytes([token])
+            if self.guides is not None
+            else self.tokenizer.decode([token]).encode()
+        )
+        return data.decode("utf-8", errors="replace"), list(data)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,17 +1,25 @@
 """LLM stage: a transformers causal LM from a local directory, decoded by our own loop (each row
-of a batch with its own sampling: stages/decode_loop.py)."""
+of a batch with its own sampling and constraint: stages/decode_loop.py, stages/guided.py).
+
+A row's way in: its chat turns rendered with the model's chat template (or the stage's prompt
+template), tokenized, its constraint started; any of them failing ends that row alone (400 when
+the request caused it) before the batch's first forward."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
-from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.outputs import StageOutput, TextDelta
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
-from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult, RowSampling
+from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult
+from vllm_omni_like.stages.guided import Guides
 from vllm_omni_like.stages.isolation import is_fatal_device_error
+from vllm_omni_like.stages.sampling import RowSampling
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -50,14 +58,37 @@ class LLMStage(Stage):
         self.model.eval()
         self.probe = BatchDimProbe()
         self.probe.attach(self.model)
-        self.loop = DecodeLoop(self.model, self.tokenizer, self.device)
+        # the constraint's vocabulary covers the model's logits and every token the tokenizer
+        # knows (a model may pad its vocabulary; a tokenizer may add tokens beyond it)
+        vocab = max(self.model.get_output_embeddings().weight.shape[0], len(self.tokenizer))
+        self.guides = Guides(self.tokenizer, vocab)
+        self.loop = DecodeLoop(self.model, self.tokenizer, self.device, self.guides)
         opts = self.options
         self.template = opts.prompt_template
         self.default_max_new = opts.max_new_tokens
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 4096)
 
     def _text(self, request: StageRequest) -> str:
-        return self.template.format(prompt=request.prompt)
+        turns = request.params.messages
+        if turns is None:
+            return self.template.format(prompt=request.prompt)
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                return self.tokenizer.apply_chat_template(
+                    [{"role": role, "content": content} for role, content in turns],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            except Exception as exc:  # the template refused these turns (a jinja raise)
+                raise InvalidRequestError(
+                    f"the model's chat template failed on these messages: {exc}",
+                    stage=self.name,
+                    param="messages",
+                    code="chat_template_failed",
+                ) from exc
+        # no chat template: the stage's prompt template over the user turns
+        users = [content for role, content in turns if role == "user"]
+        return self.template.format(prompt="\n".join(users))
 
     def validate(self, request: StageRequest) -> None:
         count = len(self.tokenizer(self._text(request)).input_ids)
@@ -67,39 +98,55 @@ class LLMStage(Stage):
                 f"prompt is {count} tokens long; with {new} new tokens that exceeds the "
                 f"model's context of {self.context}",
                 stage=self.name,
-                param="prompt",
+                param="messages" if request.params.messages is not None else "prompt",
                 code="prompt_too_long",
             )
+        if request.params.guide is not None:
+            self.guides.grammar(request.params.guide)  # an invalid constraint: 400 here
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """Generation runs whole here: nothing is left to defer."""
         return Deferred.done(batch, self._generate(batch, control))
 
-    def _tokenize(self, request: StageRequest, control: StageControl) -> list[int]:
+    def _admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]:
+        """The row's prompt tokens and its constraint (None without one)."""
+        control.faults.fire("template", [request])
+        text = self._text(request)
         control.faults.fire("tokenize", [request])
-        return self.tokenizer(self._text(request)).input_ids
+        ids = self.tokenizer(text).input_ids
+        guide = request.params.guide
+        return ids, (self.guides.start(guide) if guide is not None else None)
 
     def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """Each row's tokenization, detokenization and result are its own: a row that fails
-        there ends alone with its error (400 if the request caused it, 500 otherwise)."""
+        """Each row's template, tokenization, constraint, detokenization and result are its
+        own: a row that fails there ends alone with its error (400 if the request caused it,
+        500 otherwise)."""
         failed: dict[str, StageOutput] = {}
-        live, prompts = [], []
+        live, prompts, rows = [], [], []
         for r in batch:
             try:
-                prompts.append(self._tokenize(r, control))
-                live.append(r)
+                ids, guide = self._admit(r, control)
             except Exception as exc:
                 if is_fatal_device_error(exc):
                     raise
                 failed[r.request_id] = StageOutput.from_error(r.request_id, exc, self.name)
+                continue
+            live.append(r)
+            prompts.append(ids)
+            rows.append(self._sampling(r, guide))
         results: list[RowResult] = []
         if live:
+
+            def on_step(step: int, total: int, deltas: dict[int, TextDelta]) -> None:
+                previews = {live[i].request_id: d for i, d in deltas.items()}
+                control.step(live, step, total, previews)
+
             self.probe.reset()
             results = self.loop.run(
                 prompts,
-                [self._sampling(r) for r in live],
-                lambda step, total: control.step(live, step, total),
-                lambda i: control.faults.fire("detokenize", [live[i]]),
+                rows,
+                on_step,
+                lambda point, i: control.faults.fire(point, [live[i]]),
             )
             control.saw_model_batch(self.probe.max_seen)
         done = {r.request_id: self._output(r, res) for r, res in zip(live, results, strict=True)}
@@ -110,14 +157,21 @@ class LLMStage(Stage):
             if is_fatal_device_error(res.error):
                 raise res.error
             return StageOutput.from_error(r.request_id, res.error, self.name)
-        text = res.text.strip()
-        if self.options.outside_answer is not None and text == self.options.outside_answer:
+        text = res.text if r.params.messages is not None else res.text.strip()
+        if self.options.outside_answer is not None and text.strip() == self.options.outside_answer:
             return StageOutput.from_error(r.request_id, self._outside(), self.name)
         return StageOutput(
-            request_id=r.request_id, stage=self.name, text=text, token_ids=res.token_ids
+            request_id=r.request_id,
+            stage=self.name,
+            text=text,
+            token_ids=res.token_ids,
+            finish_reason=res.finish_reason,
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=res.generated,
+            logprobs=res.logprobs,
         )
 
-    def _sampling(self, request: StageRequest) -> RowSampling:
+    def _sampling(self, request: StageRequest, guide: Any) -> RowSampling:
         p = request.params
         return RowSampling(
             max_new_tokens=p.max_new_tokens or self.default_max_new,
@@ -129,6 +183,10 @@ class LLMStage(Stage):
             repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
+            logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
+            stream=p.stream_text,
+            guide=guide,
         )
 
     def _outside(self) -> InvalidRequestError:
