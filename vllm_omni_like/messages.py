@@ -150,6 +150,8 @@ class OmniRequest:
     # the API writes the output to a file: success is counted once the write is done
     # (EngineStats.finished from the API), a failed write counted as an error
     stores_output: bool = False
+    # run stages 0..last_stage only (a chat completion stops after the LLM stage); None: all
+    last_stage: int | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from vllm_omni_like import __version__
-from vllm_omni_like.api import errors, health, images, playground, videos
+from vllm_omni_like.api import chat, errors, health, images, playground, videos
 from vllm_omni_like.api.file_store import FileStore
 from vllm_omni_like.api.metrics import Metrics
 from vllm_omni_like.api.middleware import GatewayMiddleware
@@ -62,7 +62,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = Metrics(engine)
     errors.install(app)
-    for module in (images, videos, health, playground):
+    for module in (images, videos, chat, health, playground):
         app.include_router(module.router)
     app.add_middleware(
         GatewayMiddleware,

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from vllm_omni_like.api.serving import (
+    SSE_HEADERS,
     Server,
     image_response,
     raise_for_error,
@@ -26,7 +27,6 @@ from vllm_omni_like.protocol.requests import image_request
 from vllm_omni_like.protocol.schemas import ImageRequest
 
 router = APIRouter()
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _server(request: Request) -> Server:

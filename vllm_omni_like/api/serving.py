@@ -31,6 +31,7 @@ from vllm_omni_like.protocol.requests import image_items
 from vllm_omni_like.protocol.schemas import ImageRequest
 
 T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 logger = logging.getLogger(__name__)
 
 
@@ -99,7 +100,7 @@ async def stored(
     return result
 
 
-async def _until_disconnect(request: Request) -> None:
+async def until_disconnect(request: Request) -> None:
     # receive() also resumes reading the socket, which is how a closed connection is noticed
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -110,7 +111,7 @@ async def run_to_output(
 ) -> OmniRequestOutput:
     """Run to the final output; a client that disconnects aborts its request in the engine."""
     stream = server.open(request, omni, progress=False)
-    gone = asyncio.create_task(_until_disconnect(request)) if request is not None else None
+    gone = asyncio.create_task(until_disconnect(request)) if request is not None else None
     try:
         while True:
             event = asyncio.ensure_future(stream.next())
@@ -156,7 +157,7 @@ def image_response(
     }
 
 
-def _sse(event: str | None, data: dict[str, Any] | str) -> str:
+def sse(event: str | None, data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data)
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
@@ -185,7 +186,7 @@ async def stream_images(
                     encode_image, event.previews, body.output_format, body.output_compression
                 )
                 h, w = event.previews.shape[:2]
-                yield _sse(
+                yield sse(
                     f"{prefix}.partial_image",
                     {
                         "type": f"{prefix}.partial_image",
@@ -199,14 +200,14 @@ async def stream_images(
                 index += 1
                 continue
             if event.error is not None:
-                yield _sse("error", envelope(event.error, client_id))
+                yield sse("error", envelope(event.error, client_id))
             else:
                 items = await asyncio.to_thread(
                     image_items, event, body.output_format, body.output_compression
                 )
                 h, w = event.output.images[0].pixels.shape[:2]
                 for item in items:
-                    yield _sse(
+                    yield sse(
                         f"{prefix}.completed",
                         {
                             "type": f"{prefix}.completed",

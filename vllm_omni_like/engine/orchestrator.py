@@ -131,7 +131,8 @@ class Orchestrator:
                 param="model",
             )
         stages = self.snapshot.of(pipeline.name)
-        for stage in stages:
+        runs = len(stages) if request.last_stage is None else request.last_stage + 1
+        for stage in stages[:runs]:  # (a stage it will not reach may be restarting)
             if stage.state == "restarting":  # nothing can run it now: say when to come back
                 raise UnavailableError(
                     "no live replica; a restart is under way",
@@ -140,6 +141,7 @@ class Orchestrator:
                     retry_after=RESTART_RETRY_AFTER_S,
                 )
         units = snapshot.work_units(request.params, stages)
+        units = tuple(u if i < runs else 0.0 for i, u in enumerate(units))
         self.admission.admit(pipeline.name, units, stages)
         self.stats.admitted()
         timeout = request.timeout or self.config.request_timeout
@@ -242,6 +244,12 @@ class Orchestrator:
         self.requests[rid] = state
         self._enter_stage(state, 0, None)
 
+    def _last_stage(self, state: RequestState) -> int:
+        """The index of the last stage this request runs."""
+        stages = len(self.pools[state.request.pipeline])
+        asked = state.request.last_stage
+        return stages - 1 if asked is None else min(asked, stages - 1)
+
     def _enter_stage(self, state: RequestState, index: int, previous) -> None:
         pipeline = self.pipelines[state.request.pipeline]
         state.stage_index, state.replica, state.isolate = index, None, False
@@ -261,7 +269,7 @@ class Orchestrator:
                     return
                 state.outputs[pool.name] = out
                 self.stats.stage_done(pool.name, time.monotonic() - state.stage_started)
-                if stage + 1 < len(self.pools[pipe]):
+                if stage < self._last_stage(state):
                     self._enter_stage(state, stage + 1, out)
                 else:
                     self._finish(state, None)
@@ -353,7 +361,7 @@ class Orchestrator:
         pool.remove(state)
         self.admission.release(state.request.pipeline, state.units)
         info = error.info if isinstance(error, OmniError) else error
-        last = state.outputs.get(pools[-1].name) if info is None else None
+        last = state.outputs.get(pools[self._last_stage(state)].name) if info is None else None
         output = OmniRequestOutput(
             request_id=rid,
             stage_id=pool.name,
