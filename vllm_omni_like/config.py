@@ -13,7 +13,7 @@ from vllm_omni_like.stage_options import parse_options
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
-# tokenize, detokenize: one row of an LLM stage's batch (the others run on)
+# template, tokenize, constraint, detokenize: one row of an LLM stage's batch (the others run on)
 FAULT_POINTS = (
     "load",
     "execute",
@@ -25,7 +25,7 @@ FAULT_POINTS = (
     "constraint",
     "detokenize",  # an LLM stage's rows
 )
-FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "enospc")
+FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "slow", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")

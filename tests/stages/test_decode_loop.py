@@ -96,10 +96,13 @@ def test_penalties_follow_hf_and_openai():
     assert logits.tolist() == [1.0, 1.0, 0.0, 0.25]  # 1 - (0.5 + 0.25 * count)
 
 
-def test_a_row_failing_to_tokenize_or_detokenize_ends_alone_and_its_peers_finish():
-    """Fault points in a real worker: one row's tokenization fails as the request's fault (400),
-    another's detokenization as the server's (500); both end alone, the two healthy rows of
-    the same batch finish exactly as they would have, and the worker serves on."""
+def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
+    """Fault points in a real worker: one row's chat template and another's tokenization fail
+    as the request's fault (400) before the first forward, a constrained row's constraint and
+    another's detokenization fail mid-generation as the server's (500); each ends alone, the
+    two healthy rows of the same batch finish exactly as they would have, and the worker serves
+    on."""
+    import json
     import queue
 
     from tests.conftest import drain_batch
@@ -107,19 +110,31 @@ def test_a_row_failing_to_tokenize_or_detokenize_ends_alone_and_its_peers_finish
     from vllm_omni_like.errors import ErrorKind
     from vllm_omni_like.executor import MultiprocExecutor
     from vllm_omni_like.messages import ExecuteBatch, RequestResult, StageRequest
+    from vllm_omni_like.params import GenerationParams, GuideSpec
     from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
 
     faults = (
+        FaultRule("llm", "template", "invalid", match="@badtpl"),
         FaultRule("llm", "tokenize", "invalid", match="@badtok"),
+        FaultRule("llm", "constraint", "raise", match="@badcon"),
         FaultRule("llm", "detokenize", "raise", match="@baddetok"),
     )
+    guide = GuideSpec("json_schema", json.dumps({"enum": ["red", "blue"]}))
     sink: queue.Queue = queue.Queue()
     config = StageConfig(name="llm", kind="llm", model="tiny-llm", options=TINY_OPTIONS["tiny-llm"])
     ex = MultiprocExecutor(config, 0, sink.put, faults)
     ex.start()
 
     def run(batch_id: int, prompts: list[str]) -> tuple[dict, object]:
-        reqs = [StageRequest(f"{batch_id}-{i}", p, mode="text") for i, p in enumerate(prompts)]
+        reqs = [
+            StageRequest(
+                f"{batch_id}-{i}",
+                p,
+                GenerationParams(guide=guide if "@badcon" in p else None),
+                mode="text",
+            )
+            for i, p in enumerate(prompts)
+        ]
         ex.execute(ExecuteBatch(batch_id, reqs))
         msgs = drain_batch(sink, batch_id, timeout=60)
         return {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}, msgs[
@@ -127,17 +142,56 @@ def test_a_row_failing_to_tokenize_or_detokenize_ends_alone_and_its_peers_finish
         ]
 
     try:
-        mixed, done = run(
-            1, ["red circle", "blue square @badtok", "green @baddetok", "a tiny white square"]
-        )
+        prompts = [
+            "red circle",
+            "blue square @badtok",
+            "green @baddetok",
+            "a tiny white square",
+            "a square @badtpl",
+            "a colour @badcon",
+        ]
+        mixed, done = run(1, prompts)
         clean, _ = run(2, ["red circle", "a tiny white square"])
-        assert mixed["1-1"].error.kind is ErrorKind.INVALID and mixed["1-1"].text is None
-        assert "injected invalid fault at tokenize" in mixed["1-1"].error.message
-        assert mixed["1-2"].error.kind is ErrorKind.GENERATE and mixed["1-2"].text is None
-        assert "injected raise fault at detokenize" in mixed["1-2"].error.message
-        assert done.model_batch_dim == 3  # the row that failed to tokenize never ran
+        for i, kind, point in (
+            (1, ErrorKind.INVALID, "injected invalid fault at tokenize"),
+            (2, ErrorKind.GENERATE, "injected raise fault at detokenize"),
+            (4, ErrorKind.INVALID, "injected invalid fault at template"),
+            (5, ErrorKind.GENERATE, "injected raise fault at constraint"),
+        ):
+            assert mixed[f"1-{i}"].error.kind is kind and mixed[f"1-{i}"].text is None
+            assert point in mixed[f"1-{i}"].error.message
+        assert done.model_batch_dim == 4  # the rows that failed before the first forward: out
         assert mixed["1-0"].text == clean["2-0"].text and mixed["1-0"].error is None
         assert mixed["1-3"].text == clean["2-1"].text and mixed["1-3"].error is None
         assert mixed["1-0"].text == "a large red circle in the center on a black background"
     finally:
         ex.shutdown()
+
+
+def test_streamed_rows_hand_out_their_text_step_by_step_and_hold_back_a_stop_string(lm):
+    """Deltas joined are the final text, for a row cut by a stop string too (the stop string's
+    start is held back until it is clear whether the stop string follows); rows that do not
+    stream hand out nothing."""
+    loop, tok, _ = lm
+    rows = [
+        RowSampling(max_new_tokens=20, stream=True),
+        RowSampling(max_new_tokens=20, stream=True, stop=(" on a",)),
+        RowSampling(max_new_tokens=20),
+    ]
+    prompts = [tok(p + " <sep>").input_ids for p in ("a red circle", "a blue square", "green")]
+    got: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    steps = []
+
+    def on_step(step, total, deltas):
+        steps.append(step)
+        for i, d in deltas.items():
+            got[i].append(d.text)
+            assert len(d.token_ids) <= 1
+
+    results = loop.run(prompts, rows, on_step)
+    assert got[2] == [] and steps == list(range(1, len(steps) + 1))
+    whole = "a large red circle in the center on a black background"
+    assert "".join(got[0]) == results[0].text == whole
+    assert "".join(got[1]) == results[1].text == "a large blue square in the center"
+    assert results[1].finish_reason == "stop"
+    assert sum(1 for t in got[0] if t) >= 5  # word by word, not at the end

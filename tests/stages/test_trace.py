@@ -20,7 +20,8 @@ def test_only_the_named_batches_are_traced(tmp_path, monkeypatch):
             x = x @ x / 64
     names = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert names == ["diffusion-rank1-batch2.json.gz", "diffusion-rank1-batch4.json.gz"]
-    events = json.loads(gzip.open(tmp_path / "traces" / names[0]).read())["traceEvents"]
+    with gzip.open(tmp_path / "traces" / names[0]) as f:
+        events = json.loads(f.read())["traceEvents"]
     assert any("mm" in str(e.get("name", "")) for e in events)  # the batch's matmul is in it
 
 

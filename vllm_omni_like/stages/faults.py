@@ -13,6 +13,8 @@ from typing import Protocol
 from vllm_omni_like.config import FaultRule
 from vllm_omni_like.errors import InvalidRequestError
 
+SLOW_FAULT_S = 0.05  # what kind=slow costs each time it fires
+
 
 class _HasPrompt(Protocol):
     request_id: str
@@ -88,6 +90,8 @@ class FaultInjector:
                 sys.stderr.write(f"[{self.stage}] {where}: worker exits\n")
                 sys.stderr.flush()
                 os._exit(86)
+            case "slow":  # a slow step, not a stuck one: drills of disconnects mid-generation
+                time.sleep(SLOW_FAULT_S)
             case "hang":
                 sys.stderr.write(f"[{self.stage}] {where}: worker hangs\n")
                 sys.stderr.flush()
