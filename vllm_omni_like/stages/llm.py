@@ -92,7 +92,9 @@ class LLMStage(Stage):
 
     def validate(self, request: StageRequest) -> None:
         count = len(self.tokenizer(self._text(request)).input_ids)
-        new = request.params.max_new_tokens or self.default_max_new
+        new = request.params.max_new_tokens or (
+            1 if request.params.messages is not None else self.default_max_new
+        )
         if count + new > self.context:
             raise InvalidRequestError(
                 f"prompt is {count} tokens long; with {new} new tokens that exceeds the "
@@ -133,7 +135,7 @@ class LLMStage(Stage):
                 continue
             live.append(r)
             prompts.append(ids)
-            rows.append(self._sampling(r, guide))
+            rows.append(self._sampling(r, guide, len(ids)))
         results: list[RowResult] = []
         if live:
 
@@ -171,10 +173,15 @@ class LLMStage(Stage):
             logprobs=res.logprobs,
         )
 
-    def _sampling(self, request: StageRequest, guide: Any) -> RowSampling:
+    def _sampling(self, request: StageRequest, guide: Any, prompt_tokens: int) -> RowSampling:
+        """The row's settings. A chat row without max_tokens may use the rest of the context
+        (as vLLM does); a prompt rewrite, the stage's max_new_tokens."""
         p = request.params
+        default = self.default_max_new
+        if p.messages is not None:
+            default = max(1, self.context - prompt_tokens)
         return RowSampling(
-            max_new_tokens=p.max_new_tokens or self.default_max_new,
+            max_new_tokens=p.max_new_tokens or default,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
