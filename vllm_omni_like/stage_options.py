@@ -42,6 +42,9 @@ class LLMOptions:
     # request fails with 400 `prompt_outside_model_domain` and `outside_message`
     outside_answer: str | None = None
     outside_message: str = ""
+    # a Lark grammar that keeps every row without a constraint of its own inside the language
+    # the model was trained to write (tiny-llm: the caption language, shapes/world.py)
+    output_grammar: str | None = None
 
 
 @dataclass(frozen=True)

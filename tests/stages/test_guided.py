@@ -14,6 +14,7 @@ from vllm_omni_like.errors import ErrorKind
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams, GuideSpec
 from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
+from vllm_omni_like.shapes.world import caption_grammar, parse_caption
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.llm import LLMStage
@@ -43,6 +44,7 @@ TAGS = {
     "required": ["kind", "words"],
     "additionalProperties": False,
 }
+CAPTION = caption_grammar().split("/")[1]  # the grammar's caption regex
 TEMPLATE = (  # a chat template that refuses a role, as real ones do
     "{% for m in messages %}{% if m.role == 'tool' %}"
     "{{ raise_exception('tool messages are not supported') }}{% endif %}"
@@ -50,13 +52,16 @@ TEMPLATE = (  # a chat template that refuses a role, as real ones do
 )
 
 
-@pytest.fixture(scope="module")
-def stage():
-    llm = LLMStage(
-        StageConfig(name="llm", kind="llm", model="tiny-llm", options=TINY_OPTIONS["tiny-llm"])
-    )
+def load(**options) -> LLMStage:
+    opts = {**TINY_OPTIONS["tiny-llm"], **options}
+    llm = LLMStage(StageConfig(name="llm", kind="llm", model="tiny-llm", options=opts))
     llm.load("cpu")
     return llm
+
+
+@pytest.fixture(scope="module")
+def stage():
+    return load(output_grammar=None)  # free rows are free
 
 
 def run(stage: LLMStage, rows: list[tuple[str, GenerationParams]]) -> list:
@@ -147,3 +152,24 @@ def test_logprobs_are_the_models_and_name_each_token(stage):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert entry["logprob"] == tops[0] <= 0  # greedy: the likeliest token was taken
         assert bytes(entry["bytes"]).decode() == entry["token"]
+
+
+def test_the_tiny_rewriter_writes_only_the_caption_language():
+    """Sampled hot, the rewriter strays from its captions; under the stage's output grammar
+    (the catalog's for tiny-llm) every answer is a caption or the outside answer, and a greedy
+    rewrite is what it was without the grammar."""
+    guided_stage, free_stage = load(), load(output_grammar=None)
+    prompts = ["a red circle", "zorbly flimp", "green square at the top", "a dog", "blue"] * 4
+    hot = [GenerationParams(temperature=2.5, top_k=0, seed=s, max_new_tokens=24) for s in range(20)]
+    rows = list(zip(prompts, hot, strict=True))
+    free = [o.text for o in run(free_stage, rows) if o.error is None]
+    kept = [(o.text, o.error) for o in run(guided_stage, rows)]
+    strays = sum(parse_caption(t) is None for t in free)
+    assert strays >= 5, free  # it does stray
+    for text, error in kept:
+        if error is not None:  # the outside answer: the request's 400
+            assert error.code == "prompt_outside_model_domain"
+        else:
+            assert re.fullmatch(CAPTION, text), text
+    greedy = [("a small green square at the top", GenerationParams())]
+    assert run(guided_stage, greedy)[0].text == run(free_stage, greedy)[0].text

@@ -12,7 +12,7 @@ import yaml
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
-from vllm_omni_like.shapes.world import OUTSIDE, describe
+from vllm_omni_like.shapes.world import OUTSIDE, caption_grammar, describe
 
 VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
 
@@ -27,6 +27,7 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
         "max_new_tokens": 24,
         "outside_answer": OUTSIDE,
         "outside_message": f"the prompt names nothing this model draws: it draws {describe()}",
+        "output_grammar": caption_grammar(),
     },
     "tiny-image": {"default_guidance": 5.0},
     "tiny-video": {

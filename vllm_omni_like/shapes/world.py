@@ -74,6 +74,20 @@ _CAPTION = re.compile(
 )
 
 
+def caption_grammar() -> str:
+    """What the rewriter may write, as a Lark grammar (stages/guided.py): a caption of the
+    world's language, or the outside answer (the tokenizer's special token `<outside>`). It
+    keeps the syntax and the vocabulary; that a shape's colour differs from its background is
+    left to the model (and to `parse_caption`)."""
+    colours = "|".join(COLOURS)
+    where = "in the center|at the (" + "|".join(p for p in POSITIONS if p != "center") + ")"
+    scene = (
+        f"a ({'|'.join(SIZES)}) ({colours}) ({'|'.join(SHAPES)}) ({where}) "
+        f"on a ({colours}) background"
+    )
+    return f"start: /{scene}/ | {OUTSIDE}"
+
+
 def parse_caption(text: str) -> Scene | None:
     """A caption back to its scene, or None if it is not a valid one."""
     m = _CAPTION.match(text.strip().lower())

@@ -14,6 +14,7 @@ import torch
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput, TextDelta
+from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult
@@ -62,6 +63,10 @@ class LLMStage(Stage):
         # knows (a model may pad its vocabulary; a tokenizer may add tokens beyond it)
         vocab = max(self.model.get_output_embeddings().weight.shape[0], len(self.tokenizer))
         self.guides = Guides(self.tokenizer, vocab)
+        grammar = self.options.output_grammar
+        self.output_guide = GuideSpec("grammar", grammar) if grammar else None
+        if self.output_guide is not None:
+            self.guides.grammar(self.output_guide)  # a bad one fails the load, not a request
         self.loop = DecodeLoop(self.model, self.tokenizer, self.device, self.guides)
         opts = self.options
         self.template = opts.prompt_template
@@ -116,7 +121,7 @@ class LLMStage(Stage):
         text = self._text(request)
         control.faults.fire("tokenize", [request])
         ids = self.tokenizer(text).input_ids
-        guide = request.params.guide
+        guide = request.params.guide or self.output_guide
         return ids, (self.guides.start(guide) if guide is not None else None)
 
     def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
