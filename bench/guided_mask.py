@@ -19,6 +19,7 @@ the logits to float. Medians over `--steps` steps; the goal is mask <= 10% of a 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -57,7 +58,11 @@ MODELS = {  # vocabulary -> (architecture, config)
 def corpus(limit: float):
     roots = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]]
     files = sorted(
-        os.path.join(d, f) for r in roots for d, _, fs in os.walk(r) for f in fs if f.endswith(".py")
+        os.path.join(d, f)
+        for r in roots
+        for d, _, fs in os.walk(r)
+        for f in fs
+        if f.endswith(".py")
     )
     total = 0
     for path in files:
@@ -102,28 +107,31 @@ def step_ms(vocab: int, device: torch.device, batch: int, steps: int) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # the KV cache's keyword: `cache` in recent transformers, `past_key_values` before
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.randint(0, vocab, (batch, 256), device=device)
     times = []
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
-        cache = out.past_key_values
+        cache = getattr(out, arg)
         token = ids[:, -1:]
         for _ in range(steps):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **{arg: cache})
             logits = out.logits[:, -1].float()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(1000 * (time.perf_counter() - t0))
-            cache = out.past_key_values
+            cache = getattr(out, arg)
             token = logits.argmax(-1, keepdim=True)
     return statistics.median(times)
 
 
 def mask_ms(vocab: int, device: torch.device, batch: int, steps: int) -> dict:
-    guides = Guides(tokenizer(vocab), vocab)
+    hf = tokenizer(vocab)
+    guides = Guides(hf, vocab)
     spec = GuideSpec("json_schema", json.dumps(SCHEMA))
     rows = [guides.start(spec) for _ in range(batch)]
     gen = torch.Generator().manual_seed(0)
@@ -143,8 +151,8 @@ def mask_ms(vocab: int, device: torch.device, batch: int, steps: int) -> dict:
                 continue
             row.consume(picked[i])
             taken += 1
-    return {"mask_ms": statistics.median(times), "mask_p90_ms": sorted(times)[steps * 9 // 10],
-            "tokens_taken": taken}  # fmt: skip
+    return {"trained_vocab": len(hf), "mask_ms": statistics.median(times),
+            "mask_p90_ms": sorted(times)[steps * 9 // 10], "tokens_taken": taken}  # fmt: skip
 
 
 def main() -> None:

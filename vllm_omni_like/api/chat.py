@@ -44,13 +44,24 @@ def _open_all(server: Server, request: Request, omnis: list, progress: bool) -> 
     return streams
 
 
+class _Failed(Exception):
+    """A choice ended with an error: the whole completion fails with it."""
+
+    def __init__(self, output: OmniRequestOutput) -> None:
+        super().__init__(output.error.message if output.error else "")
+        self.output = output
+
+
 async def _finals(request: Request, streams: list[RequestStream]) -> list[OmniRequestOutput]:
-    """Every stream's final output; a disconnect aborts them all."""
+    """Every stream's final output. The first choice to fail, or a disconnect, ends them all
+    (the others are aborted at once)."""
 
     async def final(stream: RequestStream) -> OmniRequestOutput:
         while True:
             event = await stream.next()
             if isinstance(event, OmniRequestOutput):
+                if event.error is not None:
+                    raise _Failed(event)
                 return event
 
     gone = asyncio.create_task(until_disconnect(request))
@@ -58,11 +69,14 @@ async def _finals(request: Request, streams: list[RequestStream]) -> list[OmniRe
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            work.cancel()
             raise AbortedError("the client disconnected")
-        return work.result()
+        try:
+            return work.result()
+        except _Failed as failed:
+            raise failed.output.error.error() from None
     finally:
         gone.cancel()
+        work.cancel()
         for s in streams:
             s.close()
 
@@ -128,9 +142,6 @@ async def chat_completions(request: Request, body: ChatRequest):
         )
     streams = _open_all(server, request, omnis, progress=False)
     outputs = await _finals(request, streams)
-    for out in outputs:
-        if out.error is not None:
-            raise out.error.error()
     return JSONResponse(await asyncio.to_thread(_response, body, model, rid, outputs))
 
 

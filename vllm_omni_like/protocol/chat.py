@@ -16,14 +16,11 @@ from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.params import GenerationParams, GuideSpec
 from vllm_omni_like.protocol.json_schema import check_schema
+from vllm_omni_like.protocol.schemas import _Strict
 
 MAX_CHOICES = 8
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 UNSUPPORTED_TOO = ("logit_bias", "audio", "prediction", "web_search_options")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ContentPart(BaseModel):
