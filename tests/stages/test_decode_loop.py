@@ -109,7 +109,7 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
     from vllm_omni_like.config import FaultRule, StageConfig
     from vllm_omni_like.errors import ErrorKind
     from vllm_omni_like.executor import MultiprocExecutor
-    from vllm_omni_like.messages import ExecuteBatch, RequestResult, StageRequest
+    from vllm_omni_like.messages import ExecuteBatch, Progress, RequestResult, StageRequest
     from vllm_omni_like.params import GenerationParams, GuideSpec
     from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
 
@@ -125,7 +125,7 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
     ex = MultiprocExecutor(config, 0, sink.put, faults)
     ex.start()
 
-    def run(batch_id: int, prompts: list[str]) -> tuple[dict, object]:
+    def run(batch_id: int, prompts: list[str]) -> tuple[dict, list]:
         reqs = [
             StageRequest(
                 f"{batch_id}-{i}",
@@ -137,9 +137,9 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
         ]
         ex.execute(ExecuteBatch(batch_id, reqs))
         msgs = drain_batch(sink, batch_id, timeout=60)
-        return {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}, msgs[
-            -1
-        ]
+        results = [m for m in msgs if isinstance(m, RequestResult)]
+        assert len({m.output.request_id for m in results}) == len(results)  # each one once
+        return {m.output.request_id: m.output for m in results}, msgs
 
     try:
         prompts = [
@@ -150,7 +150,8 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
             "a square @badtpl",
             "a colour @badcon",
         ]
-        mixed, done = run(1, prompts)
+        mixed, msgs = run(1, prompts)
+        done = msgs[-1]
         clean, _ = run(2, ["red circle", "a tiny white square"])
         for i, kind, point in (
             (1, ErrorKind.INVALID, "injected invalid fault at tokenize"),
@@ -161,6 +162,13 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
             assert mixed[f"1-{i}"].error.kind is kind and mixed[f"1-{i}"].text is None
             assert point in mixed[f"1-{i}"].error.message
         assert done.model_batch_dim == 4  # the rows that failed before the first forward: out
+        # each failed row went out the moment it failed: before the first step for those that
+        # failed at admission, at the first step for those that failed mid-generation, so before
+        # the rows still decoding
+        at = {m.output.request_id: k for k, m in enumerate(msgs) if isinstance(m, RequestResult)}
+        first_step = next(k for k, m in enumerate(msgs) if isinstance(m, Progress))
+        assert max(at["1-1"], at["1-4"]) < first_step
+        assert max(at["1-2"], at["1-5"]) < min(at["1-0"], at["1-3"])
         assert mixed["1-0"].text == clean["2-0"].text and mixed["1-0"].error is None
         assert mixed["1-3"].text == clean["2-1"].text and mixed["1-3"].error is None
         assert mixed["1-0"].text == "a large red circle in the center on a black background"

@@ -92,6 +92,7 @@ class _Worker:
         self.reports = self.rank == 0
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.batch_id = -1
+        self.sent: dict[int, set[str]] = {}  # per batch: requests whose output went out
         self.control = StageControl(FaultInjector(faults, config.name), self._progress)
         self.stage: Stage | None = None
         self.name = config.name
@@ -159,9 +160,11 @@ class _Worker:
             except InvalidRequestError as exc:
                 self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
         report = functools.partial(self._deliver, job.batch_id)
+        self.control.report = report  # a row that ends early goes out at once
         try:
             job.parts = self._guard(begin_isolated, self.stage, valid, self.control, report)
         finally:  # however it went, a CFG-parallel rank 1 goes back to its pipe
+            self.control.report = None
             self._guard(self._end_branches, job.batch_id)
         job.model_batch = self.control.max_model_batch
         job.phases["denoise"] = time.monotonic() - job.started
@@ -220,9 +223,14 @@ class _Worker:
             os._exit(EXIT_FATAL)
 
     def _deliver(self, batch_id: int, out: StageOutput) -> None:
-        """One result out now (bisection calls it for a culprit the moment it is found)."""
+        """One result out now (bisection calls it for a culprit the moment it is found, a stage
+        for a row that ended early); each request's output goes out once."""
+        sent = self.sent.setdefault(batch_id, set())
+        if out.request_id in sent:
+            return
         out.steps_run = self.control.steps_run.get(out.request_id, out.steps_run)
         if not self.control.is_aborted(out.request_id):
+            sent.add(out.request_id)
             self._result(batch_id, out)
 
     def _complete(self, job: _Job, outputs: list[StageOutput]) -> None:
@@ -244,6 +252,7 @@ class _Worker:
                 job.phases,
             )
             self.send(done)
+        self.sent.pop(job.batch_id, None)
         self.control.forget(job.ids)
 
     def _result(self, batch_id: int, out: StageOutput) -> None:

@@ -40,6 +40,15 @@ class StageControl:
         self.steps_run: dict[str, int] = {}
         self.steps_at_abort: dict[str, int] = {}  # the step count when the abort arrived
         self.max_model_batch = 0
+        # set by the worker while a batch begins: a row's output goes out through it at once
+        self.report: Callable[[StageOutput], None] | None = None
+
+    def deliver(self, output: StageOutput) -> None:
+        """Send a row's final output now, before its batch ends (an LLM row that finished or
+        failed early: its waiter wakes now). The batch's outputs may carry it again: the worker
+        sends each request's output once."""
+        if self.report is not None:
+            self.report(output)
 
     # -- aborts: written by the worker's receiver thread, read between steps ---------------------
     def abort(self, request_ids: list[str]) -> None:

@@ -58,11 +58,13 @@ class DecodeLoop:
         rows: list[RowSampling],
         on_step: Callable[[int, int, dict[int, TextDelta]], None] = lambda s, t, d: None,
         row_fault: Callable[[str, int], None] = lambda point, row: None,
+        on_done: Callable[[int, RowResult], None] = lambda row, result: None,
     ) -> list[RowResult]:
         """Decode every row; `on_step(step, total, deltas)` after each step, with the new text
         of the rows that stream (it may raise to stop the batch). `row_fault(point, i)` runs
         before row i's constraint follows its token ("constraint") and before its text is
-        decoded ("detokenize"): a row whose step raises there ends alone with that error."""
+        decoded ("detokenize"): a row whose step raises there ends alone with that error.
+        `on_done(i, result)` as soon as row i ends (its output may go out before the batch's)."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -93,7 +95,7 @@ class DecodeLoop:
                 logits = raw.clone()
                 self._constrain(logits, rows, done)
                 step += 1
-                nxt, deltas = [], {}
+                nxt, deltas, ended = [], {}, []
                 for i, row in enumerate(rows):
                     if done[i]:
                         nxt.append(self.pad)
@@ -108,11 +110,15 @@ class DecodeLoop:
                         res.error, done[i] = exc, True
                     if row.stream and res.error is None:
                         deltas[i] = self._delta(res, row, done[i])
+                    if done[i]:
+                        ended.append(i)
                 live = torch.tensor([[0 if d else 1] for d in done])
                 ids = torch.tensor(nxt, device=self.device)[:, None]
                 mask = torch.cat([mask, live.to(self.device)], dim=1)
                 positions = positions[:, -1:] + 1
-                on_step(step, total, deltas)
+                on_step(step, total, deltas)  # (a streamed row's last text first)
+                for i in ended:
+                    on_done(i, results[i])
         return results
 
     def _constrain(self, logits: torch.Tensor, rows: list[RowSampling], done: list[bool]) -> None:

@@ -137,6 +137,7 @@ class LLMStage(Stage):
                 if is_fatal_device_error(exc):
                     raise
                 failed[r.request_id] = StageOutput.from_error(r.request_id, exc, self.name)
+                control.deliver(failed[r.request_id])  # its waiter wakes now
                 continue
             live.append(r)
             prompts.append(ids)
@@ -148,12 +149,17 @@ class LLMStage(Stage):
                 previews = {live[i].request_id: d for i, d in deltas.items()}
                 control.step(live, step, total, previews)
 
+            def on_done(i: int, res: RowResult) -> None:
+                if res.error is None or not is_fatal_device_error(res.error):
+                    control.deliver(self._output(live[i], res))  # before its peers end
+
             self.probe.reset()
             results = self.loop.run(
                 prompts,
                 rows,
                 on_step,
                 lambda point, i: control.faults.fire(point, [live[i]]),
+                on_done,
             )
             control.saw_model_batch(self.probe.max_seen)
         done = {r.request_id: self._output(r, res) for r, res in zip(live, results, strict=True)}
