@@ -201,10 +201,11 @@ async def _stream(
             data["usage"] = None
         return sse(None, data)
 
+    merged = _merged(streams, server.settings.keepalive_s)
     try:
         for i in range(len(streams)):
             yield chunk(i, {"role": "assistant", "content": ""})
-        async for i, event in _merged(streams, server.settings.keepalive_s):
+        async for i, event in merged:
             if event is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -228,3 +229,4 @@ async def _stream(
     finally:
         for s in streams:  # the client went away before the end: abort everywhere
             s.close()
+        await merged.aclose()  # its readers stop now, not when it is collected
