@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vllm_omni_like.api.serving import SSE_HEADERS, Server, sse, until_disconnect
+from vllm_omni_like.api.serving import SSE_HEADERS, Server, open_all, run_to_outputs, sse
 from vllm_omni_like.engine.async_omni import RequestStream
-from vllm_omni_like.errors import AbortedError, InvalidRequestError
+from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress, TextDelta
 from vllm_omni_like.protocol.chat import (
@@ -30,55 +30,6 @@ from vllm_omni_like.protocol.chat import (
 from vllm_omni_like.protocol.envelope import envelope
 
 router = APIRouter()
-
-
-def _open_all(server: Server, request: Request, omnis: list, progress: bool) -> list[RequestStream]:
-    streams: list[RequestStream] = []
-    try:
-        for omni in omnis:
-            streams.append(server.open(request, omni, progress))
-    except BaseException:
-        for s in streams:  # admitted before one was refused: nothing may run on
-            s.close()
-        raise
-    return streams
-
-
-class _Failed(Exception):
-    """A choice ended with an error: the whole completion fails with it."""
-
-    def __init__(self, output: OmniRequestOutput) -> None:
-        super().__init__(output.error.message if output.error else "")
-        self.output = output
-
-
-async def _finals(request: Request, streams: list[RequestStream]) -> list[OmniRequestOutput]:
-    """Every stream's final output. The first choice to fail, or a disconnect, ends them all
-    (the others are aborted at once)."""
-
-    async def final(stream: RequestStream) -> OmniRequestOutput:
-        while True:
-            event = await stream.next()
-            if isinstance(event, OmniRequestOutput):
-                if event.error is not None:
-                    raise _Failed(event)
-                return event
-
-    gone = asyncio.create_task(until_disconnect(request))
-    work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            raise AbortedError("the client disconnected")
-        try:
-            return work.result()
-        except _Failed as failed:
-            raise failed.output.error.error() from None
-    finally:
-        gone.cancel()
-        work.cancel()
-        for s in streams:
-            s.close()
 
 
 def _logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -134,14 +85,13 @@ async def chat_completions(request: Request, body: ChatRequest):
                 param="modalities",
                 code="unsupported",
             )
-        streams = _open_all(server, request, omnis, progress=True)
+        streams = open_all(server, request, omnis, progress=True)
         return StreamingResponse(
             _stream(server, streams, body, model, rid, request.state.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    streams = _open_all(server, request, omnis, progress=False)
-    outputs = await _finals(request, streams)
+    outputs = await run_to_outputs(request, server, omnis)
     return JSONResponse(await asyncio.to_thread(_response, body, model, rid, outputs))
 
 

@@ -16,8 +16,7 @@ from vllm_omni_like.api.serving import (
     SSE_HEADERS,
     Server,
     image_response,
-    raise_for_error,
-    run_to_output,
+    run_to_outputs,
     stored,
     stream_images,
 )
@@ -60,8 +59,7 @@ async def _respond(
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    output = await run_to_output(request, server, omni)
-    raise_for_error(output)
+    (output,) = await run_to_outputs(request, server, [omni])
     write = asyncio.to_thread(image_response, server, output, body, str(request.base_url), omni)
     return JSONResponse(await stored(server.engine, omni, write, since, "image"))
 

@@ -106,32 +106,48 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-async def run_to_output(
-    request: Request | None, server: Server, omni: OmniRequest
-) -> OmniRequestOutput:
-    """Run to the final output; a client that disconnects aborts its request in the engine."""
-    stream = server.open(request, omni, progress=False)
-    gone = asyncio.create_task(until_disconnect(request)) if request is not None else None
+def open_all(
+    server: Server, request: Request, omnis: list[OmniRequest], progress: bool
+) -> list[RequestStream]:
+    """Submit every request; if one is refused, those admitted before it are aborted."""
+    streams: list[RequestStream] = []
     try:
-        while True:
-            event = asyncio.ensure_future(stream.next())
-            if gone is not None:
-                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not event.done():
-                    event.cancel()
-                    raise AbortedError("the client disconnected")
-            result = await event
-            if isinstance(result, OmniRequestOutput):
-                return result
+        for omni in omnis:
+            streams.append(server.open(request, omni, progress))
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+async def run_to_outputs(
+    request: Request, server: Server, omnis: list[OmniRequest]
+) -> list[OmniRequestOutput]:
+    """Run every request to its final output. The first to fail fails the call with its
+    error, and a client that disconnects aborts them: either way the others are aborted at
+    once."""
+
+    async def final(stream: RequestStream) -> OmniRequestOutput:
+        while not isinstance(event := await stream.next(), OmniRequestOutput):
+            pass
+        if event.error is not None:
+            raise event.error.error()
+        return event
+
+    streams = open_all(server, request, omnis, progress=False)
+    gone = asyncio.create_task(until_disconnect(request))
+    work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise AbortedError("the client disconnected")
+        return work.result()
     finally:
-        if gone is not None:
-            gone.cancel()
-        stream.close()
-
-
-def raise_for_error(output: OmniRequestOutput) -> None:
-    if output.error is not None:
-        raise output.error.error()
+        gone.cancel()
+        work.cancel()
+        for s in streams:
+            s.close()
 
 
 def image_response(
