@@ -58,6 +58,11 @@ ENDED_MEMORY = 16384  # ids of ended requests remembered, to tell late aborts fr
 RESTART_RETRY_AFTER_S = 2.0
 
 
+def stages_run(request: OmniRequest, stages: int) -> int:
+    """How many of its pipeline's `stages` a request runs (`last_stage`: a chat stops early)."""
+    return stages if request.last_stage is None else min(request.last_stage + 1, stages)
+
+
 class Orchestrator:
     def __init__(
         self, config: EngineConfig, executor_factory: ExecutorFactory = MultiprocExecutor
@@ -131,7 +136,7 @@ class Orchestrator:
                 param="model",
             )
         stages = self.snapshot.of(pipeline.name)
-        runs = len(stages) if request.last_stage is None else request.last_stage + 1
+        runs = stages_run(request, len(stages))
         for stage in stages[:runs]:  # (a stage it will not reach may be restarting)
             if stage.state == "restarting":  # nothing can run it now: say when to come back
                 raise UnavailableError(
@@ -246,9 +251,7 @@ class Orchestrator:
 
     def _last_stage(self, state: RequestState) -> int:
         """The index of the last stage this request runs."""
-        stages = len(self.pools[state.request.pipeline])
-        asked = state.request.last_stage
-        return stages - 1 if asked is None else min(asked, stages - 1)
+        return stages_run(state.request, len(self.pools[state.request.pipeline])) - 1
 
     def _enter_stage(self, state: RequestState, index: int, previous) -> None:
         pipeline = self.pipelines[state.request.pipeline]

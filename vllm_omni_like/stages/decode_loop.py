@@ -77,6 +77,7 @@ class DecodeLoop:
             torch.Generator().manual_seed(r.seed or 0) if r.temperature > 0 else None for r in rows
         ]
         done = [r.max_new_tokens <= 0 for r in rows]
+        wants_raw = any(r.logprobs for r in rows)
         total = max(r.max_new_tokens for r in rows)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = None
@@ -92,7 +93,9 @@ class DecodeLoop:
                     **self.extra,
                 )
                 cache, raw = getattr(out, self.cache_arg), out.logits[:, -1].float()
-                logits = raw.clone()
+                # penalties and constraints change the logits in place: the raw ones are kept
+                # apart only while a row reports log-probabilities (the model's own)
+                logits = raw.clone() if wants_raw else raw
                 self._constrain(logits, rows, done)
                 step += 1
                 nxt, deltas, ended = [], {}, []

@@ -124,11 +124,11 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
         return
     index = torch.tensor(rows)
     words = bitmask[index].to(logits.device)
+    index = index.to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     vocab = logits.shape[1]
     if allowed.shape[1] < vocab:  # (a model's padded vocabulary: never allowed)
         pad = allowed.new_zeros(len(rows), vocab - allowed.shape[1])
         allowed = torch.cat([allowed, pad], dim=1)
-    picked = logits[index.to(logits.device)]
-    logits[index.to(logits.device)] = picked.masked_fill(~allowed[:, :vocab], float("-inf"))
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -143,6 +143,7 @@ class LLMStage(Stage):
             prompts.append(ids)
             rows.append(self._sampling(r, guide, len(ids)))
         results: list[RowResult] = []
+        ended: dict[int, StageOutput] = {}  # rows whose output went out when they ended
         if live:
 
             def on_step(step: int, total: int, deltas: dict[int, TextDelta]) -> None:
@@ -151,7 +152,8 @@ class LLMStage(Stage):
 
             def on_done(i: int, res: RowResult) -> None:
                 if res.error is None or not is_fatal_device_error(res.error):
-                    control.deliver(self._output(live[i], res))  # before its peers end
+                    ended[i] = self._output(live[i], res)
+                    control.deliver(ended[i])  # before its peers end
 
             self.probe.reset()
             results = self.loop.run(
@@ -162,7 +164,10 @@ class LLMStage(Stage):
                 on_done,
             )
             control.saw_model_batch(self.probe.max_seen)
-        done = {r.request_id: self._output(r, res) for r, res in zip(live, results, strict=True)}
+        done = {
+            r.request_id: ended.get(i) or self._output(r, res)
+            for i, (r, res) in enumerate(zip(live, results, strict=True))
+        }
         return [failed.get(r.request_id) or done[r.request_id] for r in batch]
 
     def _output(self, r: StageRequest, res: RowResult) -> StageOutput:
