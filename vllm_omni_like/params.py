@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GUIDE_KINDS = ("json_schema", "regex", "choice", "grammar")
-
 
 @dataclass(frozen=True)
 class GuideSpec:

@@ -230,16 +230,12 @@ def chat_requests(
             f"{request_id}-{i}",
             prompt,
             pipeline,
-            _with_seed(params, base + i),
+            replace(params, seed=base + i),
             client_id=client_id,
             last_stage=last,
         )
         for i in range(body.n)
     ]
-
-
-def _with_seed(params: GenerationParams, seed: int) -> GenerationParams:
-    return replace(params, seed=seed)
 
 
 def usage(outputs: list[OmniRequestOutput]) -> dict[str, int]:

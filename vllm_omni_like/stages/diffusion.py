@@ -237,6 +237,7 @@ class DiffusionStage(Stage):
             decode = latent_decode.PendingDecode(
                 decoder, media, self.side_stream, self.buckets, chunks
             )
+        frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
         first_row, k = {}, 0
         for r in batch:
             first_row[r.request_id] = k
@@ -249,7 +250,6 @@ class DiffusionStage(Stage):
                 for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
             ]
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
-            frames = (requests[0].params.num_frames or self.default_frames) if self.is_video else 0
             pixels, encoded = decode(picked, fps, frames)
             return latent_decode.split_outputs(
                 self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video

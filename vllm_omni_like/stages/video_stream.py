@@ -78,9 +78,8 @@ class StreamedMP4:
         self, source: tuple[torch.nn.Module, int | None], fps: list[int], frames: int = 0
     ) -> None:
         (self.source, self.patch_size), self.fps = source, fps
-        self.middle, self.seen = frames // 2, 0
+        self.expected, self.seen = frames, 0
         self.thumbnails: list[bytes | None] = [None] * len(fps)
-        self.expected = frames
         self.videos = [VideoBytes(f) for f in fps]
         self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.error: BaseException | None = None
@@ -136,9 +135,10 @@ class StreamedMP4:
                 frames = host.numpy()
                 for row, video in enumerate(self.videos):
                     video.append(np.ascontiguousarray(frames[row]))
-                if self.seen <= self.middle < self.seen + frames.shape[1]:
+                middle = self.expected // 2 - self.seen  # in this chunk's frames
+                if 0 <= middle < frames.shape[1]:
                     for row in range(len(self.videos)):
-                        self.thumbnails[row] = encode_image(frames[row, self.middle - self.seen])
+                        self.thumbnails[row] = encode_image(frames[row, middle])
                 self.seen += frames.shape[1]
             except Exception as e:  # reported once the decode ends
                 self.error = e
