@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -77,6 +80,22 @@ class LiveServer:
 
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
+
+
+def run_example(name: str, server: LiveServer, cwd) -> list[str]:
+    """Run examples/<name> against `server` with warnings as errors, in `cwd`; its stdout
+    lines (it must exit 0 and write nothing to stderr)."""
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", name)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", example],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": "k"},
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return out.stdout.splitlines()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.api.conftest import live_server
+from tests.api.conftest import live_server, run_example
 from tests.conftest import wait_until
 from tests.reliability.leaks import check_engine, client_of, statuses
 
@@ -308,23 +308,9 @@ def test_a_client_that_leaves_mid_generation_aborts_it(server):
 
 
 def test_the_chat_example_runs_clean(server, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "chat_client.py")
-    out = subprocess.run(
-        [sys.executable, "-W", "error", example],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": "k"},
-    )
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-    lines = out.stdout.splitlines()
+    lines = run_example("chat_client.py", server, tmp_path)
     assert lines[0] == f"answer: {RED}"
     assert lines[2].startswith("streamed: a small blue square at the top on a")
     assert lines[3].startswith("json: {'shape': ")
     assert lines[4].startswith("drew: a large green triangle") and lines[4].endswith(".png")
-    assert os.listdir(tmp_path) == ["chat-image.png"]
+    assert [p.name for p in tmp_path.iterdir()] == ["chat-image.png"]
