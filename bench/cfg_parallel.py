@@ -18,6 +18,11 @@ server's /metrics, read before and after, split the time:
   process;
 - polling and HTTP: what the client waited beyond the job's end-to-end time.
 
+Each worker also writes its batches' device timelines (stages/trace.py: one CUDA event per step,
+no profiler): for each setting, the medians over the measured videos of rank 0's first step
+(from the pipeline call's start), its later steps, and CFG-parallel rank 1's branch forwards and
+its device's idle time between them.
+
 The two servers' MP4s of the same seed are compared (PSNR). Adds `cfg_parallel_denoise_ratio`
 and `cfg_parallel_video_latency_ratio` (2 GPUs / 1 GPU, medians) and the detail under
 `cfg_parallel` to bench/results/scaleout-<device>.json.
@@ -29,7 +34,9 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,6 +47,7 @@ from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
+from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 from vllm_omni_like.video_codec import decode_video
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,6 +106,42 @@ def one_video(http: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, float
     return {k: round(v, 4) for k, v in split.items()}, mp4
 
 
+def _gaps(line: dict[str, Any], after: str, before: str) -> list[float]:
+    """Milliseconds from each `after` mark to the `before` mark that follows it."""
+    out, since = [], None
+    for label, ms in zip(line["labels"], line["ms"], strict=True):
+        if label == before and since is not None:
+            out.append(ms - since)
+        since = ms if label == after else since
+    return out
+
+
+def timelines(directory: str, measured: int) -> dict[str, float]:
+    """Medians over the last `measured` batches of each rank's timeline (milliseconds)."""
+
+    def lines(rank: int) -> list[dict[str, Any]]:
+        path = os.path.join(directory, f"diffusion-rank{rank}-timeline.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(x) for x in f.read().splitlines()][-measured:]
+
+    out: dict[str, float] = {}
+    leader = lines(0)
+    if leader:
+        out["first_step_ms"] = statistics.median(b["ms"][1] for b in leader)
+        out["step_ms"] = statistics.median(g for b in leader for g in _gaps(b, "step", "step"))
+    served = lines(1)
+    if served:
+        out["rank1_branch_ms"] = statistics.median(
+            g for b in served for g in _gaps(b, "branch", "done")
+        )
+        out["rank1_idle_ms"] = statistics.median(
+            g for b in served for g in _gaps(b, "done", "branch")
+        )
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def serve(label: str, args: argparse.Namespace, body: dict[str, Any], log: str) -> dict[str, Any]:
     flags = [args.model, "--stall-timeout", "600"]
     if args.model == WAN:
@@ -107,6 +151,8 @@ def serve(label: str, args: argparse.Namespace, body: dict[str, Any], log: str) 
     else:
         flags += ["--devices", args.devices_one]
     flags += args.server_flags.split()
+    traces = tempfile.mkdtemp(prefix="timelines-")
+    os.environ[TRACE_DIR_ENV], os.environ[TRACE_BATCHES_ENV] = traces, ""  # no profiler
     server = Server(flags, log, 1800)
     runs, mp4 = [], b""
     try:
@@ -120,7 +166,15 @@ def serve(label: str, args: argparse.Namespace, body: dict[str, Any], log: str) 
     finally:
         server.stop()
     median = {k: round(float(np.median([r[k] for r in runs])), 4) for k in runs[0]}
-    return {"start_s": round(server.start_s, 1), "median": median, "runs": runs, "mp4": mp4}
+    steps = timelines(traces, args.runs)
+    print(f"{label} device timelines: {steps}", file=sys.stderr)
+    return {
+        "start_s": round(server.start_s, 1),
+        "median": median,
+        "device_timelines": steps,
+        "runs": runs,
+        "mp4": mp4,
+    }
 
 
 def main() -> int:
@@ -173,6 +227,7 @@ def main() -> int:
         json.dump(existing, f, indent=2)
     print(json.dumps({k: v for k, v in report.items() if k != "cfg_parallel"}))
     print(json.dumps({"1gpu": one, "cfg_parallel": two, "psnr": db(value)}))
+    print(json.dumps({k: found[k]["device_timelines"] for k in SETTINGS}))
     return 0
 
 

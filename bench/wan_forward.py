@@ -5,6 +5,7 @@
 - the transformer's forward alone at batch 1 and 2 (CUDA events, median of `--runs`): what
   CFG-parallel's split step (batch 1 per rank) can at best take against one GPU's (batch 2);
   and the host's time to launch it, from an empty queue (near the device's: host-bound);
+  with `--graphs`, also replayed from a CUDA graph (no launch gaps at all);
 - a step of the pipeline (`--steps` steps, CFG 5, batched guidance as the server runs it) against
   its forward: the host's share of a step;
 - the host-device synchronisations in the pipeline's steps, with where they happen (CUDA's sync
@@ -51,11 +52,43 @@ def forward_ms(model, latents, timestep, text, runs: int) -> tuple[float, float]
     return statistics.median(times), statistics.median(host)
 
 
+def graphed_ms(model, latents, timestep, text, runs: int) -> float | str:
+    """The forward's device time replayed from a CUDA graph (no launches): what the eager
+    forward loses to launch gaps. An error's text if the forward cannot be captured."""
+    static = dict(hidden_states=latents.clone(), timestep=timestep.clone())
+    static["encoder_hidden_states"] = text.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                model(**static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            model(**static)
+    except Exception as exc:  # reported, not fatal to the rest
+        return f"{type(exc).__name__}: {exc}"[:300]
+    times = []
+    for i in range(2 + runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    del graph
+    torch.cuda.empty_cache()
+    return round(statistics.median(times), 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--diffusers-scheduler", action="store_true", help="keep diffusers' UniPC")
+    ap.add_argument("--graphs", action="store_true", help="also the forward from a CUDA graph")
     args = ap.parse_args()
     torch.manual_seed(0)
     pipe = dummy_pipeline(WAN, torch.device("cuda"), torch.bfloat16).to("cuda")
@@ -72,6 +105,9 @@ def main() -> None:
         device_ms, host_ms = forward_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
         out[f"forward_b{rows}_ms"] = round(device_ms, 2)
         out[f"forward_b{rows}_launch_ms"] = round(host_ms, 2)  # the host's, to the return
+        if args.graphs:
+            graphed = graphed_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
+            out[f"forward_b{rows}_graph_ms"] = graphed
     cfg = accel.batch_cfg(pipe)
     kwargs = dict(
         prompt_embeds=text[:1],

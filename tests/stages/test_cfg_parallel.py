@@ -5,6 +5,7 @@ mid-step takes its replica down at once, which restarts whole, and the request r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import signal
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+import torch
 
 from tests.conftest import drain_batch, wait_for
 from tests.engine.helpers import engine, final, req
@@ -29,6 +31,7 @@ from vllm_omni_like.stages import cfg_parallel
 from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.tiny_models import image_pipeline
+from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 
 pytestmark = pytest.mark.slow
 KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "first_step_timeout": 30.0}
@@ -136,9 +139,13 @@ def test_images_equal_one_rank_and_rank_0_computes_half_the_batch(cfgp, referenc
         assert report.model_batch == rows, (kw, report)
 
 
-def test_a_video_equals_one_rank():
+def test_a_video_equals_one_rank(tmp_path, monkeypatch):
     """Wan: the pipeline's second (unconditional) call is rank 1's. Compiled (dynamo's eager
-    backend: real tracing, no C compiler): rank 0's warm-up at load drives rank 1's."""
+    backend: real tracing, no C compiler): rank 0's warm-up at load drives rank 1's. Both
+    ranks write their timelines (stages/trace.py): rank 0 a step's end per step, rank 1 each
+    branch's start and end."""
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(TRACE_BATCHES_ENV, "")  # timelines only, no profiler
     compiled = {"compile": True, "batch_buckets": (1,), "options": {"compile_backend": "eager"}}
     config = StageConfig(name="diffusion", kind="diffusion", model="tiny-video", **KW, **compiled)
     sink: queue.Queue = queue.Queue()
@@ -155,9 +162,45 @@ def test_a_video_equals_one_rank():
     (result,) = [m.output for m in msgs if isinstance(m, RequestResult)]
     done = msgs[-1]
     assert isinstance(done, BatchDone) and done.model_batch_dim == 1  # its half, not 2 rows
+    monkeypatch.delenv(TRACE_DIR_ENV)  # (the reference's own timeline would join rank 0's)
     want = _reference("tiny-video")(params, mode="text2video")
     got, ref = result.video.frames.astype(int), want.video.frames.astype(int)
     assert got.shape == ref.shape == (9, 64, 64, 3) and np.abs(got - ref).max() <= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "diffusion-rank0-timeline.jsonl",
+        "diffusion-rank1-timeline.jsonl",
+    ]
+    lines = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text().splitlines()
+    (leader,) = [json.loads(line) for line in lines]  # the warm-up is no batch of its own
+    assert leader["labels"] == ["start"] + ["step"] * 4
+    assert leader["ms"] == sorted(leader["ms"]) and leader["ms"][0] == 0
+    lines = (tmp_path / "diffusion-rank1-timeline.jsonl").read_text().splitlines()
+    warm_up, served = [json.loads(line) for line in lines]
+    assert warm_up["labels"] == ["branch", "done"] * 2  # the compile warm-up's 2 steps
+    assert served["labels"] == ["branch", "done"] * 4 and served["ms"] == sorted(served["ms"])
+
+
+def test_a_call_constant_tensor_goes_to_rank_1_once():
+    """The prompt embeddings a pipeline passes at every step (the same object) travel with the
+    first step only; rank 1 reuses the copy it holds, whatever else changed."""
+    negative, latents = torch.randn(1, 8, 4), [torch.randn(1, 4, 2, 2) for _ in range(3)]
+    held: list = []
+    passed: list = []
+    for step in range(3):
+        call = ((), {"hidden_states": latents[step], "encoder_hidden_states": negative, "t": 9})
+        new: list = []
+        every: list = []
+        kept = {id(t): i for i, t in enumerate(passed)}
+        meta = cfg_parallel._pack(call, new, every, kept)
+        passed = every
+        assert new == ([latents[0], negative] if step == 0 else [latents[step]])  # what is sent
+        received = [t.clone() for t in new]  # rank 1's copies
+        got: list = []
+        args, kwargs = cfg_parallel._unpack(meta, received, got, held)
+        held = got
+        assert args == () and kwargs["t"] == 9
+        assert torch.equal(kwargs["hidden_states"], latents[step])
+        assert torch.equal(kwargs["encoder_hidden_states"], negative)
 
 
 def test_a_failed_branch_on_rank_1_fails_its_request_and_the_replica_stays(cfgp):

@@ -1,10 +1,13 @@
-"""stages/trace.py: the batches VLLM_OMNI_LIKE_TRACE_BATCHES names are traced, no others."""
+"""stages/trace.py: the batches VLLM_OMNI_LIKE_TRACE_BATCHES names are traced, no others; every
+batch that ends gets its timeline."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import time
 
+import pytest
 import torch
 
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV, BatchTracer
@@ -33,3 +36,29 @@ def test_off_without_a_directory(tmp_path, monkeypatch):
         with tracer.batch():
             torch.ones(4).sum()
     assert tracer.count == 3 and list(tmp_path.iterdir()) == []
+
+
+def test_every_batch_gets_its_timeline_and_a_failed_one_none(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(TRACE_BATCHES_ENV, "")  # no profiler: the timelines alone
+    tracer = BatchTracer("diffusion", rank=0, device=torch.device("cpu"))
+    for steps in (3, 2):
+        with tracer.batch():
+            tracer.mark("start")
+            for _ in range(steps):
+                time.sleep(0.01)
+                tracer.mark("step")
+    with pytest.raises(RuntimeError), tracer.batch():
+        tracer.mark("start")
+        raise RuntimeError("the batch failed")
+    assert [p.name for p in tmp_path.iterdir()] == ["diffusion-rank0-timeline.jsonl"]
+    text = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text()
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert [line["batch"] for line in lines] == [1, 2]
+    assert [line["labels"] for line in lines] == [
+        ["start"] + ["step"] * 3,
+        ["start", "step", "step"],
+    ]
+    for line in lines:
+        gaps = [b - a for a, b in zip(line["ms"], line["ms"][1:], strict=False)]
+        assert line["ms"][0] == 0 and all(g >= 9.5 for g in gaps)  # each step slept 10 ms

@@ -165,25 +165,40 @@ class Link:
             dist.destroy_process_group()
 
 
-def _pack(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """`value` with each tensor replaced by its slot (the tensors go separately)."""
+@dataclass(frozen=True)
+class _Kept:
+    """A tensor the previous call of this pipeline call passed too (the very object: the call's
+    prompt embeddings), which rank 1 still holds: its place in that call's tensors."""
+
+    index: int
+
+
+def _pack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: dict) -> Any:
+    """`value` with each tensor replaced by its slot: a new one (sent after the header, in
+    order) or one the previous call passed (`kept`: id -> its place there); `every` gets all
+    of them in order, the places of the next call's kept ones."""
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
+        every.append(value)
+        if id(value) in kept:
+            return _Kept(kept[id(value)])
+        new.append(value)
+        return _Slot(len(new) - 1)
     if isinstance(value, dict):
-        return {k: _pack(v, tensors) for k, v in value.items()}
+        return {k: _pack(v, new, every, kept) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_pack(v, tensors) for v in value)
+        return type(value)(_pack(v, new, every, kept) for v in value)
     return value
 
 
-def _unpack(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return tensors[value.index]
+def _unpack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], held: list) -> Any:
+    if isinstance(value, _Slot | _Kept):
+        tensor = new[value.index] if isinstance(value, _Slot) else held[value.index]
+        every.append(tensor)
+        return tensor
     if isinstance(value, dict):
-        return {k: _unpack(v, tensors) for k, v in value.items()}
+        return {k: _unpack(v, new, every, held) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_unpack(v, tensors) for v in value)
+        return type(value)(_unpack(v, new, every, held) for v in value)
     return value
 
 
@@ -203,15 +218,19 @@ class Leader:
         self.link = link
         self.expect: tuple[tuple[int, ...], str] | None = None
         self.statuses: list[torch.Tensor] = []
+        self.passed: list[torch.Tensor] = []  # the previous call's tensors, which rank 1 holds
 
     def arm(self) -> None:
-        self.expect, self.statuses = None, []
+        self.expect, self.statuses, self.passed = None, [], []
 
     def alongside(self, local: Callable[[], T], args: tuple, kwargs: dict) -> tuple[T, Any]:
         """`local()` here while rank 1 runs the model on (args, kwargs); both outputs."""
         tensors: list[torch.Tensor] = []
-        meta = _pack((args, kwargs), tensors)
+        every: list[torch.Tensor] = []
         first = self.expect is None
+        kept = {} if first else {id(t): i for i, t in enumerate(self.passed)}
+        meta = _pack((args, kwargs), tensors, every, kept)
+        self.passed = every
         specs = [_spec(t) for t in tensors]
         self.link.send_obj(("call", meta, specs, first))
         for t in tensors:
@@ -243,7 +262,7 @@ class Leader:
 
     def settle(self) -> None:
         """Raise if any of rank 1's branches since `arm` failed (its log says how)."""
-        statuses, self.statuses = self.statuses, []
+        statuses, self.statuses, self.passed = self.statuses, [], []
         codes = set(torch.cat(statuses).tolist()) if statuses else set()
         if OUT_OF_MEMORY in codes:
             raise PeerOutOfMemory("CFG-parallel rank 1 ran out of memory on its branch")
@@ -254,24 +273,32 @@ class Leader:
         self.link.send_obj(("end", batch_id))
 
 
-def serve(link: Link, model: Any, batch_id: int) -> None:
+def serve(
+    link: Link, model: Any, batch_id: int, mark: Callable[[str], None] = lambda label: None
+) -> None:
     """Rank 1: run rank 0's branch calls on `model` until it ends batch `batch_id`. A first
     call answers with a status object (the output's shape); later ones with a status tensor
-    and an output of that shape (zeros after a failure, which rank 0's `settle` reports)."""
+    and an output of that shape (zeros after a failure, which rank 0's `settle` reports).
+    `mark` is called as each branch starts and ends (a timeline's points, stages/trace.py)."""
     expect: tuple[tuple[int, ...], str] | None = None
+    held: list[torch.Tensor] = []  # the previous call's tensors (its kept ones come again)
     while True:
         match link.recv_obj():
             case ("end", ended) if ended == batch_id:
                 return
             case ("call", meta, specs, first) if first or expect is not None:
                 tensors = [link.recv(shape, dtype) for shape, dtype in specs]
-                args, kwargs = _unpack(meta, tensors)
+                every: list[torch.Tensor] = []
+                args, kwargs = _unpack(meta, tensors, every, [] if first else held)
+                held = every
             case other:
                 raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
         code, out = OK, None
         try:
+            mark("branch")
             with torch.inference_mode():
                 out = model(*args, **kwargs)[0]
+            mark("done")
         except Exception as exc:
             if is_fatal_device_error(exc):
                 raise
@@ -296,7 +323,7 @@ def serve(link: Link, model: Any, batch_id: int) -> None:
         if out is None:
             out = torch.zeros(expect[0], dtype=getattr(torch, expect[1]), device=link.device)
         link.send(out)
-        del out, args, kwargs, tensors
+        del out, args, kwargs, tensors, every
 
 
 class SplitCFG(torch.nn.Module):

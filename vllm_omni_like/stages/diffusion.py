@@ -56,7 +56,7 @@ class DiffusionStage(Stage):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(self.config.dtype, self.device, torch.float16)
         self.link = self._connect_ranks()
-        self.tracer = BatchTracer(self.name, self.ranks.rank)
+        self.tracer = BatchTracer(self.name, self.ranks.rank, self.device)
         self._check_text_encoder(path)
         if self.config.load_format == "dummy":
             pipe = dummy_pipeline(path, self.device, self.dtype)
@@ -139,7 +139,7 @@ class DiffusionStage(Stage):
     def serve_branches(self, batch_id: int) -> None:
         assert self.link is not None, "serve_branches on a stage without CFG-parallel ranks"
         with self.tracer.batch():
-            cfg_parallel.serve(self.link, self.branch_model, batch_id)
+            cfg_parallel.serve(self.link, self.branch_model, batch_id, self.tracer.mark)
 
     def end_branches(self, batch_id: int) -> None:
         if self.leader is not None:
@@ -302,6 +302,7 @@ class DiffusionStage(Stage):
     def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
         self.probe.reset()
         with self.tracer.batch():
+            self.tracer.mark("start")
             result = self._run(pipe, kwargs)
             if self.device.type == "cuda":  # no step waits on the device (HostUniPC): the loop
                 torch.cuda.current_stream(self.device).synchronize()  # ends when its steps do
@@ -372,6 +373,7 @@ class DiffusionStage(Stage):
             want = [r for r in batch if control.wants_preview(r, i + 1, total)]
             previews = self._previews(pipe, batch, want, callback_kwargs) if want else None
             control.step(batch, i + 1, total, previews)
+            self.tracer.mark("step")
             return callback_kwargs
 
         return on_step_end
