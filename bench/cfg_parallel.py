@@ -117,7 +117,10 @@ def _gaps(line: dict[str, Any], after: str, before: str) -> list[float]:
 
 
 def timelines(directory: str, measured: int) -> dict[str, float]:
-    """Medians over the last `measured` batches of each rank's timeline (milliseconds)."""
+    """Medians over the last `measured` batches of each rank's timeline (milliseconds): rank 0's
+    first step (from the batch's begin), later steps, and its wait for the device after the
+    last step; rank 1's branch forwards, its device's idle time between them, and when its first
+    branch began on the device, from rank 0's begin (one host clock for both)."""
 
     def lines(rank: int) -> list[dict[str, Any]]:
         path = os.path.join(directory, f"diffusion-rank{rank}-timeline.jsonl")
@@ -126,18 +129,28 @@ def timelines(directory: str, measured: int) -> dict[str, float]:
         with open(path) as f:
             return [json.loads(x) for x in f.read().splitlines()][-measured:]
 
+    def at(line: dict[str, Any], label: str, clock: str = "ms") -> list[float]:
+        return [t for name, t in zip(line["labels"], line[clock], strict=True) if name == label]
+
     out: dict[str, float] = {}
-    leader = lines(0)
+    leader, served = lines(0), lines(1)
     if leader:
-        out["first_step_ms"] = statistics.median(b["ms"][1] for b in leader)
+        out["first_step_ms"] = statistics.median(at(b, "step")[0] for b in leader)
         out["step_ms"] = statistics.median(g for b in leader for g in _gaps(b, "step", "step"))
-    served = lines(1)
+        out["steps_to_synced_ms"] = statistics.median(
+            at(b, "synced", "host_ms")[0] - at(b, "step")[-1] for b in leader
+        )
     if served:
         out["rank1_branch_ms"] = statistics.median(
             g for b in served for g in _gaps(b, "branch", "done")
         )
         out["rank1_idle_ms"] = statistics.median(
             g for b in served for g in _gaps(b, "done", "branch")
+        )
+    if leader and len(served) == len(leader):
+        out["rank1_first_branch_ms"] = statistics.median(
+            1000 * (s["t0"] - b["t0"]) + at(s, "branch")[0]
+            for b, s in zip(leader, served, strict=True)
         )
     return {k: round(v, 2) for k, v in out.items()}
 

@@ -22,7 +22,11 @@ def test_only_the_named_batches_are_traced(tmp_path, monkeypatch):
         with tracer.batch():
             x = x @ x / 64
     names = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert names == ["diffusion-rank1-batch2.json.gz", "diffusion-rank1-batch4.json.gz"]
+    assert names == [
+        "diffusion-rank1-batch2.json.gz",
+        "diffusion-rank1-batch4.json.gz",
+        "diffusion-rank1-timeline.jsonl",  # every batch's line
+    ]
     with gzip.open(tmp_path / "traces" / names[0]) as f:
         events = json.loads(f.read())["traceEvents"]
     assert any("mm" in str(e.get("name", "")) for e in events)  # the batch's matmul is in it
@@ -44,21 +48,21 @@ def test_every_batch_gets_its_timeline_and_a_failed_one_none(tmp_path, monkeypat
     tracer = BatchTracer("diffusion", rank=0, device=torch.device("cpu"))
     for steps in (3, 2):
         with tracer.batch():
-            tracer.mark("start")
             for _ in range(steps):
                 time.sleep(0.01)
                 tracer.mark("step")
     with pytest.raises(RuntimeError), tracer.batch():
-        tracer.mark("start")
         raise RuntimeError("the batch failed")
     assert [p.name for p in tmp_path.iterdir()] == ["diffusion-rank0-timeline.jsonl"]
     text = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text()
     lines = [json.loads(x) for x in text.splitlines()]
     assert [line["batch"] for line in lines] == [1, 2]
     assert [line["labels"] for line in lines] == [
-        ["start"] + ["step"] * 3,
-        ["start", "step", "step"],
+        ["begin"] + ["step"] * 3,
+        ["begin", "step", "step"],
     ]
     for line in lines:
         gaps = [b - a for a, b in zip(line["ms"], line["ms"][1:], strict=False)]
         assert line["ms"][0] == 0 and all(g >= 9.5 for g in gaps)  # each step slept 10 ms
+        assert line["ms"] == line["host_ms"]  # on the CPU, one clock
+    assert 0 < lines[1]["t0"] - lines[0]["t0"] < 5

@@ -23,6 +23,7 @@ from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
+from vllm_omni_like.stages.rank_link import Link
 from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -109,6 +110,7 @@ class DiffusionStage(Stage):
         self.branch_model = getattr(pipe, accel.denoiser_name(pipe))  # rank 1's, compiled or not
         if self.link is not None and self.ranks.rank > 0:  # rank 1 runs its denoiser only
             cfg_parallel.keep_only_the_denoiser(pipe)
+            self.follower = cfg_parallel.Follower(self.link)
             if cfg.compile:
                 self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
             return
@@ -127,19 +129,19 @@ class DiffusionStage(Stage):
             self._warm_up()
             self.end_branches(cfg_parallel.WARM_UP)
 
-    def _connect_ranks(self) -> cfg_parallel.Link | None:
+    def _connect_ranks(self) -> Link | None:
         """CFG-parallel: meet the other rank first (it loads meanwhile); the process group's
         timeout is a backstop behind the executor's death and stall detection."""
         cfg = self.config
         if not cfg.cfg_parallel:
             return None
         backstop = max(cfg.load_timeout, cfg.first_step_timeout) + cfg.stall_timeout
-        return cfg_parallel.Link(self.ranks, self.device, backstop)
+        return Link(self.ranks, self.device, backstop)
 
     def serve_branches(self, batch_id: int) -> None:
         assert self.link is not None, "serve_branches on a stage without CFG-parallel ranks"
         with self.tracer.batch():
-            cfg_parallel.serve(self.link, self.branch_model, batch_id, self.tracer.mark)
+            self.follower.serve(self.branch_model, batch_id, self.tracer.mark)
 
     def end_branches(self, batch_id: int) -> None:
         if self.leader is not None:
@@ -302,10 +304,10 @@ class DiffusionStage(Stage):
     def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
         self.probe.reset()
         with self.tracer.batch():
-            self.tracer.mark("start")
             result = self._run(pipe, kwargs)
             if self.device.type == "cuda":  # no step waits on the device (HostUniPC): the loop
                 torch.cuda.current_stream(self.device).synchronize()  # ends when its steps do
+            self.tracer.mark("synced")
         control.saw_model_batch(self.probe.max_seen)
         return result
 

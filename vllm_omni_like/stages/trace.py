@@ -7,10 +7,13 @@ a CFG-parallel rank 1's served branches) and writes `<dir>/<stage>-rank<r>-batch
 (Chrome trace format: chrome://tracing or https://ui.perfetto.dev). A trace costs time, so
 figures are never taken from a traced batch (`VLLM_OMNI_LIKE_TRACE_BATCHES=` traces none).
 
-Every batch also gets one line in `<dir>/<stage>-rank<r>-timeline.jsonl`: the device's clock at
-the marks the stage set (rank 0: the call's start and each step's end; rank 1: each branch's
-start and end), one CUDA event each, read once the batch ended: what a step takes on the device,
-without the profiler's overhead. Off unless the directory is set.
+Every batch also gets one line in `<dir>/<stage>-rank<r>-timeline.jsonl`: at the batch's begin
+and at each mark the stage set (rank 0: each step's end, the wait for the device after
+the last; rank 1: each branch's start and end), the device's clock (`ms`, one CUDA
+event each, read once the batch ended) and the host's (`host_ms`), both from the begin, whose
+time on the machine's monotonic clock is `t0` (the same clock in every process: the ranks'
+timelines line up). What a step takes on the device without the profiler's overhead, and how
+far the host runs ahead of it. Off unless the directory is set.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class BatchTracer:
         self.batches = {int(n) for n in wanted.split(",") if n.strip()}
         self.stage, self.rank, self.count = stage, rank, 0
         self.device = device  # a CUDA device: the marks go on its current stream
-        self._marks: list[tuple[str, Any]] = []
+        self._marks: list[tuple[str, Any, float]] = []
 
     def mark(self, label: str) -> None:
         """A point of this batch's timeline, on the device's clock (no wait for the device)."""
@@ -48,24 +51,27 @@ class BatchTracer:
         if self.device is not None and torch.device(self.device).type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
-            self._marks.append((label, event))
+            self._marks.append((label, event, time.monotonic()))
         else:
-            self._marks.append((label, time.perf_counter()))
+            self._marks.append((label, None, time.monotonic()))
 
     def _write_timeline(self) -> None:
         marks, self._marks = self._marks, []
         if not marks:
             return
-        first = marks[0][1]
-        if isinstance(first, float):
-            at = [1000 * (t - first) for _, t in marks]
+        _, first, t0 = marks[0]
+        host = [round(1000 * (t - t0), 3) for _, _, t in marks]
+        if first is None:  # the CPU: the host's clock is the device's
+            at = host
         else:
             marks[-1][1].synchronize()
-            at = [first.elapsed_time(e) for _, e in marks]
+            at = [round(first.elapsed_time(e), 3) for _, e, _ in marks]
         line = {
             "batch": self.count,
+            "t0": t0,
             "labels": [m[0] for m in marks],
-            "ms": [round(t, 3) for t in at],
+            "ms": at,
+            "host_ms": host,
         }
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"{self.stage}-rank{self.rank}-timeline.jsonl")
@@ -76,6 +82,7 @@ class BatchTracer:
     def batch(self) -> Iterator[None]:
         self.count += 1
         self._marks = []
+        self.mark("begin")
         with self._profiled():
             yield
         if self.directory:  # (not after a failure: its device may be gone)

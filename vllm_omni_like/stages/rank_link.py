@@ -1,0 +1,179 @@
+"""The two ranks of a CFG-parallel replica, point to point (stages/cfg_parallel.py runs the
+exchange over it).
+
+torch.distributed (NCCL on CUDA, gloo on the CPU) carries the tensors, and a second, gloo (host
+memory) group the small objects that steer the exchange. A call's arguments travel as a header
+(their structure, each tensor replaced by its slot) and the tensors after it; a tensor the
+previous call of the same pipeline call passed too (the very object: the prompt embeddings) is
+not sent again but named by its place in that call (`_Kept`), as the other rank still holds it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vllm_omni_like.stages.base import Ranks
+from vllm_omni_like.stages.isolation import FatalStageError
+
+T = TypeVar("T")
+HEADER_BYTES = 4096  # a call's header (its arguments' structure) fits in one message
+
+
+class RankDiverged(FatalStageError):
+    """The ranks no longer agree on what runs, or their link broke: the worker exits and the
+    replica restarts whole (never a request's error: its requests re-run elsewhere)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor stood in a call's arguments: it follows the header, in order."""
+
+    index: int
+
+
+Spec = tuple[tuple[int, ...], str]
+
+
+def _spec(tensor: torch.Tensor) -> Spec:
+    """A tensor's shape and dtype name, as the other rank allocates it."""
+    return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+
+
+def _shape_key(args: tuple, kwargs: dict, every: list[torch.Tensor]) -> tuple:
+    """What fixes a call's output shape: its arguments' names and its tensors' specs."""
+    return len(args), tuple(sorted(kwargs)), tuple(_spec(t) for t in every)
+
+
+class Link:
+    """The two ranks of one replica, point to point."""
+
+    def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float) -> None:
+        if ranks.size != 2 or not ranks.rendezvous:
+            raise ValueError(f"CFG-parallel needs 2 ranks and a rendezvous, not {ranks}")
+        self.rank = ranks.rank
+        self.peer = 1 - ranks.rank
+        self.device = device
+        self._codes: dict[int, torch.Tensor] = {}
+        if device.type == "cuda":  # (no eager NCCL init: the two talk point to point only)
+            torch.cuda.set_device(device)
+        else:  # both ranks compute at once on the same cores: each takes half of them, or
+            # their thread pools' spinning waits slow both down (measured: 7x on 2 cores)
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{ranks.rendezvous}",
+            rank=ranks.rank,
+            world_size=2,
+            timeout=timeout,
+        )
+        # objects go host to host (gloo), whatever the tensors' backend
+        self._objects = dist.new_group(backend="gloo", timeout=timeout)
+        # the first exchanges set up the connections between the two: here, not in a request
+        if self.rank == 0:
+            self.send_obj(("hello", 0))
+        if self.recv_obj() != ("hello", self.peer):
+            raise RankDiverged("the other rank did not answer the handshake")
+        if self.rank == 1:
+            self.send_obj(("hello", 1))
+        # ... and the tensors' connection (NCCL makes it at the first send, with both ranks)
+        if self.rank == 0:
+            self.send(self.code(0))
+        elif self.recv((1,), "int64").item() != 0:
+            raise RankDiverged("the other rank's first tensor was not the handshake")
+
+    def _io(self, what: str, run: Callable[[], T]) -> T:
+        try:
+            return run()
+        except Exception as exc:  # the peer is gone or the group broke: not a request's fault
+            raise RankDiverged(f"rank {self.rank}: {what} rank {self.peer} failed: {exc}") from exc
+
+    def send_obj(self, obj: object) -> None:
+        """A small object, host to host: one fixed-size message (a longer one in a second)."""
+        data = pickle.dumps(obj)
+        head = np.zeros(HEADER_BYTES, np.uint8)
+        head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+        fits = len(data) <= HEADER_BYTES - 8
+        if fits:
+            head[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
+        self._send_host(torch.from_numpy(head))
+        if not fits:
+            self._send_host(torch.from_numpy(np.frombuffer(data, np.uint8).copy()))
+
+    def recv_obj(self) -> Any:
+        head = self._recv_host(HEADER_BYTES).numpy()
+        size = int.from_bytes(head[:8].tobytes(), "little")
+        if size <= HEADER_BYTES - 8:
+            return pickle.loads(head[8 : 8 + size].tobytes())
+        return pickle.loads(self._recv_host(size).numpy().tobytes())
+
+    def _send_host(self, tensor: torch.Tensor) -> None:
+        self._io("sending to", lambda: dist.send(tensor, dst=self.peer, group=self._objects))
+
+    def _recv_host(self, size: int) -> torch.Tensor:
+        tensor = torch.empty(size, dtype=torch.uint8)
+        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer, group=self._objects))
+        return tensor
+
+    def code(self, value: int) -> torch.Tensor:
+        """A status as a one-element tensor on the device, made once per value."""
+        if value not in self._codes:
+            self._codes[value] = torch.full((1,), value, dtype=torch.int64, device=self.device)
+        return self._codes[value]
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self._io("sending to", lambda: dist.send(tensor.contiguous(), dst=self.peer))
+
+    def recv(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer))
+        return tensor
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A tensor the previous call of this pipeline call passed too (the very object: the call's
+    prompt embeddings), which rank 1 still holds: its place in that call's tensors."""
+
+    index: int
+
+
+def _pack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: dict) -> Any:
+    """`value` with each tensor replaced by its slot: a new one (sent after the header, in
+    order) or one the previous call passed (`kept`: id -> its place there); `every` gets all
+    of them in order, the places of the next call's kept ones."""
+    if isinstance(value, torch.Tensor):
+        every.append(value)
+        if id(value) in kept:
+            return _Kept(kept[id(value)])
+        new.append(value)
+        return _Slot(len(new) - 1)
+    if isinstance(value, dict):
+        return {k: _pack(v, new, every, kept) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_pack(v, new, every, kept) for v in value)
+    return value
+
+
+def _unpack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], held: list) -> Any:
+    if isinstance(value, _Slot | _Kept):
+        tensor = new[value.index] if isinstance(value, _Slot) else held[value.index]
+        every.append(tensor)
+        return tensor
+    if isinstance(value, dict):
+        return {k: _unpack(v, new, every, held) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_unpack(v, new, every, held) for v in value)
+    return value
