@@ -140,6 +140,10 @@ def timelines(directory: str, measured: int) -> dict[str, float]:
         out["steps_to_synced_ms"] = statistics.median(
             at(b, "synced", "host_ms")[0] - at(b, "step")[-1] for b in leader
         )
+    if leader and any("local" in b["labels"] for b in leader):
+        out["rank0_branch_ms"] = statistics.median(
+            g for b in leader for g in _gaps(b, "local", "local_done")
+        )
     if served:
         out["rank1_branch_ms"] = statistics.median(
             g for b in served for g in _gaps(b, "branch", "done")

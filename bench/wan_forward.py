@@ -34,8 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WAN = os.path.join(HERE, "..", "vllm_omni_like", "assets", "archs", "wan2.1-t2v-1.3b")
 
 
-def forward_ms(model, latents, timestep, text, runs: int) -> tuple[float, float]:
-    """The forward's device time and the host's time to launch it (from an empty queue)."""
+def forward_ms(model, latents, timestep, text, runs: int) -> tuple[list[float], float]:
+    """The forward's device times and the host's time to launch it (median, from an empty
+    queue)."""
     times, host = [], []
     for i in range(2 + runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,7 +50,7 @@ def forward_ms(model, latents, timestep, text, runs: int) -> tuple[float, float]
         if i >= 2:
             times.append(start.elapsed_time(end))
             host.append(1000 * launched)
-    return statistics.median(times), statistics.median(host)
+    return times, statistics.median(host)
 
 
 def graphed_ms(model, latents, timestep, text, runs: int) -> float | str:
@@ -102,8 +103,9 @@ def main() -> None:
     latents = torch.randn(2, 16, 9, 60, 104, device="cuda", dtype=torch.bfloat16)
     t = torch.full((2,), 900.0, device="cuda")
     for rows in (1, 2):
-        device_ms, host_ms = forward_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
-        out[f"forward_b{rows}_ms"] = round(device_ms, 2)
+        times, host_ms = forward_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
+        out[f"forward_b{rows}_ms"] = round(statistics.median(times), 2)
+        out[f"forward_b{rows}_range_ms"] = [round(min(times), 2), round(max(times), 2)]
         out[f"forward_b{rows}_launch_ms"] = round(host_ms, 2)  # the host's, to the return
         if args.graphs:
             graphed = graphed_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)

@@ -25,6 +25,7 @@ class StageRequest:
     # a prompt written by an earlier stage is truncated to the encoder, not refused
     truncate_prompt: bool = False
     client_id: str | None = None  # the client's x-request-id (logs, fault selection)
+    files_only: bool = False  # see OmniRequest.files_only
 
     def batch_key(self) -> tuple:
         if self.mode != "edit":
@@ -152,6 +153,10 @@ class OmniRequest:
     stores_output: bool = False
     # run stages 0..last_stage only (a chat completion stops after the LLM stage); None: all
     last_stage: int | None = None
+    # the consumer keeps the encoded files only (a video job, the offline command): a video
+    # whose MP4 and thumbnail the stage encoded comes without its frames, which stay in the
+    # worker (33 frames of 832x480 are 40 MB to carry between processes)
+    files_only: bool = False
 
 
 @dataclass

@@ -18,13 +18,23 @@ class ImagePayload:
 
 @dataclass
 class VideoPayload:
-    """A clip as an FxHxWx3 uint8 array (numpy)."""
+    """A clip as an FxHxWx3 uint8 array (numpy); None when the request wanted its files only
+    (`OmniRequest.files_only`) and the stage encoded both: `dims` then says its size."""
 
     frames: Any
     fps: int
     seed: int | None = None
     mp4: bytes | None = None  # the frames encoded as H.264 MP4, when the stage did it
     thumbnail: bytes | None = None  # the middle frame as PNG, when the stage did it
+    dims: tuple[int, int, int] | None = None  # frames, height, width: only without `frames`
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Frames, height, width."""
+        if self.frames is not None:
+            return tuple(self.frames.shape[:3])
+        assert self.dims is not None, "a video without frames carries its dims"
+        return self.dims
 
 
 @dataclass

@@ -34,7 +34,7 @@ def video_stage(request):
     stage.close()
 
 
-def _batch() -> list[StageRequest]:
+def _batch(files_only: bool = False) -> list[StageRequest]:
     """Two clips of 9 frames: the first latent frame decodes to one frame, each later one to
     the VAE's temporal ratio of frames (4 in Wan2.1, 2 in the tiny model)."""
     return [
@@ -43,13 +43,14 @@ def _batch() -> list[StageRequest]:
             "a red square moving left",
             GenerationParams(seed=i, num_inference_steps=2, num_frames=9, fps=fps),
             mode="text2video",
+            files_only=files_only,
         )
         for i, fps in enumerate((8, 12))
     ]
 
 
-def _run(stage: DiffusionStage):
-    batch = _batch()
+def _run(stage: DiffusionStage, files_only: bool = False):
+    batch = _batch(files_only)
     return stage.begin(batch, StageControl(FaultInjector((), "diffusion"))).finish(batch)
 
 
@@ -76,6 +77,21 @@ def test_each_clip_is_encoded_chunk_by_chunk_to_the_bytes_of_its_finished_frames
         # the thumbnail the videos API stores, encoded as its frame went by
         assert video.thumbnail is not None and video.thumbnail == encode_image(video.frames[4])
     assert not np.array_equal(outs[0].video.frames, outs[1].video.frames)
+
+
+def test_a_request_for_files_only_gets_them_without_its_frames(video_stage, monkeypatch):
+    """A video job keeps the MP4 and the thumbnail: its frames stay in the worker; if the
+    stage could not encode, they come (the API encodes them)."""
+    want = _run(video_stage)
+    outs = _run(video_stage, files_only=True)
+    for have, full in zip(outs, want, strict=True):
+        assert have.video.frames is None and have.video.shape == (9, 64, 64)
+        assert have.video.mp4 == full.video.mp4 and have.video.thumbnail == full.video.thumbnail
+    monkeypatch.setattr(VideoBytes, "append", lambda self, frames: 1 / 0)
+    outs = _run(video_stage, files_only=True)
+    for have, full in zip(outs, want, strict=True):
+        assert have.video.mp4 is None and np.array_equal(have.video.frames, full.video.frames)
+        assert have.video.shape == (9, 64, 64)
 
 
 def test_a_failed_encode_leaves_the_frames_to_the_api(video_stage, monkeypatch, caplog):

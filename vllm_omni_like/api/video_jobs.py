@@ -283,8 +283,10 @@ class VideoService:
             # the stage's MP4 when it encoded while decoding (stages/video_stream.py)
             mp4 = video.mp4 if video.mp4 is not None else encode_video(video.frames, video.fps)
             write_durably(path, mp4)
-            middle = video.frames[len(video.frames) // 2]
-            write_durably(thumb, video.thumbnail or encode_image(middle))
+            png = video.thumbnail
+            if png is None:  # (then the frames came: files_only keeps them only with both)
+                png = encode_image(video.frames[len(video.frames) // 2])
+            write_durably(thumb, png)
             if self.on_encoded is not None:
                 self.on_encoded(time.monotonic() - started)
         except BaseException:
@@ -293,7 +295,7 @@ class VideoService:
                     os.unlink(done)
             raise
         now = int(time.time())
-        frames, h, w = video.frames.shape[:3]
+        frames, h, w = video.shape
         made = {"num_frames": frames, "fps": video.fps}  # what was made, not what was asked
         # the row says completed only once both files are whole on disk
         self.store.update(

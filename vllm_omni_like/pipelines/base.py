@@ -48,6 +48,7 @@ class Pipeline:
             mask=request.mask,
             truncate_prompt=rewritten,
             client_id=request.client_id,
+            files_only=request.files_only,
         )
 
     @staticmethod

@@ -84,6 +84,7 @@ def video_request(
         images=images or [],
         timeout=timeout,
         stores_output=True,  # the video job writes the file; it counts the request
+        files_only=True,  # the MP4 and the thumbnail: its frames stay in the worker
     )
 
 

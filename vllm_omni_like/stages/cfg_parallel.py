@@ -70,8 +70,9 @@ class Leader:
     scheduler, callbacks, launches) stays hidden behind the device's, as on one GPU. Their
     statuses are read once, in `settle`, after the pipeline call."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, mark: Callable[[str], None] = lambda label: None) -> None:
         self.link = link
+        self.mark = mark  # called as the local branch starts and ends (stages/trace.py)
         self.outputs: dict[tuple, Spec] = {}  # the output's spec for each shape of the inputs
         self.statuses: list[torch.Tensor] = []
         self.passed: list[torch.Tensor] = []  # the previous call's tensors, which rank 1 holds
@@ -92,7 +93,9 @@ class Leader:
         for t in tensors:
             self.link.send(t)
         try:
+            self.mark("local")
             mine = local()
+            self.mark("local_done")
         except BaseException as exc:
             if not is_fatal_device_error(exc):
                 self._collect(key, expect)  # rank 1's answer still comes: take it, then fail

@@ -115,7 +115,7 @@ class DiffusionStage(Stage):
                 self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
             return
         if self.link is not None:
-            self.leader = cfg_parallel.Leader(self.link)
+            self.leader = cfg_parallel.Leader(self.link, self.tracer.mark)
             self.cfg = cfg_parallel.split_branches(pipe, self.leader)
         else:
             self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg and self.link is None else None

@@ -130,10 +130,11 @@ def split_outputs(
     for r in batch:
         out = StageOutput(request_id=r.request_id, stage=stage)
         if is_video:
-            files = encoded[k]
-            out.video = VideoPayload(
-                pixels[k], r.params.fps or 8, seeds[k], mp4=files.mp4, thumbnail=files.thumbnail
-            )
+            files, frames = encoded[k], pixels[k]
+            fps = r.params.fps or 8
+            out.video = VideoPayload(frames, fps, seeds[k], files.mp4, files.thumbnail)
+            if r.files_only and files.mp4 is not None and files.thumbnail is not None:
+                out.video.frames, out.video.dims = None, tuple(frames.shape[:3])
             k += 1
         else:
             for _ in range(r.params.n):
