@@ -212,8 +212,14 @@ class SplitCFG(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
         super().__init__()
         self.model = model
+        # (a diffusers model's `dtype` walks its modules at every read)
+        self.model_dtype: torch.dtype | None = getattr(model, "dtype", None)
         self.leader = leader
         self.rows = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype if self.model_dtype is None else self.model_dtype
 
     def __getattr__(self, name: str) -> Any:
         try:

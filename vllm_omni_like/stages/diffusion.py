@@ -67,8 +67,10 @@ class DiffusionStage(Stage):
             )
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
+        accel.pin_execution_device(pipe, self.device)
         self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters
         self.denoiser = getattr(pipe, accel.denoiser_name(pipe))
+        self.denoiser_dtype = self.denoiser.dtype  # (a model's `dtype` walks its modules)
         self.tokenizer = getattr(pipe, "tokenizer", None)
         self.embed_shape = self._random_embeddings_shape(pipe)
         self.limits = model_limits.diffusion_limits(self.config)
@@ -325,7 +327,7 @@ class DiffusionStage(Stage):
                 )
             if self.cfg.needs_embeddings:
                 for key in ("prompt_embeds", "negative_prompt_embeds"):
-                    kwargs[key] = kwargs[key].to(self.denoiser.dtype)  # the pipeline's: no-op
+                    kwargs[key] = kwargs[key].to(self.denoiser_dtype)  # the pipeline's: no-op
             self.cfg.arm(kwargs)
         try:
             with torch.inference_mode():
@@ -353,7 +355,7 @@ class DiffusionStage(Stage):
         }
         if self.embed_shape is not None:  # no text encoder: seeded random embeddings
             seq_len, dim = self.embed_shape
-            dtype, device = self.denoiser.dtype, self.device
+            dtype, device = self.denoiser_dtype, self.device
             kwargs["prompt_embeds"] = random_prompt_embeds(prompts, seq_len, dim, dtype, device)
             kwargs["negative_prompt_embeds"] = random_prompt_embeds(
                 negatives, seq_len, dim, dtype, device

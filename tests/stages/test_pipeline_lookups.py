@@ -1,0 +1,58 @@
+"""The diffusion stage answers diffusers' per-call lookups from its load (acceleration.py:
+pin_execution_device, the CFG wrappers' dtype): a denoising loop walks neither the denoiser's
+nor the VAE's modules."""
+
+from __future__ import annotations
+
+import diffusers.hooks.group_offloading as offloading
+import diffusers.models.modeling_utils as modeling
+import numpy as np
+import pytest
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypatch):
+    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model="tiny-video"))
+    stage.load("cpu")
+    pipe = stage.pipe
+    assert type(pipe).__name__ == "WanPipeline" and type(pipe).__mro__[1].__name__ == "WanPipeline"
+    assert pipe._execution_device == stage.device and pipe.transformer.dtype == stage.denoiser_dtype
+    batch = [
+        StageRequest(
+            "v",
+            "a red square moving left",
+            GenerationParams(seed=3, num_inference_steps=3, num_frames=5),
+            mode="text2video",
+        )
+    ]
+    control = StageControl(FaultInjector((), "diffusion"))
+    calls: dict[str, list[str]] = {"onload": [], "dtype": []}
+    onload, dtype = offloading._get_group_onload_device, modeling.get_parameter_dtype
+
+    def counted(name, real):
+        def call(module, *args, **kwargs):
+            calls[name].append(type(module).__name__)
+            return real(module, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(offloading, "_get_group_onload_device", counted("onload", onload))
+    monkeypatch.setattr(modeling, "get_parameter_dtype", counted("dtype", dtype))
+    part = stage.begin(batch, control)
+    # no walk over the denoiser's or the VAE's modules (the text encoder's device is looked up
+    # once per prompt, by a diffusers function: its T5 is the smallest model of the three)
+    assert calls == {"onload": ["UMT5EncoderModel"] * 2, "dtype": []}
+    pinned = part.finish(batch)[0].video.frames
+    # diffusers' own lookups (the walks) give the same video
+    monkeypatch.setattr(type(pipe), "_execution_device", type(pipe).__mro__[1]._execution_device)
+    walked = stage.execute(batch, control)[0].video.frames
+    assert "WanTransformer3DModel" in calls["onload"] and np.array_equal(pinned, walked)
+    stage.close()
