@@ -42,14 +42,14 @@ class _Slot:
 Spec = tuple[tuple[int, ...], str]
 
 
-def _spec(tensor: torch.Tensor) -> Spec:
+def tensor_spec(tensor: torch.Tensor) -> Spec:
     """A tensor's shape and dtype name, as the other rank allocates it."""
     return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
 
-def _shape_key(args: tuple, kwargs: dict, every: list[torch.Tensor]) -> tuple:
+def shape_key(args: tuple, kwargs: dict, every: list[torch.Tensor]) -> tuple:
     """What fixes a call's output shape: its arguments' names and its tensors' specs."""
-    return len(args), tuple(sorted(kwargs)), tuple(_spec(t) for t in every)
+    return len(args), tuple(sorted(kwargs)), tuple(tensor_spec(t) for t in every)
 
 
 class Link:
@@ -150,7 +150,7 @@ class _Kept:
     index: int
 
 
-def _pack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: dict) -> Any:
+def pack_args(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: dict) -> Any:
     """`value` with each tensor replaced by its slot: a new one (sent after the header, in
     order) or one the previous call passed (`kept`: id -> its place there); `every` gets all
     of them in order, the places of the next call's kept ones."""
@@ -161,19 +161,19 @@ def _pack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: 
         new.append(value)
         return _Slot(len(new) - 1)
     if isinstance(value, dict):
-        return {k: _pack(v, new, every, kept) for k, v in value.items()}
+        return {k: pack_args(v, new, every, kept) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_pack(v, new, every, kept) for v in value)
+        return type(value)(pack_args(v, new, every, kept) for v in value)
     return value
 
 
-def _unpack(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], held: list) -> Any:
+def unpack_args(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], held: list) -> Any:
     if isinstance(value, _Slot | _Kept):
         tensor = new[value.index] if isinstance(value, _Slot) else held[value.index]
         every.append(tensor)
         return tensor
     if isinstance(value, dict):
-        return {k: _unpack(v, new, every, held) for k, v in value.items()}
+        return {k: unpack_args(v, new, every, held) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_unpack(v, new, every, held) for v in value)
+        return type(value)(unpack_args(v, new, every, held) for v in value)
     return value
