@@ -182,7 +182,28 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
-class BatchedCFG(torch.nn.Module):
+class DenoiserWrapper(torch.nn.Module):
+    """A denoiser in the pipeline's place: what it does not define comes from the model (config,
+    cache_context, ...), and its `dtype` is read once (a diffusers model's walks its modules at
+    every read, and the pipeline reads it at every call)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.model_dtype: torch.dtype | None = getattr(model, "dtype", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype if self.model_dtype is None else self.model_dtype
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+
+class BatchedCFG(DenoiserWrapper):
     """Runs a pipeline's two guidance calls of the denoiser (conditional, then unconditional,
     on the same latents) as one forward over both halves.
 
@@ -196,22 +217,9 @@ class BatchedCFG(torch.nn.Module):
     needs_embeddings = True  # the stage encodes the prompts before the call, for `arm`
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        # (a diffusers model's `dtype` walks its modules at every read)
-        self.model_dtype: torch.dtype | None = getattr(model, "dtype", None)
+        super().__init__(model)
         self.negative: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, tuple] | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype if self.model_dtype is None else self.model_dtype
-
-    def __getattr__(self, name: str) -> Any:  # config, dtype, cache_context, ... of the model
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     def arm(self, kwargs: dict[str, Any]) -> None:
         self.negative = kwargs["negative_prompt_embeds"]

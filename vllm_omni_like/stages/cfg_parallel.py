@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from vllm_omni_like.stages.acceleration import BatchedCFG, denoiser_name
+from vllm_omni_like.stages.acceleration import BatchedCFG, DenoiserWrapper, denoiser_name
 from vllm_omni_like.stages.isolation import is_fatal_device_error, is_out_of_memory
 from vllm_omni_like.stages.rank_link import (
     Link,
@@ -202,7 +202,7 @@ class Follower:
             return code, None, f"{type(exc).__name__}: {exc}"
 
 
-class SplitCFG(torch.nn.Module):
+class SplitCFG(DenoiserWrapper):
     """A UNet pipeline's doubled guidance batch (negative half, then positive) over two ranks:
     rank 1 runs the first half, rank 0 the second. Armed with the doubled batch's rows; any
     other call (no guidance, another batch size) runs here whole."""
@@ -210,22 +210,9 @@ class SplitCFG(torch.nn.Module):
     needs_embeddings = False
 
     def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
-        super().__init__()
-        self.model = model
-        # (a diffusers model's `dtype` walks its modules at every read)
-        self.model_dtype: torch.dtype | None = getattr(model, "dtype", None)
+        super().__init__(model)
         self.leader = leader
         self.rows = 0
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype if self.model_dtype is None else self.model_dtype
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     def arm(self, kwargs: dict[str, Any]) -> None:
         self.rows = 2 * len(kwargs["generator"])
