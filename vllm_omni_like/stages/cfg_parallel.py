@@ -38,6 +38,7 @@ from vllm_omni_like.stages.rank_link import (
     Link,
     RankDiverged,
     Spec,
+    map_leaves,
     pack_args,
     shape_key,
     tensor_spec,
@@ -240,13 +241,13 @@ class SplitCFG(DenoiserWrapper):
 
 def _half(value: Any, rows: int, part: slice) -> Any:
     """Every tensor of `rows` rows in `value`, cut to `part`; the rest as it is."""
-    if isinstance(value, torch.Tensor):
-        return value[part] if value.dim() > 0 and value.shape[0] == rows else value
-    if isinstance(value, dict):
-        return {k: _half(v, rows, part) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_half(v, rows, part) for v in value)
-    return value
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows:
+            return leaf[part]
+        return leaf
+
+    return map_leaves(value, cut)
 
 
 class PairCFG(BatchedCFG):

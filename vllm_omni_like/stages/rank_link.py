@@ -150,30 +150,40 @@ class _Kept:
     index: int
 
 
+def map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`value` with `leaf` applied to everything but its dicts, lists and tuples, in order."""
+    if isinstance(value, dict):
+        return {k: map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(map_leaves(v, leaf) for v in value)
+    return leaf(value)
+
+
 def pack_args(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], kept: dict) -> Any:
     """`value` with each tensor replaced by its slot: a new one (sent after the header, in
     order) or one the previous call passed (`kept`: id -> its place there); `every` gets all
     of them in order, the places of the next call's kept ones."""
-    if isinstance(value, torch.Tensor):
-        every.append(value)
-        if id(value) in kept:
-            return _Kept(kept[id(value)])
-        new.append(value)
+
+    def slot(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        every.append(leaf)
+        if id(leaf) in kept:
+            return _Kept(kept[id(leaf)])
+        new.append(leaf)
         return _Slot(len(new) - 1)
-    if isinstance(value, dict):
-        return {k: pack_args(v, new, every, kept) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(pack_args(v, new, every, kept) for v in value)
-    return value
+
+    return map_leaves(value, slot)
 
 
 def unpack_args(value: Any, new: list[torch.Tensor], every: list[torch.Tensor], held: list) -> Any:
-    if isinstance(value, _Slot | _Kept):
-        tensor = new[value.index] if isinstance(value, _Slot) else held[value.index]
-        every.append(tensor)
-        return tensor
-    if isinstance(value, dict):
-        return {k: unpack_args(v, new, every, held) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(unpack_args(v, new, every, held) for v in value)
-    return value
+    """`pack_args` undone: the new tensors as received, the kept ones from `held`."""
+
+    def tensor(leaf: Any) -> Any:
+        if not isinstance(leaf, _Slot | _Kept):
+            return leaf
+        found = new[leaf.index] if isinstance(leaf, _Slot) else held[leaf.index]
+        every.append(found)
+        return found
+
+    return map_leaves(value, tensor)
