@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from vllm_omni_like import flags as cfg
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (a hang's diagnosis; workers too)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

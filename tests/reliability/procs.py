@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +66,20 @@ class ServeProcess:
                 pass
             time.sleep(0.1)
         raise AssertionError("server never became healthy")
+
+    def wait_exit(self, timeout: float) -> int:
+        """The server's exit code; one still running after `timeout` fails the test with every
+        thread's stack of it and its workers (SIGUSR1: faulthandler) and the end of its log."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for p in self.processes():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # the dumps are written by the processes themselves
+            raise AssertionError(
+                f"the server did not exit within {timeout:g}s:\n{self.output()[-12000:]}"
+            ) from None
 
     def output(self) -> str:
         """What the server printed so far."""

@@ -30,9 +30,18 @@ def test_r15_sigterm_while_a_stage_load_hangs_ends_the_load_at_once(tmp_path):
         r = httpx.get(f"{server.url}/health", timeout=5)  # up, and says it is loading
         assert r.status_code == 503 and r.json()["status"] == "starting"
         time.sleep(0.5)  # the worker is inside its (hanging) load
+        # `kill -USR1` shows where each process is: the worker in its load, the server serving
+        for p in server.processes():
+            p.send_signal(signal.SIGUSR1)
+        wait_for(
+            lambda: "in cmd_serve" in server.output() and "in load" in server.output(),
+            5,
+            "both stack dumps",
+        )
+        assert server.proc.poll() is None and server.workers()  # a dump ends nothing
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(LOAD_BOUND_S + 5) == 0
+        assert server.wait_exit(LOAD_BOUND_S + 5) == 0
         took = time.monotonic() - start
         assert took <= LOAD_BOUND_S, took
         out = server.output()
@@ -60,9 +69,10 @@ def test_r15_the_drain_timeout_answers_what_it_cuts_off_and_keeps_video_jobs(tmp
     args = ["null-image", "null-video", "--drain-timeout", str(drain), "--video-concurrency", "2"]
     server = ServeProcess(args, storage)
     results: dict[str, object] = {}
+    http = httpx.Client(base_url=server.url, timeout=30)
+    upload: socket.socket | None = None
     try:
         server.wait_healthy()
-        http = httpx.Client(base_url=server.url, timeout=30)
         short = http.post(  # 20 steps x 0.05 s: done within the drain
             "/v1/videos",
             json={"prompt": "short @delay=0.05", "seconds": "1", "num_inference_steps": 20},
@@ -118,10 +128,12 @@ def test_r15_the_drain_timeout_answers_what_it_cuts_off_and_keeps_video_jobs(tmp
         upload_at = time.monotonic()
         for t in threads:
             t.join(15)
-        assert server.proc.wait(drain + 10) == 0
+        assert server.wait_exit(drain + 10) == 0
         out = server.output()
-        http.close()
     finally:
+        if upload is not None:
+            upload.close()
+        http.close()
         server.cleanup()
     assert "Traceback" not in out, out[-4000:]
     message = f"the server shut down before the request finished (--drain-timeout {drain:g}s)"

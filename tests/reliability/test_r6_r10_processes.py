@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 def test_r6_startup_failures_exit_non_zero_naming_stage_and_cause(tmp_path, args, env, expected):
     server = ServeProcess(args, str(tmp_path), env)
     try:
-        code = server.proc.wait(30)
+        code = server.wait_exit(30)
         out = server.output()
         assert code != 0
         assert all(e in out for e in expected), out[-2000:]
@@ -117,7 +117,7 @@ def test_r8_sigterm_under_load_drains_and_exits_zero(tmp_path):
             t.join(30)
         assert results == [200] * 6  # in-flight work finished
         assert late in ("refused", 503)
-        assert server.proc.wait(30) == 0
+        assert server.wait_exit(30) == 0
         assert wait_until(
             lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 10
         )

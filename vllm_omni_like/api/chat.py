@@ -109,7 +109,8 @@ async def _merged(streams: list[RequestStream], keepalive: float) -> AsyncIterat
         finished = 0
         while finished < len(streams):
             try:
-                i, event = await asyncio.wait_for(queue.get(), keepalive)
+                async with asyncio.timeout(keepalive):  # not wait_for: see RequestStream.next
+                    i, event = await queue.get()
             except TimeoutError:
                 yield None, None
                 continue

@@ -43,7 +43,8 @@ class OmniConfig(uvicorn.Config):
         on_reject: Callable[[int], None] | None = None,
         **kw: Any,
     ) -> None:
-        super().__init__(app, http=DeadlineProtocol, **kw)
+        # log_config=None: uvicorn's lines go through the process's logging (timestamped)
+        super().__init__(app, http=DeadlineProtocol, log_config=None, **kw)
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.on_reject = on_reject or (lambda status: None)

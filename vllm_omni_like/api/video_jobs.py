@@ -40,6 +40,7 @@ SWEEP_S = 30.0
 DISPATCH_POLL_S = 0.5  # the dispatcher looks at the queue this often without a wake-up
 HOLD_S = 0.25  # after the engine had no room (queue full, stage restarting): wait this long
 CUTOFF_SETTLE_S = 2.0  # after the drain's cut-off: time for cut jobs to record themselves
+STOP_BOUND_S = 5.0  # at shutdown, how long cancelled tasks get to end
 
 
 def video_object(row: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +120,14 @@ class VideoService:
             task.cancel()
             if stream is not None:
                 stream.close()
-        await asyncio.gather(*self._tasks, *jobs, return_exceptions=True)
+        tasks = [*self._tasks, *jobs]
+        if tasks:  # bounded: a shutdown never waits on a task that ignores its cancel
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_BOUND_S)
+            if stuck:
+                logger.error("%d video tasks did not end when cancelled: left behind", len(stuck))
+            for task in tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a job's failure is already in its row
         for video_id in unfinished:
             await asyncio.to_thread(self.store.requeue, video_id)
         if unfinished:
@@ -173,8 +181,12 @@ class VideoService:
         loop = asyncio.get_running_loop()
         while True:
             held = self._held_until - loop.time()
-            with contextlib.suppress(TimeoutError):  # a wake-up, or a slow poll; never a spin
-                await asyncio.wait_for(self._wake.wait(), held if held > 0 else DISPATCH_POLL_S)
+            # a wake-up, or a slow poll; never a spin. asyncio.timeout, not wait_for: before
+            # Python 3.12 wait_for swallows a cancel that comes with a wake-up, and stop() waited
+            # on this loop for ever (a job's end wakes it just as stop() cancels it)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(held if held > 0 else DISPATCH_POLL_S):
+                    await self._wake.wait()
             self._wake.clear()
             if self.draining or not self.engine.started or loop.time() < self._held_until:
                 continue

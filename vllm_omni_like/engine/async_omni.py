@@ -137,7 +137,10 @@ class RequestStream:
         """The next event; None after the final output; TimeoutError if none came in time."""
         if self.finished:
             return None
-        event = await asyncio.wait_for(self.queue.get(), timeout)  # Queue.get is cancel-safe
+        # asyncio.timeout, not wait_for: before Python 3.12 wait_for swallows a cancellation that
+        # comes as the awaited thing completes (the caller is never told it was cancelled)
+        async with asyncio.timeout(timeout):
+            event = await self.queue.get()  # Queue.get is cancel-safe: no event is lost
         if isinstance(event, OmniRequestOutput):
             self.finished = True
         return event

@@ -7,6 +7,7 @@ denoises the next one.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import os
@@ -285,6 +286,7 @@ def worker_main(
     """Entry point of a spawned worker process (`peers`: the other ranks' devices)."""
     device = placement.pin(device, peers)  # first: nothing may have touched CUDA yet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     run_worker(transport.PipeChannel(conn), config, rank, device, faults, rendezvous)
 
