@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
+import io
 import logging
 import os
 import signal
@@ -129,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # `kill -USR1 <pid>` prints every thread's stack to stderr (a hang's diagnosis; workers too)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (a hang's diagnosis; workers too);
+    # not where stderr is no file (main() called in-process, its output captured)
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

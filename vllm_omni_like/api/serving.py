@@ -145,9 +145,15 @@ async def run_to_outputs(
         return work.result()
     finally:
         gone.cancel()
-        work.cancel()
+        if work.cancel():  # read once it ends: else asyncio logs "exception was never retrieved"
+            work.add_done_callback(_retrieved)
         for s in streams:
             s.close()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def image_response(
