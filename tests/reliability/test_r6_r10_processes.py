@@ -156,7 +156,7 @@ def test_r9_schemathesis_finds_no_server_error(tmp_path):
                 "--workers",
                 "2",
                 "--max-time",
-                "15",
+                "8",
                 "--phases",
                 "examples,coverage,fuzzing",
             ],
