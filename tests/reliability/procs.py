@@ -69,14 +69,15 @@ class ServeProcess:
 
     def wait_exit(self, timeout: float) -> int:
         """The server's exit code; one still running after `timeout` fails the test with every
-        thread's stack of it and its workers (SIGUSR1: faulthandler) and the end of its log."""
+        thread's stack of it and its workers (SIGUSR1: faulthandler) and the end of its log
+        (a worker still starting, before its handler is set, dies of the signal)."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            for p in self.processes():
-                with contextlib.suppress(psutil.NoSuchProcess):
+            for p in [self.proc, *self.stage_workers()]:  # one at a time: no interleaving
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                     p.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)  # the dumps are written by the processes themselves
+                time.sleep(0.5)  # each writes its own dump
             raise AssertionError(
                 f"the server did not exit within {timeout:g}s:\n{self.output()[-12000:]}"
             ) from None
@@ -104,7 +105,17 @@ class ServeProcess:
         return found
 
     def workers(self) -> list[psutil.Process]:
+        """Every process of this server but itself: stage workers, multiprocessing's tracker."""
         return [p for p in self.processes() if p.pid != self.proc.pid]
+
+    def stage_workers(self) -> list[psutil.Process]:
+        """The stage workers only (spawned processes), not multiprocessing's resource tracker."""
+        found = []
+        for p in self.workers():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if "spawn_main" in " ".join(p.cmdline()):
+                    found.append(p)
+        return found
 
     def cleanup(self) -> None:
         for p in self.processes():

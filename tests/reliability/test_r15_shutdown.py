@@ -4,6 +4,7 @@ the end of --drain-timeout (every request cut off gets an answer; video jobs are
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -29,16 +30,16 @@ def test_r15_sigterm_while_a_stage_load_hangs_ends_the_load_at_once(tmp_path):
         wait_for(lambda: server.workers(), 30, "a worker is loading")
         r = httpx.get(f"{server.url}/health", timeout=5)  # up, and says it is loading
         assert r.status_code == 503 and r.json()["status"] == "starting"
-        time.sleep(0.5)  # the worker is inside its (hanging) load
+        # the worker is inside its (hanging) load, so past setting up its SIGUSR1 dump (a
+        # worker still starting would die of the signal)
+        wait_for(lambda: "worker hangs" in server.output(), 30, "the worker hangs in its load")
         # `kill -USR1` shows where each process is: the worker in its load, the server serving
-        for p in server.processes():
-            p.send_signal(signal.SIGUSR1)
-        wait_for(
-            lambda: "in cmd_serve" in server.output() and "in load" in server.output(),
-            5,
-            "both stack dumps",
-        )
-        assert server.proc.poll() is None and server.workers()  # a dump ends nothing
+        # (one after the other: two dumps at once interleave in the shared log)
+        (worker,) = server.stage_workers()
+        for pid, where in ((worker.pid, "in load"), (server.proc.pid, "in cmd_serve")):
+            os.kill(pid, signal.SIGUSR1)
+            wait_for(lambda w=where: w in server.output(), 5, f"the dump with {where!r}")
+        assert server.proc.poll() is None and worker.is_running()  # a dump ends nothing
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait_exit(LOAD_BOUND_S + 5) == 0
