@@ -180,7 +180,8 @@ def test_client_disconnect_aborts_the_request(null_server, caplog):
     stats = null_server.engine.stats
     before = stats.final["aborted"]
     caplog.set_level(logging.ERROR, logger="asyncio")
-    caplog.set_level(logging.INFO, logger="vllm_omni_like.api.errors")  # (the handler's level)
+    # last: set_level sets caplog's handler level too, and INFO must reach it
+    caplog.set_level(logging.INFO, logger="vllm_omni_like.api.errors")
     with pytest.raises(httpx.ReadTimeout), null_server.http(timeout=0.3) as http:
         http.post(
             "/v1/images/generations",

@@ -145,13 +145,15 @@ async def run_to_outputs(
         return work.result()
     finally:
         gone.cancel()
-        if work.cancel():  # read once it ends: else asyncio logs "exception was never retrieved"
-            work.add_done_callback(_retrieved)
+        if work.cancel():  # read once it ends
+            work.add_done_callback(retrieve)
         for s in streams:
             s.close()
 
 
-def _retrieved(future: asyncio.Future) -> None:
+def retrieve(future: asyncio.Future) -> None:
+    """Read an ended future's outcome: one nobody reads makes asyncio log "exception was never
+    retrieved" when it is collected."""
     if not future.cancelled():
         future.exception()
 

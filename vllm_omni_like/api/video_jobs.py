@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_omni_like.api.serving import stored
+from vllm_omni_like.api.serving import retrieve, stored
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
@@ -126,8 +126,8 @@ class VideoService:
             if stuck:
                 logger.error("%d video tasks did not end when cancelled: left behind", len(stuck))
             for task in tasks:
-                if task.done() and not task.cancelled():
-                    task.exception()  # retrieved: a job's failure is already in its row
+                if task.done():
+                    retrieve(task)  # a job's failure is already in its row
         for video_id in unfinished:
             await asyncio.to_thread(self.store.requeue, video_id)
         if unfinished:
