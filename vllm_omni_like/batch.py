@@ -19,6 +19,7 @@ from tqdm import tqdm
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
+from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items, image_request, video_request
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
@@ -111,10 +112,12 @@ class BatchRunner:
         try:
             if line.error is not None:
                 raise line.error
-            output = await self._generate(line, request_id)
+            request = self._request(line, request_id)
+            output = await self.engine.generate_final(request)
             if output.error is not None:
                 raise output.error.error()
-            body = await asyncio.to_thread(self._write, line, output)
+            write = asyncio.to_thread(self._write, line, output)
+            body = await self.engine.store(request, write, "output")
             return _result(line, 200, body, request_id)
         except ValidationError as exc:
             err = exc.errors()[0]
@@ -128,15 +131,14 @@ class BatchRunner:
             err = OmniError(f"internal error: {type(exc).__name__}: {exc}")
             return _result(line, err.status, _error_body(err, request_id), request_id)
 
-    async def _generate(self, line: Line, request_id: str):
+    def _request(self, line: Line, request_id: str) -> OmniRequest:
+        """The line's request; the command writes its files (its success counts once they are)."""
         if line.kind == "video":
-            req = video_request(self.engine, VideoRequest(**line.body), self.limits, request_id)
-        else:
-            body = ImageRequest(**line.body)
-            if body.stream:
-                raise InvalidRequestError("stream is not supported offline", param="stream")
-            req = image_request(self.engine, body, self.limits, request_id)
-        return await self.engine.generate_final(req)
+            return video_request(self.engine, VideoRequest(**line.body), self.limits, request_id)
+        body = ImageRequest(**line.body)
+        if body.stream:
+            raise InvalidRequestError("stream is not supported offline", param="stream")
+        return image_request(self.engine, body, self.limits, request_id, stores_output=True)
 
     def _write(self, line: Line, output) -> dict[str, Any]:
         stem = os.path.join(self.out_dir, line.stem)

@@ -114,6 +114,9 @@ def _device_name(stage: str, device: object) -> str:
     )
 
 
+COLD_STEP_FACTOR = 2.0  # a cold replica's first step may take twice the stall timeout
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One stage of a pipeline: what runs, where, and how many replicas."""
@@ -144,8 +147,10 @@ class StageConfig:
     replica_queue: int = 0
     routing: str = "cost"
     stall_timeout: float = 60.0
-    # the first step of a shape a replica has not run yet (warm-up; compilation with --compile)
-    first_step_timeout: float = 600.0
+    # a step during which the worker compiles or warms up (torch.compile reports both ends)
+    compile_timeout: float = 600.0
+    # a step on a replica that has measured none yet; None: COLD_STEP_FACTOR x stall_timeout
+    cold_step_timeout: float | None = None
     load_timeout: float = 600.0
     # speed options of the diffusion stages (the denoiser): see stages/acceleration.py
     compile: bool = False
@@ -165,6 +170,13 @@ class StageConfig:
     max_steps: int | None = None
     # given as a mapping (YAML, the catalog); typed per kind once built (stage_options.py)
     options: Any = field(default_factory=dict)
+
+    @property
+    def cold_timeout(self) -> float:
+        """The stall bound of a step before the replica has measured any (engine/stall.py)."""
+        if self.cold_step_timeout is not None:
+            return self.cold_step_timeout
+        return COLD_STEP_FACTOR * self.stall_timeout
 
     def __post_init__(self) -> None:
         devices = tuple(_device_name(self.name, d) for d in (self.devices or ()))

@@ -38,6 +38,17 @@ class ErrorKind(Enum):
     TIMEOUT = Kind(504, "timeout_error", "timeout", "timeout")
 
 
+# the kinds an abort ends a request with: the client left, its deadline passed, the drain ended
+ABORT_KINDS = (ErrorKind.ABORTED, ErrorKind.TIMEOUT, ErrorKind.SHUTTING_DOWN)
+
+
+class DeathCause(Enum):
+    """Why a replica's workers died, in the words a request that was there is told."""
+
+    CRASHED = "crashed the worker"  # it exited or was killed by a signal
+    STALLED = "stalled its worker"  # the engine killed it: no progress within its bound
+
+
 @dataclass(frozen=True)
 class ErrorInfo:
     """A picklable error: what crosses threads and processes, and what the client is told."""

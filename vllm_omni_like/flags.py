@@ -42,7 +42,8 @@ STAGE_FLAGS = (
     "replica_queue",
     "routing",
     "stall_timeout",
-    "first_step_timeout",
+    "compile_timeout",
+    "cold_step_timeout",
     "compile",
     "compile_mode",
     "attention",
@@ -186,9 +187,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     _stage_flag(
         g,
-        "first_step_timeout",
-        "seconds the first step of a shape a replica has not run yet may take (warm-up, and "
-        "with --compile its compilation)",
+        "compile_timeout",
+        "seconds a step may take while its worker compiles (torch.compile says when it "
+        "starts and ends; with --compile, a shape not warmed up at start-up)",
+        type=float,
+        metavar="S",
+    )
+    _stage_flag(
+        g,
+        "cold_step_timeout",
+        "seconds a step may take on a replica that has measured no step yet, nor has a "
+        "replica of the same stage on the same kind of device; unset: twice --stall-timeout",
         type=float,
         metavar="S",
     )

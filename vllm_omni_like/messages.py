@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.errors import ErrorInfo, ErrorKind
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 
@@ -92,6 +92,14 @@ class Progress:
 
 
 @dataclass
+class Compiling:
+    """The stage compiles (or warms up) now, `active`, or has stopped: a step that compiles may
+    take the stage's compile timeout instead of its stall bound."""
+
+    active: bool
+
+
+@dataclass
 class Denoised:
     """The batch left the critical path: its rest (decode) runs beside the next batch, whose
     ExecuteBatch the worker may take now; its results and BatchDone follow."""
@@ -148,8 +156,8 @@ class OmniRequest:
     timeout: float | None = None  # seconds; the engine's default when None
     # the client's own id (x-request-id), carried for logs; the engine keys on request_id
     client_id: str | None = None
-    # the API writes the output to a file: success is counted once the write is done
-    # (EngineStats.finished from the API), a failed write counted as an error
+    # the caller writes the output to a file: the engine records its success once the caller
+    # reports the write done (`AsyncOmni.stored`), a failed write as an error
     stores_output: bool = False
     # run stages 0..last_stage only (a chat completion stops after the LLM stage); None: all
     last_stage: int | None = None
@@ -177,7 +185,8 @@ class Submit:
 @dataclass
 class Abort:
     request_id: str
-    reason: str = "aborted"  # aborted | timeout | shutting_down
+    kind: ErrorKind = ErrorKind.ABORTED  # one of errors.ABORT_KINDS
+    message: str = ""
 
 
 @dataclass

@@ -86,7 +86,7 @@ def test_admission_before_any_measurement_counts_requests_only():
 
 
 def _replica(index: int, credits: int = 4, rate: float | None = None) -> Replica:
-    clock = StepClock(60.0, 600.0)
+    clock = StepClock(60.0, 600.0, 120.0)
     clock.speed.rate = rate
     r = Replica(index, max_credits=credits, clock=clock)
     r.executor = type("Alive", (), {"alive": True})()
@@ -94,7 +94,7 @@ def _replica(index: int, credits: int = 4, rate: float | None = None) -> Replica
 
 
 def _batch(bid: int, units: float, steps: int = 4, now: float = 0.0) -> InFlight:
-    return InFlight(bid, [object()], now, units=units, steps=steps, shape=("s",))
+    return InFlight(bid, [object()], now, units=units, steps=steps)
 
 
 def test_credits_queue_batches_and_the_next_starts_when_the_one_before_is_denoised():

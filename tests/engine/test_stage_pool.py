@@ -130,7 +130,7 @@ def test_no_restart_left_makes_the_engine_dead():
 
 def test_stalled_worker_is_killed_and_handled_as_a_death():
     faults = "stage=diffusion,point=step,kind=hang,match=@hang"
-    kw = {"stall_timeout": 0.5, "first_step_timeout": 1.0}
+    kw = {"stall_timeout": 0.5, "cold_step_timeout": 1.0}
     with engine("null-image", faults, stage_kw=kw, max_restarts=2) as e:
 
         async def run():
@@ -143,7 +143,7 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
         assert out.error.message.startswith(
             "stage 'diffusion': request stalled its worker twice (no progress for "
         )
-        assert out.error.message.endswith("s: first step of this shape)); it is not retried")
+        assert out.error.message.endswith("s: cold start: no step measured yet)); it is not retried")
         wait_for(lambda: e.stats.worker_deaths == 2, 5, "two stalls counted as deaths")
         assert elapsed < 10
         assert wait_until(lambda: _states(e)["diffusion"] == "ready", 10)
@@ -205,7 +205,7 @@ def test_once_the_culprit_is_known_its_neighbours_rerun_together_at_once():
     (sorted last, so first in the queue) hangs again and is proven, and its three innocent
     neighbours then run as one batch instead of one at a time."""
     faults = "stage=diffusion,point=execute,kind=hang,match=@hang"
-    kw = {"stall_timeout": 0.5, "first_step_timeout": 1.0, "max_batch_size": 8}
+    kw = {"stall_timeout": 0.5, "cold_step_timeout": 1.0, "max_batch_size": 8}
     with engine("null-image", faults, stage_kw=kw, max_restarts=1) as e:
         pool = e.orchestrator.pools["null-image"][0]
 

@@ -16,7 +16,7 @@ from vllm_omni_like.engine import stage_pool
 from vllm_omni_like.params import GenerationParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-KW = {"cfg_parallel": True, "devices": (0, 1), "stall_timeout": 1.0, "first_step_timeout": 120.0}
+KW = {"cfg_parallel": True, "devices": (0, 1), "stall_timeout": 1.0, "cold_step_timeout": 120.0}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -30,7 +30,7 @@ def test_r11_a_stopped_worker_with_a_large_message_on_the_way(tmp_path_factory):
     with live_server(
         tmp_path_factory,
         "null-image",
-        stage_kw={"stall_timeout": 3.0, "first_step_timeout": 3.0},
+        stage_kw={"stall_timeout": 3.0, "cold_step_timeout": 3.0},
         engine_kw={"request_timeout": 20.0, "max_restarts": 2},
     ) as server:
         pool = server.engine.orchestrator.pools["null-image"][0]

@@ -30,7 +30,7 @@ def test_r12_steps_slower_than_the_stall_timeout_are_not_killed(tmp_path_factory
     with live_server(
         tmp_path_factory,
         "null-image",
-        stage_kw={"stall_timeout": 1.0, "first_step_timeout": 5.0},
+        stage_kw={"stall_timeout": 1.0, "cold_step_timeout": 5.0},
         engine_kw={"request_timeout": 30.0, "max_restarts": 2},
     ) as server:
         t0 = time.monotonic()
@@ -55,7 +55,7 @@ def test_r12_a_hang_on_the_first_step_is_caught_as_a_stall_and_charged_to_the_re
         tmp_path_factory,
         "null-image",
         faults=faults,
-        stage_kw={"stall_timeout": 1.0, "first_step_timeout": 1.5},
+        stage_kw={"stall_timeout": 1.0, "cold_step_timeout": 1.5},
         engine_kw={"request_timeout": 30.0, "max_restarts": 1},
     ) as server:
         t0 = time.monotonic()
@@ -65,7 +65,7 @@ def test_r12_a_hang_on_the_first_step_is_caught_as_a_stall_and_charged_to_the_re
         assert message.startswith(
             "stage 'diffusion': request stalled its worker twice (no progress for "
         ), message
-        assert message.endswith("s: first step of this shape)); it is not retried")
+        assert message.endswith("s: cold start: no step measured yet)); it is not retried")
         assert time.monotonic() - t0 < 1.5 * 2 + 3  # two first-step bounds, two restarts
         wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, 10, "healthy again")
         replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]

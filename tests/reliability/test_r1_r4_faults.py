@@ -309,7 +309,7 @@ def test_r4_hang_fault_ends_within_the_deadline(tmp_path_factory, stall, status,
         tmp_path_factory,
         "null-image",
         faults=faults,
-        stage_kw={"stall_timeout": stall, "first_step_timeout": stall},
+        stage_kw={"stall_timeout": stall, "cold_step_timeout": stall},
         engine_kw={"max_restarts": 3, "request_timeout": deadline},
     ) as server:
         t0 = time.monotonic()

@@ -33,7 +33,7 @@ from vllm_omni_like.stages.tiny_models import image_pipeline
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 
 pytestmark = pytest.mark.slow
-KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "first_step_timeout": 30.0}
+KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "cold_step_timeout": 30.0}
 LONG = 16  # steps of the requests a rank is signalled in the middle of
 
 

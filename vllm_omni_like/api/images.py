@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,7 +16,6 @@ from vllm_omni_like.api.serving import (
     Server,
     image_response,
     run_to_outputs,
-    stored,
     stream_images,
 )
 from vllm_omni_like.errors import InvalidRequestError
@@ -41,7 +39,6 @@ async def _respond(
 ):
     server = _server(request)
     state = request.state
-    since = time.monotonic()
     omni = image_request(
         server.engine,
         body,
@@ -61,7 +58,7 @@ async def _respond(
         )
     (output,) = await run_to_outputs(request, server, [omni])
     write = asyncio.to_thread(image_response, server, output, body, str(request.base_url), omni)
-    return JSONResponse(await stored(server.engine, omni, write, since, "image"))
+    return JSONResponse(await server.engine.store(omni, write, "image"))
 
 
 @router.post("/v1/images/generations")

@@ -7,7 +7,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,7 +20,6 @@ from vllm_omni_like.engine.async_omni import RequestStream
 from vllm_omni_like.errors import (
     AbortedError,
     EngineDeadError,
-    StorageError,
     UnavailableError,
 )
 from vllm_omni_like.media import encode_image
@@ -77,27 +76,6 @@ class Server:
         if request is not None:
             request.state.admitted = True
         return stream
-
-
-async def stored(
-    engine: AsyncOmni, omni: OmniRequest, write: Awaitable[T], since: float, what: str
-) -> T:
-    """Await the write of a finished request's output. Such a request is counted here: a
-    success once its file is whole, an error (500 `storage_error`) if it could not be written."""
-    if not omni.stores_output:
-        return await write
-    try:
-        result = await write
-    except Exception as exc:
-        engine.stats.finished(omni.pipeline, "error", time.monotonic() - since)
-        if isinstance(exc, OSError):  # "No space left on device", without the errno
-            detail = exc.strerror or str(exc)
-        else:
-            detail = f"{type(exc).__name__}: {exc}"
-        logger.warning("request %s: the %s could not be stored: %s", omni.request_id, what, exc)
-        raise StorageError(f"the {what} was made but could not be stored: {detail}") from None
-    engine.stats.finished(omni.pipeline, "success", time.monotonic() - since)
-    return result
 
 
 async def until_disconnect(request: Request) -> None:

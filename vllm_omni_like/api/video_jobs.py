@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_omni_like.api.serving import retrieve, stored
+from vllm_omni_like.api.serving import retrieve
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
@@ -201,7 +201,6 @@ class VideoService:
 
     async def _run(self, row: dict[str, Any]) -> None:
         video_id, stream, wake = row["id"], None, True
-        since = time.monotonic()
         try:
             body = VideoRequest.model_validate_json(row["params"])
             omni = video_request(
@@ -223,7 +222,7 @@ class VideoService:
             if output.error is not None:
                 raise output.error.error()
             write = asyncio.to_thread(self._write_files, row, output, omni)
-            await stored(self.engine, omni, write, since, "video")
+            await self.engine.store(omni, write, "video")
         except asyncio.CancelledError:
             raise
         except OmniError as exc:

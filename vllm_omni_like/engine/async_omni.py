@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import TypeVar
 
 from vllm_omni_like.config import EngineConfig, PipelineConfig
 from vllm_omni_like.engine.orchestrator import Orchestrator
 from vllm_omni_like.engine.stage_pool import ExecutorFactory
-from vllm_omni_like.errors import EngineDeadError, InvalidRequestError
+from vllm_omni_like.errors import (
+    AbortedError,
+    EngineDeadError,
+    ErrorKind,
+    InvalidRequestError,
+    StorageError,
+)
 from vllm_omni_like.executor import factory_for, release
 from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.stages.model_limits import ModelLimits, pipeline_limits
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncOmni:
@@ -76,7 +87,8 @@ class AsyncOmni:
         return self._limits[name]
 
     def open(self, request: OmniRequest, progress: bool = True) -> RequestStream:
-        """Submit now (admission errors raise here, before any response starts).
+        """Submit now (admission errors raise here, before any response starts; a request id
+        already in the engine is a ConflictError).
 
         `progress=False`: only the final output is delivered (no per-step wake-ups of the loop).
         """
@@ -101,8 +113,35 @@ class AsyncOmni:
                 return event
         raise EngineDeadError("the engine ended the request without an output")
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self.orchestrator.abort(request_id, reason)
+    def abort(self, request_id: str, kind: ErrorKind = ErrorKind.ABORTED) -> None:
+        """End a request early: the client left (ABORTED), its deadline passed (TIMEOUT) or the
+        drain is over (SHUTTING_DOWN)."""
+        self.orchestrator.abort(request_id, kind)
+
+    async def store(self, request: OmniRequest, write: Awaitable[T], what: str) -> T:
+        """Await the write of a finished request's output and report it: a request that
+        `stores_output` has its final status recorded now, a success once its file is whole,
+        an error (500 `storage_error`) if it could not be written, aborted if the caller was
+        cancelled meanwhile."""
+        if not request.stores_output:
+            return await write
+        rid = request.request_id
+        try:
+            result = await write
+        except asyncio.CancelledError:  # the client left (or the server stops) mid-write
+            self.orchestrator.stored(rid, AbortedError(f"the {what} was being stored").info)
+            raise
+        except Exception as exc:
+            if isinstance(exc, OSError):  # "No space left on device", without the errno
+                detail = exc.strerror or str(exc)
+            else:
+                detail = f"{type(exc).__name__}: {exc}"
+            logger.warning("request %s: the %s could not be stored: %s", rid, what, exc)
+            error = StorageError(f"the {what} was made but could not be stored: {detail}")
+            self.orchestrator.stored(rid, error.info)
+            raise error from None
+        self.orchestrator.stored(rid)
+        return result
 
     def cut_off(self, message: str) -> None:
         """End every request still running with a 503 `shutting_down` carrying `message`."""

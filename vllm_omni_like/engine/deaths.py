@@ -1,7 +1,12 @@
 """What a replica's death does to the requests it held: re-run, fail, and who pays for it.
 
-- Requests lost in a death are re-queued from the failed stage (earlier stages' outputs
-  reused), each to run alone first (`isolate`), unless `after_death` says they end here.
+- A death is charged to the requests that may have caused it: all it held, unless the engine
+  killed the replica for a stall, which names its batch (the one whose decode hung, or the one
+  whose step did): a batch that denoised beside a hung decode, or waited behind a hung step,
+  re-runs without a charge.
+- Charged requests are re-queued from the failed stage (earlier stages' outputs reused), each
+  to run alone first (`isolate`: a batch of one, with nothing else in flight on its replica,
+  so that a second death is its own), unless `after_death` says they end here.
 - A request that was present at an earlier death and kills its worker again while running
   alone is proven poison: this death, and its first one, are charged to it rather than to the
   replicas' restart budgets, and the other requests of its first death, innocent now, run
@@ -12,8 +17,10 @@ from __future__ import annotations
 
 import itertools
 
+from vllm_omni_like.engine.replica import Stall
 from vllm_omni_like.engine.request_state import RequestState, after_death
 from vllm_omni_like.engine.stage_pool import StagePool
+from vllm_omni_like.errors import DeathCause
 from vllm_omni_like.messages import ReplicaDied
 
 _groups = itertools.count(1)
@@ -33,10 +40,17 @@ def lost_requests(
     return found
 
 
-def proven_poison(lost: list[RequestState]) -> RequestState | None:
+def charged(lost: list[RequestState], stall: Stall | None) -> list[RequestState]:
+    """The lost requests a death is charged to: the stalled batch's, else every one."""
+    if stall is None:
+        return lost
+    return [s for s in lost if s.request_id in stall.request_ids]
+
+
+def proven_poison(charged: list[RequestState]) -> RequestState | None:
     """The culprit, when the death happened while it ran alone after an earlier death."""
-    if len(lost) == 1 and lost[0].deaths >= 1 and lost[0].isolate:
-        return lost[0]
+    if len(charged) == 1 and charged[0].deaths >= 1 and charged[0].isolate:
+        return charged[0]
     return None
 
 
@@ -44,21 +58,28 @@ def settle(
     lost: list[RequestState],
     pool: StagePool,
     event: ReplicaDied,
+    stall: Stall | None,
     max_retries: int,
     finish,
 ) -> None:
-    """Each lost request: ended by `finish(state, error)` or re-queued to run alone first."""
+    """Each lost request: ended by `finish(state, error)` or re-queued (a charged one to run
+    alone first; one the death is not charged to as it ran)."""
     group = next(_groups)
+    guilty = {id(s) for s in charged(lost, stall)}
+    cause = DeathCause.CRASHED if stall is None else DeathCause.STALLED
+    detail = event.exit_desc if stall is None else stall.reason
     for state in lost:
-        state.deaths += 1
-        if state.deaths == 1:
-            state.first_death, state.death_group = (pool, state.replica), group
-        verdict = after_death(state, pool.name, pool.state, event.exit_desc, max_retries)
+        charge = id(state) in guilty
+        if charge:
+            state.deaths += 1
+            if state.deaths == 1:
+                state.first_death, state.death_group = (pool, state.replica), group
+        verdict = after_death(state, pool.name, pool.state, cause, detail, max_retries, charge)
         if verdict is not None:
             finish(state, verdict)
             continue
-        state.retries += 1
-        state.replica, state.isolate = None, True
+        state.retries += charge
+        state.replica, state.isolate = None, state.isolate or charge
         pool.enqueue(state, front=True)
 
 

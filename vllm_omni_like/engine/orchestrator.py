@@ -13,6 +13,7 @@ from collections.abc import Callable
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths, snapshot
 from vllm_omni_like.engine.admission import Admission
+from vllm_omni_like.engine.ledger import Ledger, Unstored
 from vllm_omni_like.engine.replica_start import in_parallel
 from vllm_omni_like.engine.request_state import (
     BatchReport,
@@ -22,19 +23,23 @@ from vllm_omni_like.engine.request_state import (
 from vllm_omni_like.engine.snapshot import EngineSnapshot
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
+    ABORT_KINDS,
     AbortedError,
     EngineDeadError,
     ErrorInfo,
+    ErrorKind,
     NotFoundError,
     OmniError,
     RequestTimeoutError,
     ShuttingDownError,
+    StorageError,
     UnavailableError,
 )
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.messages import (
     Abort,
     BatchDone,
+    Compiling,
     CutOff,
     Denoised,
     FromReplica,
@@ -55,6 +60,7 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.02
 EARLY_ABORT_TTL_S = 120.0
 ENDED_MEMORY = 16384  # ids of ended requests remembered, to tell late aborts from early ones
+STORE_REPORT_S = 600.0  # a stored output not reported written by then is counted an error
 RESTART_RETRY_AFTER_S = 2.0
 
 
@@ -88,6 +94,7 @@ class Orchestrator:
         self.recent_final: OrderedDict[str, str] = OrderedDict()
         self.admission = Admission(config.max_queue_size, config.max_queue_seconds)
         self._batch_ids = itertools.count(1)
+        self.ledger = Ledger()  # the ids in the engine; successes whose store is not reported
         self._dead: ErrorInfo | None = None
         # all that other threads read of the pools and of the engine's death (published by
         # the orchestrator thread each tick)
@@ -147,14 +154,30 @@ class Orchestrator:
                 )
         units = snapshot.work_units(request.params, stages)
         units = tuple(u if i < runs else 0.0 for i, u in enumerate(units))
-        self.admission.admit(pipeline.name, units, stages)
+        self.ledger.claim(request.request_id)
+        try:
+            self.admission.admit(pipeline.name, units, stages)
+        except BaseException:
+            self.ledger.release(request.request_id)
+            raise
         self.stats.admitted()
         timeout = request.timeout or self.config.request_timeout
         state = RequestState(request, emit, deadline=time.monotonic() + timeout, units=units)
         self.inbox.put(Submit(state))
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self.inbox.put(Abort(request_id, reason))
+    def stored(self, request_id: str, error: ErrorInfo | None = None) -> None:
+        """The caller that stores a request's output (`OmniRequest.stores_output`) wrote it, or
+        could not (`error`): the request's final status is recorded now."""
+        unstored = self.ledger.stored(request_id)
+        if unstored is None:
+            return  # not a success awaiting its store, or reported already
+        status = "success" if error is None else error.final_status
+        self.stats.finished(unstored.pipeline, status, time.monotonic() - unstored.created)
+
+    def abort(self, request_id: str, kind: ErrorKind = ErrorKind.ABORTED) -> None:
+        if kind not in ABORT_KINDS:
+            raise ValueError(f"an abort ends a request as one of {ABORT_KINDS}, not {kind}")
+        self.inbox.put(Abort(request_id, kind))
 
     def cut_off(self, message: str) -> None:
         """End every request in the engine now with a 503 `shutting_down` (the drain is over)."""
@@ -211,15 +234,15 @@ class Orchestrator:
         match msg:
             case Submit(state=state):
                 self._on_submit(state)
-            case Abort(request_id=rid, reason=reason):
+            case Abort(request_id=rid, kind=kind, message=message):
                 state = self.requests.get(rid)
                 if state is None and rid not in self.recent_final:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
                 elif state is not None:
-                    self._abort(state, reason)
+                    self._abort(state, kind, message)
             case CutOff(message=message):
                 for state in list(self.requests.values()):
-                    self._abort(state, "shutting_down", message)
+                    self._abort(state, ErrorKind.SHUTTING_DOWN, message)
             case FromReplica(pipeline=pipe, stage=stage, replica=replica, msg=inner):
                 self._on_replica_message(pipe, stage, replica, inner)
             case ReplicaRestarted(pipeline=pipe, stage=stage, replica=replica, executor=ex):
@@ -282,6 +305,8 @@ class Orchestrator:
                 self.stats.batch_done(BatchReport(*report, done.phases))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
+            case Compiling(active=active):
+                pool.on_compiling(replica, active, time.monotonic())
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):
                 pool.on_progress(replica, bid, step, total, time.monotonic())
                 for rid in ids:
@@ -295,12 +320,13 @@ class Orchestrator:
 
     def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
         self.stats.worker_died()
+        stall = pool.stall_of(replica)  # read before on_death forgets it
         lost = deaths.lost_requests(self.requests, pool, replica, event)
-        culprit = deaths.proven_poison(lost)
+        culprit = deaths.proven_poison(deaths.charged(lost, stall))
         pool.on_death(replica, charged=culprit is None)
         if culprit is not None:
             deaths.absolve(culprit, [p for pools in self.pools.values() for p in pools])
-        deaths.settle(lost, pool, event, self.config.max_request_retries, self._finish)
+        deaths.settle(lost, pool, event, stall, self.config.max_request_retries, self._finish)
         if pool.state == "dead":
             self._die(
                 EngineDeadError(
@@ -318,29 +344,29 @@ class Orchestrator:
         for state in list(self.requests.values()):
             self._finish(state, EngineDeadError(self._dead.message))
 
-    def _abort(self, state: RequestState, reason: str, message: str = "") -> None:
+    def _abort(self, state: RequestState, kind: ErrorKind, message: str = "") -> None:
         pool = self.pools[state.request.pipeline][state.stage_index]
         if not pool.remove(state):
             pool.abort_running(state)
-        if reason == "shutting_down":
-            self._finish(state, ShuttingDownError(message))
-        elif reason == "timeout":
-            timeout = state.deadline - state.created
-            self._finish(
-                state,
-                RequestTimeoutError(
-                    f"the request's deadline of {timeout:.1f}s passed", stage=pool.name
-                ),
-            )
-        else:
-            self._finish(state, AbortedError("the request was aborted", stage=pool.name))
+        match kind:
+            case ErrorKind.SHUTTING_DOWN:
+                self._finish(state, ShuttingDownError(message))
+            case ErrorKind.TIMEOUT:
+                timeout = state.deadline - state.created
+                error = f"the request's deadline of {timeout:.1f}s passed"
+                self._finish(state, RequestTimeoutError(error, stage=pool.name))
+            case _:
+                self._finish(state, AbortedError("the request was aborted", stage=pool.name))
 
     def _check_deadlines(self, now: float) -> None:
         for state in [s for s in self.requests.values() if s.deadline <= now]:
-            self._abort(state, "timeout")
+            self._abort(state, ErrorKind.TIMEOUT)
         stale = [rid for rid, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]
         for rid in stale:
             del self.early_aborts[rid]
+        for rid in self.ledger.overdue(now, STORE_REPORT_S):
+            logger.error("request %s: its output's store was never reported; an error", rid)
+            self.stored(rid, StorageError("the output's store was never reported").info)
 
     def _dispatch(self) -> None:
         for pools in self.pools.values():
@@ -378,6 +404,10 @@ class Orchestrator:
         self.recent_final.move_to_end(rid)
         if len(self.recent_final) > ENDED_MEMORY:
             self.recent_final.popitem(last=False)
-        if status != "success" or not state.request.stores_output:  # else the API counts it
-            self.stats.finished(state.request.pipeline, status, time.monotonic() - state.created)
+        now, pipeline = time.monotonic(), state.request.pipeline
+        if status == "success" and state.request.stores_output:  # recorded once it is stored
+            self.ledger.ended(rid, Unstored(pipeline, state.created, now))
+        else:
+            self.ledger.ended(rid, None)
+            self.stats.finished(pipeline, status, now - state.created)
         state.emit(output)

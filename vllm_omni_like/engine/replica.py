@@ -8,7 +8,8 @@ come back. With one credit (the default) a replica holds one batch on its critic
 being finished beside it; with `--replica-queue N` it also holds N batches queued at the worker,
 which routing then spreads by the work each replica holds (engine/routing.py). The batch at the
 head of the critical path is the one running: the stall bound looks at it, and at the oldest
-batch being finished.
+batch being finished. A replica whose batch is past its bound is killed and is not live from
+that moment (`stall`): it takes no work, and `/health` does not call it ready.
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ class InFlight:
     units: float = 0.0  # work of one of its steps (cost.py)
     steps: int = 1  # its steps, as expected at dispatch and then as reported
     steps_done: int = 0
-    shape: tuple = ()
     started: float | None = None  # when it reached the head of the critical path
     denoised: float | None = None  # when it left the critical path (its credit came back)
 
     @property
     def units_left(self) -> float:
         return self.units * max(0, self.steps - self.steps_done)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Why the engine killed a replica: the batch that stalled and the bound it passed."""
+
+    batch_id: int
+    request_ids: frozenset[str]  # that batch's requests: the ones its death is charged to
+    reason: str  # "no progress for 3.1s (bound 3.0s: stall timeout)"
 
 
 @dataclass
@@ -47,7 +56,7 @@ class Replica:
     restarts: int = 0
     restarting: bool = False
     last_dispatch: float = 0.0
-    stall_killed: bool = False
+    stall: Stall | None = None  # set when the engine kills it for a stall, until its death
     started_at: float = 0.0
     backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
     no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
@@ -61,7 +70,8 @@ class Replica:
 
     @property
     def live(self) -> bool:
-        return self.executor is not None and self.executor.alive and not self.restarting
+        alive = self.executor is not None and self.executor.alive
+        return alive and not self.restarting and self.stall is None
 
     @property
     def can_take(self) -> bool:
@@ -76,6 +86,11 @@ class Replica:
     @property
     def running(self) -> list[RequestState]:
         return [s for f in self.inflight.values() for s in f.requests]
+
+    @property
+    def holds_suspect(self) -> bool:
+        """It runs a request that was present at a death: nothing runs beside it."""
+        return any(s.isolate for f in self.inflight.values() for s in f.requests)
 
     def attach(self, executor: Executor, now: float) -> None:
         """Its (new) executor, loaded and running."""
@@ -136,4 +151,4 @@ class Replica:
         batch = self.critical
         if batch is not None and batch.started is None:
             batch.started = now
-            self.clock.begin(batch.units, batch.shape, now)
+            self.clock.begin(batch.units, now)

@@ -9,7 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_like.errors import EngineDeadError, EngineGenerateError, ErrorKind, OmniError
+from vllm_omni_like.errors import (
+    DeathCause,
+    EngineDeadError,
+    EngineGenerateError,
+    ErrorKind,
+    OmniError,
+)
 from vllm_omni_like.messages import OmniRequest, StageRequest
 from vllm_omni_like.outputs import StageOutput
 
@@ -45,33 +51,35 @@ class RequestState:
 
 
 def after_death(
-    state: RequestState, stage: str, pool_state: str, exit_desc: str, max_retries: int
+    state: RequestState,
+    stage: str,
+    pool_state: str,
+    cause: DeathCause,
+    detail: str,
+    max_retries: int,
+    charged: bool = True,
 ) -> OmniError | None:
     """What becomes of a request its worker died under: None to re-run it (from this stage,
-    earlier stages' outputs reused), else the error it ends with."""
+    earlier stages' outputs reused), else the error it ends with. `detail`: the stall's reason,
+    or how the worker exited; `charged`: the death may be this request's doing."""
+    worker = f"worker {detail}" if cause is DeathCause.CRASHED else f"worker stalled ({detail})"
     if state.partials_sent:  # a re-run would stream its partial images a second time
         return EngineGenerateError(
-            f"worker {exit_desc} after {state.partials_sent} partial image(s) were streamed; "
+            f"{worker} after {state.partials_sent} partial image(s) were streamed; "
             "a stream is not re-run",
             stage=stage,
         )
-    if state.deaths >= 2:  # a poison request must not take every replica down
-        if "stalled:" in exit_desc:  # a kill for a stall is reported as a stall
-            why = exit_desc.split("stalled: ", 1)[1]
-            why = why[:-1] if why.endswith(")") else why  # the kill reason's own parenthesis
-            return EngineGenerateError(
-                f"request stalled its worker twice ({why}); it is not retried", stage=stage
-            )
-        return EngineGenerateError(
-            "request crashed the worker twice; it is not retried", stage=stage
-        )
+    if charged and state.deaths >= 2:  # a poison request must not take every replica down
+        if cause is DeathCause.STALLED:
+            message = f"request {cause.value} twice ({detail}); it is not retried"
+        else:
+            message = f"request {cause.value} twice; it is not retried"
+        return EngineGenerateError(message, stage=stage)
     if pool_state == "dead":
-        return EngineDeadError(
-            f"worker {exit_desc}; no live replica and no restart left", stage=stage
-        )
-    if state.retries >= max_retries:
+        return EngineDeadError(f"{worker}; no live replica and no restart left", stage=stage)
+    if charged and state.retries >= max_retries:
         return EngineGenerateError(
-            f"worker {exit_desc} while running this request; no retry left", stage=stage
+            f"{worker} while running this request; no retry left", stage=stage
         )
     return None
 

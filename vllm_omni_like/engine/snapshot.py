@@ -17,7 +17,7 @@ from vllm_omni_like.params import GenerationParams
 class ReplicaView:
     index: int
     device: str  # as the host names it (cuda:N, cpu, auto)
-    state: str  # starting | ready | restarting | dead
+    state: str  # starting | ready | stalled | restarting | dead
     gpu_memory: int  # bytes its worker's CUDA allocator held when it last said (0: none)
     pids: tuple[int, ...] = ()  # its worker processes while live
 
@@ -113,6 +113,8 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
 def _replica_view(pool, replica) -> ReplicaView:
     if replica.live:
         state = "ready"
+    elif replica.stall is not None:  # past its bound: killed, its restart follows its death
+        state = "stalled"
     elif replica.restarting:
         state = "restarting"
     else:

@@ -16,7 +16,7 @@ from vllm_omni_like import cost
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine import routing
 from vllm_omni_like.engine.batching import make_policy, take_compatible
-from vllm_omni_like.engine.replica import InFlight, Replica
+from vllm_omni_like.engine.replica import InFlight, Replica, Stall
 from vllm_omni_like.engine.replica_start import ReplicaStarter, in_parallel, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
@@ -61,7 +61,7 @@ class StagePool:
             Replica(
                 i,
                 max_credits=1 + config.replica_queue,
-                clock=StepClock(config.stall_timeout, config.first_step_timeout),
+                clock=StepClock(config.stall_timeout, config.compile_timeout, config.cold_timeout),
                 device=replica_label(config, i),
             )
             for i in range(config.replicas)
@@ -116,7 +116,9 @@ class StagePool:
             return "starting"
         if self.live_count:
             return "ready"
-        return "restarting" if any(r.restarting for r in self.replicas) else "dead"
+        # a replica killed for a stall is restarted once its death is seen (within a tick)
+        replacing = any(r.restarting or r.stall is not None for r in self.replicas)
+        return "restarting" if replacing else "dead"
 
     @property
     def capacity(self) -> int:
@@ -147,11 +149,14 @@ class StagePool:
         failed: set[int] = set()
         while self.waiting:
             now = time.monotonic()
+            suspect = self.waiting[0].isolate  # it runs alone: on a replica with nothing else
             free = [
                 r
                 for r in self.replicas
                 if r.can_take
                 and r.index not in failed
+                and not r.holds_suspect
+                and not (suspect and r.inflight)
                 and not self.policy.hold(r.index, self.waiting, now)
             ]
             if not free:
@@ -185,7 +190,6 @@ class StagePool:
             now,
             units=sum(cost.step_units(p, self.text) for p in params),
             steps=cost.steps_of(params[0], self.default_steps, self.text),
-            shape=batch[0].stage_request.batch_key(),
         )
 
     def parallel_rate(self) -> float | None:
@@ -221,6 +225,14 @@ class StagePool:
         """A step of a batch was reported: the replica's step clock calibrates on it."""
         self.replicas[replica_index].progress(batch_id, step, total, now)
 
+    def on_compiling(self, replica_index: int, active: bool, now: float) -> None:
+        """The replica's worker began or ended a compilation (its own allowance)."""
+        self.replicas[replica_index].clock.compile_state(active, now)
+
+    def stall_of(self, replica_index: int) -> Stall | None:
+        """Why the engine killed this replica, if it did (read before its death is handled)."""
+        return self.replicas[replica_index].stall
+
     # ---- failures -------------------------------------------------------------------------------
     def on_death(self, replica_index: int, charged: bool = True) -> None:
         """The replica's executor died: free it, schedule a restart if any is left.
@@ -235,7 +247,7 @@ class StagePool:
             replica.backoff = replica.restarts = 0
         if replica.executor is not None:
             replica.executor.shutdown()
-        replica.executor, replica.stall_killed = None, False
+        replica.executor, replica.stall = None, None
         replica.clock.restarted()
         if (replica.restarts < self.max_restarts or not charged) and not self._stopping.is_set():
             self._restart(replica, charged)
@@ -301,19 +313,45 @@ class StagePool:
     def check_stalls(self, now: float) -> None:
         """Kill a replica whose batch on the critical path reports no progress within its step
         clock's bound, or whose batch being finished (its decode) is not done `stall_timeout`
-        after it left the critical path: a death follows, failing or re-routing both."""
+        after it left the critical path (the compile timeout while it compiles): a death
+        follows, which charges only the batch that stalled."""
         for r in self.replicas:
-            if r.executor is None or r.stall_killed or not r.inflight:
+            if r.executor is None or r.stall is not None or not r.inflight:
                 continue
-            quiet, bound, why = 0.0, self.config.stall_timeout, "stall timeout"
-            if r.critical is not None:
-                quiet = now - r.clock.last_step
-                bound, why = r.clock.bound()
-            oldest = next(iter(r.inflight.values()))  # the oldest batch in flight
-            if oldest.denoised is not None and now - oldest.denoised > self.config.stall_timeout:
-                quiet, bound, why = now - oldest.denoised, self.config.stall_timeout, "decode"
-            if quiet > bound:
-                reason = f"stalled: no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
-                logger.error("stage %s replica %d: %s; killing it", self.name, r.index, reason)
-                r.stall_killed = True
-                r.executor.kill(reason)
+            stalled = self._stalled_batch(r, now)
+            if stalled is not None:
+                r.stall = stalled
+                logger.error(
+                    "stage %s replica %d: %s; killing it", self.name, r.index, stalled.reason
+                )
+                r.executor.kill(f"stalled: {stalled.reason}")
+
+    def _stalled_batch(self, r: Replica, now: float) -> Stall | None:
+        """The batch that passed its bound, if one did: the oldest one being finished (its
+        decode), else the one running."""
+        oldest = next(iter(r.inflight.values()))
+        if oldest.denoised is not None:
+            bound, why = self.config.stall_timeout, "decode"
+            if r.clock.compiling:
+                bound, why = self.config.compile_timeout, "decode, compiling"
+            if now - oldest.denoised > bound:
+                return _stall(oldest, now - oldest.denoised, bound, why)
+        running = r.critical
+        if running is None:
+            return None
+        quiet = now - r.clock.last_step
+        bound, why = r.clock.bound(self._peer_rate(r))
+        return _stall(running, quiet, bound, why) if quiet > bound else None
+
+    def _peer_rate(self, replica: Replica) -> float | None:
+        """The speed another replica of this stage measured on the same kind of device."""
+        kind = replica.device.split(":")[0]
+        for r in self.replicas:
+            if r is not replica and r.device.split(":")[0] == kind and r.clock.speed.rate:
+                return r.clock.speed.rate
+        return None
+
+
+def _stall(batch: InFlight, quiet: float, bound: float, why: str) -> Stall:
+    ids = frozenset(s.request_id for s in batch.requests)
+    return Stall(batch.batch_id, ids, f"no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})")

@@ -1,7 +1,8 @@
 """What a replica's workers send, sorted the same way whatever carries it (a pipe, Ray).
 
 Startup answers (`WorkerReady`, `WorkerLoadFailed`) go to `startup`, read by the executor's
-start; results of requests still in flight, their batches' ends, progress and `Denoised` go to
+start; results of requests still in flight, their batches' ends, progress, `Denoised` and
+`Compiling` go to
 the owner's sink; a result for a request no longer the replica's (a second copy, one sent after
 a death listed it as lost) is dropped. A death takes what is in flight (`lost`): no result and
 no `BatchDone` is made up for it.
@@ -18,6 +19,7 @@ from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
 from vllm_omni_like.messages import (
     BatchDone,
+    Compiling,
     Denoised,
     Progress,
     ReplicaDied,
@@ -58,7 +60,7 @@ class Inbound:
                 with self._lock:
                     self._batches.pop(bid, None)
                 self.sink(msg)
-            case Progress() | Denoised():
+            case Progress() | Denoised() | Compiling():
                 self.sink(msg)
 
     def lost(self) -> list[str]:

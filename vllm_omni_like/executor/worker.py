@@ -29,6 +29,7 @@ from vllm_omni_like.executor.placement import gpu_memory_in_use
 from vllm_omni_like.messages import (
     AbortRequests,
     BatchDone,
+    Compiling,
     Denoised,
     ExecuteBatch,
     FollowBatch,
@@ -103,6 +104,16 @@ class _Worker:
 
     def send(self, msg: object) -> None:
         self.channel.send(msg)
+
+    def report_compiles(self) -> None:
+        """Tell the engine when torch.compile starts and ends compiling (on any thread: the
+        decoder compiles on the finisher), so that only a step that compiles gets the compile
+        timeout. Nested compiles are one: torch runs the callbacks at the outermost ends."""
+        from torch._dynamo.callback import callback_handler  # only a compiled stage has torch
+
+        if self.reports:
+            callback_handler.register_start_callback(lambda *_: self.send(Compiling(True)))
+            callback_handler.register_end_callback(lambda *_: self.send(Compiling(False)))
 
     def _progress(self, ids: list[str], step: int, total: int, previews: dict[str, Any]) -> None:
         if self.reports:
@@ -311,6 +322,8 @@ def run_worker(
     worker = _Worker(channel, config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)
+    if config.compile:  # after the load: its warm-up compiles count against the load timeout
+        worker.report_compiles()
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()
     threading.Thread(target=worker.finish_forever, daemon=True, name="finisher").start()
     worker.run_forever()

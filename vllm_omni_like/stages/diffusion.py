@@ -137,7 +137,7 @@ class DiffusionStage(Stage):
         cfg = self.config
         if not cfg.cfg_parallel:
             return None
-        backstop = max(cfg.load_timeout, cfg.first_step_timeout) + cfg.stall_timeout
+        backstop = max(cfg.load_timeout, cfg.compile_timeout, cfg.cold_timeout) + cfg.stall_timeout
         return Link(self.ranks, self.device, backstop)
 
     def serve_branches(self, batch_id: int) -> None:
