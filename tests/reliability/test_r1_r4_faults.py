@@ -278,7 +278,7 @@ def stopped_worker_reruns(server) -> None:
     counts as one death and nothing is left behind (the Ray battery runs it too)."""
     results, threads = _in_flight(server, 4, {**SLOW, "num_inference_steps": 20})
     replica = server.engine.orchestrator.pools["null-image"][0].replicas[0]
-    wait_for(lambda: replica.critical is not None and replica.clock.shapes, 5, "a step")
+    wait_for(lambda: replica.critical is not None and replica.clock.speed.rate, 5, "a step")
     _kill(server, "null-image", 0, sig=signal.SIGSTOP)
     for t in threads:
         t.join(30)

@@ -101,6 +101,8 @@ class _Worker:
         # batches whose rest runs on the finisher thread; at most one at a time
         self.finishing: queue.Queue[_Job] = queue.Queue()
         self.finisher_free = threading.Semaphore(1)
+        self.finisher_busy = threading.Event()  # it finishes a batch now (holding its memory)
+        self.control.reclaim = self._reclaim
 
     def send(self, msg: object) -> None:
         self.channel.send(msg)
@@ -189,6 +191,7 @@ class _Worker:
         # say this one may be followed: its rest (the decode) runs beside the next batch
         if self.reports:
             self.send(Denoised(job.batch_id))
+        self.finisher_busy.set()
         self.finishing.put(job)
 
     def _serve(self, batch_id: int) -> None:
@@ -205,17 +208,29 @@ class _Worker:
             except Exception as exc:
                 raise FatalStageError(f"rank 0: {type(exc).__name__}: {exc}") from exc
 
+    def _reclaim(self) -> bool:
+        """Out of memory on the main thread: if a batch is being finished beside it, wait until
+        that batch is done (its latents and pixels freed) and say so."""
+        if not self.finisher_busy.is_set():
+            return False
+        with self.finisher_free:  # released once the finisher is done with its batch
+            pass
+        return True
+
     def finish_forever(self) -> None:
         """The finisher thread: the deferred rest of each batch, then its results."""
         while True:
+            job = self.finishing.get()
             try:
-                self._finish_job(self.finishing.get())  # its latents and pixels go at return
+                self._finish_job(job)  # its latents and pixels go at return
+                del job
             except BaseException:
                 # not a request's failure (those are outputs): without this thread the worker
                 # cannot go on, so it dies now and the executor's monitor sees it at once
                 logger.exception("stage %s: the finisher thread failed, worker exits", self.name)
                 sys.stderr.flush()
                 os._exit(EXIT_FATAL)
+            self.finisher_busy.clear()
             self.finisher_free.release()
 
     def _finish_job(self, job: _Job) -> None:

@@ -42,6 +42,9 @@ class StageControl:
         self.max_model_batch = 0
         # set by the worker while a batch begins: a row's output goes out through it at once
         self.report: Callable[[StageOutput], None] | None = None
+        # set by the worker: after an out-of-memory error, waits for the memory that a batch
+        # being finished beside holds (its decode) to come back; False if none was held
+        self.reclaim: Callable[[], bool] | None = None
 
     def deliver(self, output: StageOutput) -> None:
         """Send a row's final output now, before its batch ends (an LLM row that finished or

@@ -89,6 +89,37 @@ def _bisect(
         )
 
 
+def _retried_after_reclaim(
+    stage: str, control: StageControl, run: Callable[[list[StageRequest]], list[T]]
+) -> Callable[[list[StageRequest]], list[T]]:
+    """`run`, which on its first out-of-memory error while the batch before is being finished
+    beside it waits for that memory to come back and runs once more: nobody's fault, so no
+    bisection and no error."""
+    retried = False
+
+    def once_more(live: list[StageRequest]) -> list[T]:
+        nonlocal retried
+        try:
+            return run(live)
+        except Exception as exc:
+            if retried or not is_out_of_memory(exc) or control.reclaim is None:
+                raise
+            retried = True
+            if not control.reclaim():  # nothing was held beside it: the batch's own doing
+                raise
+            logger.warning(
+                "stage %s: out of memory while the batch before decoded (%s); its memory is "
+                "back, running the batch of %d again",
+                stage,
+                exc,
+                len(live),
+            )
+            free_device_cache()
+            return run(control.live(live))
+
+    return once_more
+
+
 def begin_isolated(
     stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:
@@ -98,7 +129,8 @@ def begin_isolated(
         control.faults.fire("execute", live)  # here, so that no stage can forget it
         return [stage.begin(live, control)]
 
-    return _bisect(stage.name, batch, control, begin, report)
+    run = _retried_after_reclaim(stage.name, control, begin)
+    return _bisect(stage.name, batch, control, run, report)
 
 
 def finish_isolated(

@@ -1,0 +1,61 @@
+"""Stages for the engine's fault tests (kind 'tests.engine.stage_doubles:Class'): the null
+stage, plus a torch.compile that takes a while, or a decode that holds the device's memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.stages.base import Deferred, StageControl
+from vllm_omni_like.stages.null import NullStage
+
+COMPILE_S = 2.5  # what one compilation of CompilingStage takes
+DECODE_S = 0.6  # how long DecodeHoldsMemoryStage's decode holds its memory
+
+
+class CompilingStage(NullStage):
+    """Each new batch size compiles a small function with torch.compile before the null steps
+    run; its backend takes COMPILE_S (a real Dynamo compile: its start and end callbacks fire)."""
+
+    def load(self, device: str) -> None:
+        super().load(device)
+        import torch
+
+        def slow_backend(gm, example_inputs):
+            time.sleep(COMPILE_S)
+            return gm.forward
+
+        self.torch = torch
+        self.fn = torch.compile(lambda x: x * 2 + 1, backend=slow_backend, dynamic=False)
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        self.fn(self.torch.ones(len(batch)))  # a batch size not seen yet compiles now
+        return super().begin(batch, control)
+
+
+class DecodeHoldsMemoryStage(NullStage):
+    """A batch holds the device's memory from the end of its denoising until its decode (of
+    DECODE_S) is done: a batch that begins meanwhile runs out of memory, as a real one would
+    with the latents and pixels of the batch before still on the device."""
+
+    def load(self, device: str) -> None:
+        super().load(device)
+        self.held = threading.Event()
+        self.out_of_memory = 0  # begins that ran out of memory
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        if self.held.is_set():
+            self.out_of_memory += 1
+            raise MemoryError("out of memory: the batch being decoded holds it")
+        part = super().begin(batch, control)
+        self.held.set()  # its latents stay on the device until its decode is done
+
+        def finish(requests: list[StageRequest]):
+            try:
+                time.sleep(DECODE_S)
+                return part.finish(requests)
+            finally:
+                self.held.clear()
+
+        return Deferred(part.requests, finish)
