@@ -47,14 +47,23 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 60) -> bool
 class Server:
     """`vllm-omni-like serve ...` as its own process; its log kept for the report."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
         self.log.write(f"\n==== serve {' '.join(args)}\n")
         self.log.flush()
         cmd = serve_command(args, self.port, tempfile.mkdtemp(prefix="bench-"))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
         t0 = time.monotonic()
         if not wait_healthy(self.proc, self.port, timeout):
             self.stop()

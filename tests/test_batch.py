@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 
 from PIL import Image
 
-from vllm_omni_like.batch import parse_line
+from vllm_omni_like.batch import BatchRunner, parse_line, read_lines, run_batch
 from vllm_omni_like.cli import main
+from vllm_omni_like.config import EngineConfig, Limits
+from vllm_omni_like.engine import AsyncOmni
+from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.video_codec import read_video
 
 LINES = [
@@ -137,3 +141,40 @@ def test_a_missing_input_fails_before_any_model_loads(tmp_path, capsys):
         f"error: --input {tmp_path / 'missing.jsonl'}: No such file or directory\n"
     )
     assert not out.exists()
+
+
+
+def test_the_offline_runs_requests_are_counted_once_their_files_are_written(tmp_path, monkeypatch):
+    """The engine records a stored output's success once the command says its files are whole
+    (a video's too), and a failed write as an error: the final statuses sum to the total."""
+    write = BatchRunner._write
+
+    def write_or_fail(self, line, output):
+        if line.custom_id == "full-disk":
+            raise OSError(28, "No space left on device")
+        return write(self, line, output)
+
+    monkeypatch.setattr(BatchRunner, "_write", write_or_fail)
+    src, out = tmp_path / "in.jsonl", str(tmp_path / "out")
+    video = {"url": "/v1/videos", "body": {"prompt": "a square", "num_frames": 6}}
+    _write(src, [{"custom_id": "img", "prompt": "a circle"}, {"custom_id": "vid", **video}])
+    _write(tmp_path / "more.jsonl", [{"custom_id": "full-disk", "prompt": "x"}])
+    lines = read_lines(str(src), "image")
+    lines += read_lines(str(tmp_path / "more.jsonl"), "image")
+    pipelines = (*resolve("null-image"), *resolve("null-video"))
+    e = AsyncOmni(EngineConfig(pipelines=pipelines))
+    e.start()
+    try:
+        ran, failed = asyncio.run(run_batch(e, lines, out, Limits(), resume=False))
+        assert (ran, failed) == (3, 1)
+        disk = _results(out)["full-disk"]["response"]
+        assert disk["status_code"] == 500 and disk["body"]["error"]["code"] == "storage_error"
+        assert disk["body"]["error"]["message"] == (
+            "the output was made but could not be stored: No space left on device"
+        )
+        snap = e.stats.snapshot()
+        assert snap["requests_total"] == 3
+        assert snap["final"]["success"] == 2 and snap["final"]["error"] == 1, snap
+        assert len(e.orchestrator.ledger) == 0  # no id left in the engine
+    finally:
+        e.shutdown()

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import tempfile
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ class VideoWriter:
 
     Encoded by imageio's bundled ffmpeg, a process of its own that encodes the frames already
     written while more are made; where imageio-ffmpeg is missing, by PyAV's libx264 (the same
-    codec, pixel format and container flags). Odd sides are padded by one edge pixel (yuv420p
+    codec, pixel format and container flags; every frame timestamped here). Odd sides are padded by one edge pixel (yuv420p
     needs even sides). `close()` finishes the file; `discard()` stops and removes it.
     """
 
@@ -36,6 +37,7 @@ class VideoWriter:
         self._writer: Any = None  # opened on the first frames, when their size is known
         self._av: Any = None
         self.appends = 0
+        self.frames = 0  # written so far: the next frame's timestamp (in 1/fps)
 
     def append(self, frames: np.ndarray) -> None:
         """FxHxWx3 uint8 frames, in order."""
@@ -52,8 +54,11 @@ class VideoWriter:
         container, stream = self._av
         import av
 
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        for frame in frames:  # each frame's timestamp set here: none left for PyAV to guess
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts, picture.time_base = self.frames, Fraction(1, self.fps)
+            self.frames += 1
+            container.mux(stream.encode(picture))
 
     def close(self) -> None:
         if self._writer is not None:
@@ -82,6 +87,7 @@ class VideoWriter:
 
             container = av.open(self.path, "w", format="mp4", options={"movflags": "+faststart"})
             stream = container.add_stream("libx264", rate=self.fps)
+            stream.codec_context.time_base = Fraction(1, self.fps)
             stream.height, stream.width = size
             stream.pix_fmt = "yuv420p"
             stream.options = {"preset": X264_PRESET}

@@ -174,3 +174,28 @@ def test_video_jobs_survive_a_restart(tmp_path_factory):
         assert client.videos.poll("video_queued").status == "completed"
     finally:
         server.stop()
+
+
+def test_models_lists_a_pipeline_that_makes_text_only(tmp_path_factory, tmp_path):
+    """A YAML pipeline whose only stage is an LLM is a model (chat): listed, with no media
+    limits, beside the image models; images asked of it are a 400."""
+    spec = tmp_path / "chat.yaml"
+    spec.write_text(
+        "pipelines:\n"
+        "  - name: chat-only\n"
+        "    output: text\n"
+        "    stages:\n"
+        "      - {name: llm, kind: 'null', options: {output: text}}\n"
+    )
+    with live_server(tmp_path_factory, str(spec), "null-image") as server, server.http() as http:
+        listed = http.get("/v1/models")
+        assert listed.status_code == 200, listed.text
+        by_id = {m["id"]: m for m in listed.json()["data"]}
+        assert set(by_id) == {"chat-only", "null-image"}
+        assert by_id["chat-only"]["output"] == "text" and by_id["chat-only"]["limits"] is None
+        assert by_id["null-image"]["limits"]["max_side"] > 0
+        one = http.get("/v1/models/chat-only")
+        assert one.status_code == 200 and one.json()["stages"] == ["llm"]
+        assert server.client().models.retrieve("chat-only").id == "chat-only"
+        r = http.post("/v1/images/generations", json={"prompt": "x", "model": "chat-only"})
+        assert r.status_code == 400, r.text

@@ -48,6 +48,7 @@ def assert_clean(eng: AsyncOmni) -> None:
     """No per-request state is left anywhere in the engine."""
     orch = eng.orchestrator
     assert orch.requests == {}
+    assert len(orch.ledger) == 0  # no id held, no store unreported
     assert all(not p.waiting for pools in orch.pools.values() for p in pools)
     snap = eng.stats.snapshot()
     assert sum(snap["final"].values()) == snap["requests_total"]

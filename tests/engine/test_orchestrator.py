@@ -13,9 +13,15 @@ from tests.conftest import wait_for, wait_until
 from tests.engine.helpers import assert_clean, collect, engine, final, gather, req, steps_of
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import AsyncOmni
-from vllm_omni_like.errors import EngineDeadError, ErrorKind, NotFoundError, QueueFullError
+from vllm_omni_like.errors import (
+    ConflictError,
+    EngineDeadError,
+    ErrorKind,
+    NotFoundError,
+    QueueFullError,
+)
 from vllm_omni_like.executor.multiproc import SHUTDOWN_GRACE_S
-from vllm_omni_like.outputs import RequestProgress
+from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.pipelines.catalog import resolve
 
 FAULTS = (
@@ -273,3 +279,24 @@ def test_stages_shut_down_side_by_side_not_one_after_the_other():
 
     took = asyncio.run(main())
     assert took < SHUTDOWN_GRACE_S + 2.0, f"shutdown took {took:.1f}s"
+
+
+def test_a_duplicate_live_request_id_is_refused_and_the_first_request_is_untouched():
+    with engine("null-image") as e:
+
+        async def run():
+            first = e.open(req("same", pipeline="null-image", steps=4, delay=0.05))
+            with pytest.raises(ConflictError) as refused:
+                e.open(req("same", pipeline="null-image"))
+            while not isinstance(out := await first.next(), OmniRequestOutput):
+                pass
+            return refused.value, out, await final(e, req("same", pipeline="null-image"))
+
+        refused, out, again = asyncio.run(run())
+        assert refused.status == 409 and refused.code == "duplicate_request_id"
+        assert refused.message == "request id 'same' is already in the engine; ids must be unique"
+        assert out.ok  # the first one ran to its end, its state whole
+        assert again.ok  # once it ended, the id is free again
+        snap = e.stats.snapshot()
+        assert snap["requests_total"] == 2 and snap["final"]["success"] == 2
+        assert e.orchestrator.admission.held("null-image")[0] == 0  # its slots given back

@@ -43,6 +43,8 @@ def check_engine(server) -> None:
         5,
     )
     assert not orch.early_aborts
+    # no request id left in the engine, and no success whose store was never reported
+    assert wait_until(lambda: len(orch.ledger) == 0, 5), f"ids left: {len(orch.ledger)}"
     snap = engine.stats.snapshot()
     assert sum(snap["final"].values()) == snap["requests_total"], snap
     loop = server.app.state.loop

@@ -1,4 +1,5 @@
 import math
+import weakref
 
 import pytest
 
@@ -83,3 +84,32 @@ def test_aborted_requests_are_skipped():
     control = _control()
     control.abort(["r0", "r1"])
     assert run_isolated(_stage(), _batch(["a", "b"]), control) == []
+
+
+class _Held:
+    """Stands for the tensors of a forward that ran out of memory."""
+
+
+def test_after_out_of_memory_the_failed_calls_memory_is_gone_before_the_cache_is_emptied(
+    monkeypatch,
+):
+    """The failed call's frames hang on the exception's traceback: the device's cache is
+    emptied only once they are gone, else the blocks they hold would stay reserved."""
+    from vllm_omni_like.stages import isolation
+
+    refs: list[weakref.ref] = []
+    alive_at_empty: list[bool] = []
+
+    def forward(live):
+        activations = _Held()  # a local of the failed call's frame
+        refs.append(weakref.ref(activations))
+        raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(
+        isolation, "free_device_cache", lambda: alive_at_empty.append(refs[-1]() is not None)
+    )
+    outs = isolation._bisect("diffusion", _batch(["a", "b"]), _control(), forward)
+    assert [o.error.code for o in outs] == ["generation_failed"] * 2
+    assert "out of memory while running this request" in outs[0].error.message
+    assert len(alive_at_empty) == 3  # the batch, then each half alone
+    assert alive_at_empty == [False, False, False]

@@ -4,6 +4,7 @@ bytes as encoding the finished frames, and a failed encode leaves the frames to 
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -17,9 +18,27 @@ from vllm_omni_like.stages import video_stream
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.video_codec import VideoBytes, decode_video, encode_video
+from vllm_omni_like.video_codec import VideoBytes, VideoWriter, decode_video, encode_video
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, params=["imageio-ffmpeg", "pyav"])
+def encoder(request, monkeypatch):
+    """Every test under both encoders: imageio's ffmpeg, and PyAV where imageio-ffmpeg is
+    missing (each streamed MP4 is compared with its own encoder's `encode_video`)."""
+    if request.param == "pyav":
+        monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # its import now fails
+    used: list[str] = []
+    real_open = VideoWriter._open
+
+    def spy(self, size):
+        real_open(self, size)
+        used.append("pyav" if self._av is not None else "imageio-ffmpeg")
+
+    monkeypatch.setattr(VideoWriter, "_open", spy)
+    yield request.param
+    assert set(used) <= {request.param}, used  # every video of the test went through it
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Callable
@@ -37,6 +38,16 @@ def free_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def release_failed_memory(exc: BaseException) -> None:
+    """After an out-of-memory error, once its `except` block is left: the failed call's frames
+    (its tensors) hang on the traceback, so drop it, collect what it held, and give the freed
+    blocks back to the device. Emptied only here, never after every batch."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    gc.collect()
+    free_device_cache()
+
+
 def _as_request_error(exc: BaseException, stage: str) -> OmniError:
     if isinstance(exc, OmniError):
         return exc
@@ -69,24 +80,25 @@ def _bisect(
         return []
     except FatalStageError:  # raised as such (a CFG-parallel rank's link broke): the worker's
         raise
-    except Exception as exc:
-        if is_fatal_device_error(exc):
-            raise FatalStageError(str(exc)) from exc
-        if is_out_of_memory(exc):
-            free_device_cache()
-        if len(live) == 1:
-            if not isinstance(exc, InvalidRequestError):
-                logger.warning("stage %s: request %s failed: %r", stage, live[0].request_id, exc)
-            err = StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage), stage)
-            if report is None:
-                return [err]
-            report(err)
-            return []
-        logger.info("stage %s: batch of %d raised %r; bisecting", stage, len(live), exc)
-        mid = len(live) // 2
-        return _bisect(stage, live[:mid], control, run, report) + _bisect(
-            stage, live[mid:], control, run, report
-        )
+    except Exception as failure:
+        if is_fatal_device_error(failure):
+            raise FatalStageError(str(failure)) from failure
+        exc = failure
+    if is_out_of_memory(exc):
+        release_failed_memory(exc)
+    if len(live) == 1:
+        if not isinstance(exc, InvalidRequestError):
+            logger.warning("stage %s: request %s failed: %r", stage, live[0].request_id, exc)
+        err = StageOutput.from_error(live[0].request_id, _as_request_error(exc, stage), stage)
+        if report is None:
+            return [err]
+        report(err)
+        return []
+    logger.info("stage %s: batch of %d raised %r; bisecting", stage, len(live), exc)
+    mid = len(live) // 2
+    return _bisect(stage, live[:mid], control, run, report) + _bisect(
+        stage, live[mid:], control, run, report
+    )
 
 
 def _retried_after_reclaim(
@@ -101,21 +113,23 @@ def _retried_after_reclaim(
         nonlocal retried
         try:
             return run(live)
-        except Exception as exc:
-            if retried or not is_out_of_memory(exc) or control.reclaim is None:
+        except Exception as failure:
+            if retried or not is_out_of_memory(failure) or control.reclaim is None:
                 raise
-            retried = True
-            if not control.reclaim():  # nothing was held beside it: the batch's own doing
-                raise
-            logger.warning(
-                "stage %s: out of memory while the batch before decoded (%s); its memory is "
-                "back, running the batch of %d again",
-                stage,
-                exc,
-                len(live),
-            )
-            free_device_cache()
-            return run(control.live(live))
+            exc = failure
+        retried = True
+        if not control.reclaim():  # nothing was held beside it: the batch's own doing
+            raise exc
+        logger.warning(
+            "stage %s: out of memory while the batch before decoded (%s); its memory is back, "
+            "running the batch of %d again",
+            stage,
+            exc,
+            len(live),
+        )
+        release_failed_memory(exc)
+        del exc
+        return run(control.live(live))
 
     return once_more
 
