@@ -113,7 +113,7 @@ class Chaos:
             "100000",
             "--stall-timeout",
             "0.5",
-            "--first-step-timeout",
+            "--cold-step-timeout",
             "1.0",
             "--request-timeout",
             str(REQUEST_TIMEOUT),

@@ -40,7 +40,7 @@ import contextlib
 from bench.server_proc import Server
 
 WINDOW_S = 360.0  # the creep is judged over the last 6 minutes
-SAMPLE_S = 5.0
+SAMPLE_S = 2.0
 OOM_SHARE = 0.01
 
 
@@ -62,7 +62,7 @@ def sd15_args(fraction: float) -> list[str]:
         "--max-side",
         "4096",
         "--max-pixels",
-        str(16 * 2048 * 2048),
+        str(8 * 2048 * 2048),
         "--gpu-memory-fraction",
         str(fraction),
     ]
@@ -72,8 +72,8 @@ def body(i: int, oom: bool, cpu: bool) -> dict[str, Any]:
     if cpu:  # tiny-image: the fault rule selects '@oom' prompts
         prompt = "a red circle @oom" if oom else "a red circle"
         return {"model": "tiny-image", "prompt": prompt, "seed": i, "num_inference_steps": 4}
-    if oom:  # 16 images of 2048x2048: their VAE decode cannot fit under the cap
-        return {"prompt": "x", "size": "2048x2048", "n": 16, "seed": i, "num_inference_steps": 2}
+    if oom:  # 8 images of 2048x2048: they cannot fit under the cap (the VAE decode at least)
+        return {"prompt": "x", "size": "2048x2048", "n": 8, "seed": i, "num_inference_steps": 1}
     return {"prompt": "a photo of a cat", "size": "512x512", "seed": i, "num_inference_steps": 20}
 
 
@@ -190,8 +190,22 @@ def steady(server: Server, minutes: float, cpu: bool) -> dict[str, Any]:
     }
     if used:
         result["creep_used_ratio"] = creep(used)
+        # the allocator's cache saws between an OOM's emptying and its cap: the floor of each
+        # 30 s is what the process really keeps
+        result["creep_used_floor_ratio"] = creep(floors(used, 30.0))
         result["used_first_last_mib"] = [used[0][1] / 2**20, used[-1][1] / 2**20]
+        result["used_series_mib"] = [[round(t, 1), round(v / 2**20)] for t, v in used]
+    result["rss_series_mib"] = [[round(t, 1), round(v / 2**20)] for t, v in rss]
     return result
+
+
+def floors(samples: list[tuple[float, float]], bin_s: float) -> list[tuple[float, float]]:
+    """The lowest sample of each `bin_s` seconds, at the bin's middle."""
+    bins: dict[int, float] = {}
+    for t, v in samples:
+        k = int(t // bin_s)
+        bins[k] = min(v, bins.get(k, v))
+    return [((k + 0.5) * bin_s, v) for k, v in sorted(bins.items())]
 
 
 def oom_burst(server: Server) -> dict[str, Any]:
@@ -229,7 +243,12 @@ def main() -> int:
     ap.add_argument("--before", help="an older checkout to compare c32 throughput with")
     ap.add_argument("--fraction", type=float, default=0.45)
     ap.add_argument("--c32-requests", type=int, default=160)
-    ap.add_argument("--skip-creep", action="store_true")
+    ap.add_argument("--rounds", type=int, default=4, help="c32 runs of each tree, alternated")
+    ap.add_argument(
+        "--parts",
+        default="c32,oom,creep",
+        help="gpu: which parts to run, in one sitting or split over calls (c32, oom, creep)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--log", default="/tmp/memory-bench.log")
     args = ap.parse_args()
@@ -249,27 +268,19 @@ def main() -> int:
 
         result["device"] = torch.cuda.get_device_name(0)
         server = Server(sd15_args(args.fraction), args.log, 600)
-        before = None
+        parts = set(args.parts.split(","))
+        before = before_server(args) if args.before and "c32" in parts else None
         try:
-            if args.before:
-                before = before_server(args)
             c32(server, 64)  # warm-up (cuDNN, the allocator's pool)
+            if "c32" in parts:
+                result.update(compare_c32(server, before, args.c32_requests, args.rounds))
             if before is not None:
-                c32(before, 64)
-            ours, theirs = [], []
-            for _ in range(2):  # alternated: the GPU's clocks treat both alike
-                ours.append(c32(server, args.c32_requests))
-                if before is not None:
-                    theirs.append(c32(before, args.c32_requests))
-            result["c32_img_s"] = ours
-            if theirs:
-                result["c32_img_s_before"] = theirs
-                result["c32_ratio_vs_before"] = float(np.median(ours) / np.median(theirs))
                 before.stop()
                 before = None
-            result.update(oom_burst(server))
-            print(json.dumps(result, indent=1), flush=True)
-            if not args.skip_creep:
+            if "oom" in parts:
+                result.update(oom_burst(server))
+                print(json.dumps(result, indent=1), flush=True)
+            if "creep" in parts:
                 result.update(steady(server, minutes, cpu=False))
         finally:
             server.stop()
@@ -280,6 +291,24 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def compare_c32(
+    server: Server, before: Server | None, requests: int, rounds: int
+) -> dict[str, Any]:
+    """c32 throughput of this tree's server, and of the older one's, alternated."""
+    if before is not None:
+        c32(before, 64)  # its warm-up
+    ours, theirs = [], []
+    for _ in range(rounds):  # alternated: the GPU's clocks treat both alike
+        ours.append(c32(server, requests))
+        if before is not None:
+            theirs.append(c32(before, requests))
+    result: dict[str, Any] = {"c32_img_s": ours}
+    if theirs:
+        result["c32_img_s_before"] = theirs
+        result["c32_ratio_vs_before"] = float(np.median(ours) / np.median(theirs))
+    return result
 
 
 def before_server(args: argparse.Namespace) -> Server:

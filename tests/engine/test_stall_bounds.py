@@ -42,6 +42,8 @@ def test_a_step_that_compiles_gets_the_compile_timeout_and_a_hang_after_it_does_
         assert "s (bound 0.5s: " in bad.error.message and "compiling" not in bad.error.message
         assert took < 2 * (stage_doubles.COMPILE_S + 0.5) + 10  # two restarts import torch
         wait_for(lambda: e.stats.worker_deaths == 2, 5, "two stalls counted as deaths")
+        pool = e.orchestrator.pools["null-image"][0]
+        wait_for(lambda: pool.state == "ready", 30, "the replica restarted")
         assert asyncio.run(final(e, _image("after"))).ok
 
 

@@ -82,8 +82,10 @@ def limit_memory(device: str, fraction: float | None) -> None:
         if not torch.cuda.is_available():
             return
         device = "cuda"
-
-    torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+    where = torch.device(device)
+    if where.index is None:  # torch wants an index: the device this worker uses
+        where = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_per_process_memory_fraction(fraction, where)
 
 
 def gpu_memory_in_use() -> int:
