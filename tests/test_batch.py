@@ -143,7 +143,6 @@ def test_a_missing_input_fails_before_any_model_loads(tmp_path, capsys):
     assert not out.exists()
 
 
-
 def test_the_offline_runs_requests_are_counted_once_their_files_are_written(tmp_path, monkeypatch):
     """The engine records a stored output's success once the command says its files are whole
     (a video's too), and a failed write as an error: the final statuses sum to the total."""

@@ -28,8 +28,9 @@ class VideoWriter:
 
     Encoded by imageio's bundled ffmpeg, a process of its own that encodes the frames already
     written while more are made; where imageio-ffmpeg is missing, by PyAV's libx264 (the same
-    codec, pixel format and container flags; every frame timestamped here). Odd sides are padded by one edge pixel (yuv420p
-    needs even sides). `close()` finishes the file; `discard()` stops and removes it.
+    codec, pixel format and container flags; every frame timestamped here). Odd sides are
+    padded by one edge pixel (yuv420p needs even sides). `close()` finishes the file;
+    `discard()` stops and removes it.
     """
 
     def __init__(self, path: str, fps: int, pyav: bool = False) -> None:

@@ -143,7 +143,9 @@ def test_stalled_worker_is_killed_and_handled_as_a_death():
         assert out.error.message.startswith(
             "stage 'diffusion': request stalled its worker twice (no progress for "
         )
-        assert out.error.message.endswith("s: cold start: no step measured yet)); it is not retried")
+        assert out.error.message.endswith(
+            "s: cold start: no step measured yet)); it is not retried"
+        )
         wait_for(lambda: e.stats.worker_deaths == 2, 5, "two stalls counted as deaths")
         assert elapsed < 10
         assert wait_until(lambda: _states(e)["diffusion"] == "ready", 10)

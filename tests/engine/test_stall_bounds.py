@@ -69,9 +69,7 @@ def test_out_of_memory_beside_a_decode_is_retried_once_it_is_freed(capfd):
     """Each batch holds memory until its decode ends, so the next batch, begun beside that
     decode, runs out of memory: it waits for the decode, runs again and succeeds, uncharged."""
     kw = {"max_batch_size": 1, "options": {"decode_delay": 0.0}}
-    with engine(
-        "null-image", stage_kw=kw, stage_kind=f"{DOUBLES}:DecodeHoldsMemoryStage"
-    ) as e:
+    with engine("null-image", stage_kw=kw, stage_kind=f"{DOUBLES}:DecodeHoldsMemoryStage") as e:
 
         async def run():
             return await asyncio.gather(*(final(e, _image(f"r{i}", f"p{i}")) for i in range(3)))
