@@ -51,6 +51,18 @@ def _burst(url: str, model: str, prompts: list[str], steps: int) -> list[tuple[i
     return results
 
 
+def _stalled_twice(results: list[tuple[int, dict, float]]) -> tuple[str, float, list[int]]:
+    """The culprit's (the first request's) error message and time, and its peers' statuses;
+    asserts that it ended 500 as a request that stalled its worker twice."""
+    (status, body, took), *peers = results
+    assert status == 500, body
+    message = body["error"]["message"]
+    assert message.startswith(
+        "stage 'diffusion': request stalled its worker twice (no progress for "
+    ), message
+    return message, took, [p[0] for p in peers]
+
+
 class HealthWatch:
     """Reads /health every 50 ms (for at most 120 s) and keeps the states it saw."""
 
@@ -92,15 +104,10 @@ def test_r18_a_hang_in_the_first_batch_of_a_fresh_replica(tmp_path_factory, mode
         prompts = ["a red circle @hang"] + [f"a blue square {i}" for i in range(7)]
         results = _burst(server.url, model, prompts, steps)
         seen = watch.stop()
-        (status, body, took), *peers = results
-        assert status == 500, body
-        message = body["error"]["message"]
-        assert message.startswith(
-            "stage 'diffusion': request stalled its worker twice (no progress for "
-        ), message
+        _, took, peers = _stalled_twice(results)
         # two bounds (the first the cold allowance) and two restarts: not the compile timeout
         assert took < 2 * 2 * stall + 30, took
-        assert [p[0] for p in peers] == [200] * 7, [p[1] for p in peers]
+        assert peers == [200] * 7, results
         # while the only replica was stuck or restarting, /health said so
         assert any(code != "healthy" for code, _, _ in seen), seen
         assert _post(server.url, model, "a green star", steps)[0] == 200
@@ -148,14 +155,9 @@ def test_r19_a_hang_in_the_decode_is_charged_to_its_batch_only(tmp_path_factory,
         for round_ in range(2):
             prompts = [f"a red circle @hang {round_}"] + [f"a square {i}" for i in range(7)]
             results = _burst(server.url, model, prompts, steps)
-            (status, body, _), *peers = results
-            assert status == 500, body
-            message = body["error"]["message"]
-            assert message.startswith(
-                "stage 'diffusion': request stalled its worker twice (no progress for "
-            ), message
+            message, _, peers = _stalled_twice(results)
             assert message.endswith(": decode)); it is not retried"), message
-            assert [p[0] for p in peers] == [200] * 7, [p[1] for p in peers]
+            assert peers == [200] * 7, results
             wait_for(lambda r=round_: stats.worker_deaths == 2 * (r + 1), 5, "the deaths")
             # the second death's restart is done before the next round
             wait_for(lambda: httpx.get(health).status_code == 200, 30, "healthy again")
