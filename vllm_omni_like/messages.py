@@ -93,10 +93,11 @@ class Progress:
 
 @dataclass
 class Compiling:
-    """The stage compiles (or warms up) now, `active`, or has stopped: a step that compiles may
-    take the stage's compile timeout instead of its stall bound."""
+    """Rank `rank` of the replica compiles now (`active`), or has stopped: a step that waits on a
+    compile may take the stage's compile timeout instead of its stall bound."""
 
     active: bool
+    rank: int = 0
 
 
 @dataclass

@@ -10,6 +10,7 @@ import time
 from tests.conftest import wait_for
 from tests.engine import stage_doubles
 from tests.engine.helpers import engine, final, req
+from vllm_omni_like.engine.stall import StepClock
 
 DOUBLES = "tests.engine.stage_doubles"
 HANG = "stage=diffusion,point=step,kind=hang,match=@hang"
@@ -26,7 +27,7 @@ def test_a_step_that_compiles_gets_the_compile_timeout_and_a_hang_after_it_does_
     ) as e:
         t0 = time.monotonic()
         out = asyncio.run(final(e, _image("first")))
-        # the compile (2.5 s) is five times the stall timeout and over the cold allowance
+        # the compile (1.5 s) is three times the stall timeout and over the cold allowance
         assert out.ok, out.error
         assert time.monotonic() - t0 >= stage_doubles.COMPILE_S
         assert e.stats.worker_deaths == 0
@@ -91,3 +92,19 @@ def test_out_of_memory_with_nothing_beside_is_the_batchs_own():
         out = asyncio.run(final(e, _image("o", "x @oom")))
         assert out.error.code == "generation_failed"
         assert "out of memory while running this request" in out.error.message
+
+
+def test_the_compile_allowance_lasts_while_any_rank_compiles():
+    """A CFG-parallel rank 0 waits on rank 1's compile too: the allowance ends with the last."""
+    clock = StepClock(stall_timeout=1.0, compile_timeout=30.0, cold_timeout=2.0)
+    assert clock.bound() == (2.0, "cold start: no step measured yet")
+    clock.speed.sample(0.05, 1.0)  # a measured step of 0.05 s per unit
+    clock.begin(1.0, now=0.0)
+    clock.compile_state(0, True, now=1.0)
+    clock.compile_state(1, True, now=1.5)
+    clock.compile_state(0, False, now=5.0)  # rank 1 still compiles
+    assert clock.bound() == (30.0, "compiling")
+    clock.compile_state(1, False, now=9.0)
+    assert clock.bound() == (1.0, "stall timeout") and clock.last_step == 9.0
+    clock.step(now=9.5)  # the step that compiled is no sample of the speed
+    assert clock.speed.rate == 0.05

@@ -305,8 +305,8 @@ class Orchestrator:
                 self.stats.batch_done(BatchReport(*report, done.phases))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
-            case Compiling(active=active):
-                pool.on_compiling(replica, active, time.monotonic())
+            case Compiling(active=active, rank=rank):
+                pool.on_compiling(replica, rank, active, time.monotonic())
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):
                 pool.on_progress(replica, bid, step, total, time.monotonic())
                 for rid in ids:

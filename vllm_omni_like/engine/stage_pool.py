@@ -225,9 +225,9 @@ class StagePool:
         """A step of a batch was reported: the replica's step clock calibrates on it."""
         self.replicas[replica_index].progress(batch_id, step, total, now)
 
-    def on_compiling(self, replica_index: int, active: bool, now: float) -> None:
-        """The replica's worker began or ended a compilation (its own allowance)."""
-        self.replicas[replica_index].clock.compile_state(active, now)
+    def on_compiling(self, replica_index: int, rank: int, active: bool, now: float) -> None:
+        """A rank of the replica began or ended a compilation (its own allowance)."""
+        self.replicas[replica_index].clock.compile_state(rank, active, now)
 
     def stall_of(self, replica_index: int) -> Stall | None:
         """Why the engine killed this replica, if it did (read before its death is handled)."""

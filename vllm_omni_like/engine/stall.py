@@ -4,8 +4,9 @@ Each replica keeps a `StepClock`: the units of work of one step of the batch it 
 model of cost.py) and its measured seconds per unit (`Speed`), calibrated on every step
 it reported. A running batch is stalled when no step arrived for
 
-- while its worker says it compiles or warms up (`Compiling`: torch.compile's start and end):
-  `compile_timeout`, counted from the compile's start; its end restarts the clock;
+- while one of its workers says it compiles (`Compiling`: torch.compile's start and end, from
+  every rank: a CFG-parallel rank 0 waits on rank 1's compile too): `compile_timeout`, counted
+  from the compile's start; its end restarts the clock;
 - on a replica that has measured no step yet (nor has the same stage's replica beside it on the
   same kind of device): `cold_timeout`, an allowance for a cold start that a busy machine does
   not trip;
@@ -36,7 +37,7 @@ class StepClock:
     speed: Speed = field(default_factory=Speed)  # seconds per unit of work, measured
     units: float = 0.0  # one step of the running batch
     last_step: float = 0.0  # the batch's start, then each step's report (or a compile's end)
-    compiling: bool = False  # its worker compiles now
+    compiling_ranks: set[int] = field(default_factory=set)  # its workers that compile now
     compiled: bool = False  # a compile ran since the last step (that step's time is no sample)
 
     def begin(self, units: float, now: float) -> None:
@@ -49,14 +50,23 @@ class StepClock:
             self.speed.sample(now - self.last_step, self.units)
         self.last_step, self.compiled = now, False
 
-    def compile_state(self, active: bool, now: float) -> None:
-        """Its worker began or ended a compilation: the clock counts from now."""
-        self.compiling, self.last_step = active, now
+    @property
+    def compiling(self) -> bool:
+        return bool(self.compiling_ranks)
+
+    def compile_state(self, rank: int, active: bool, now: float) -> None:
+        """A worker (rank) began or ended a compilation: the clock counts from now."""
+        if active:
+            self.compiling_ranks.add(rank)
+        else:
+            self.compiling_ranks.discard(rank)
+        self.last_step = now
         self.compiled = self.compiled or active
 
     def restarted(self) -> None:
         """A new worker process: it compiles nothing yet (its speed is the same hardware's)."""
-        self.compiling = self.compiled = False
+        self.compiling_ranks.clear()
+        self.compiled = False
 
     def expected_step_s(self, peer_rate: float | None = None) -> float | None:
         rate = self.speed.rate if self.speed.rate is not None else peer_rate

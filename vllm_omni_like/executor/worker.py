@@ -113,9 +113,9 @@ class _Worker:
         timeout. Nested compiles are one: torch runs the callbacks at the outermost ends."""
         from torch._dynamo.callback import callback_handler  # only a compiled stage has torch
 
-        if self.reports:
-            callback_handler.register_start_callback(lambda *_: self.send(Compiling(True)))
-            callback_handler.register_end_callback(lambda *_: self.send(Compiling(False)))
+        # every rank: rank 0's step waits on a CFG-parallel rank 1's compile too
+        callback_handler.register_start_callback(lambda *_: self.send(Compiling(True, self.rank)))
+        callback_handler.register_end_callback(lambda *_: self.send(Compiling(False, self.rank)))
 
     def _progress(self, ids: list[str], step: int, total: int, previews: dict[str, Any]) -> None:
         if self.reports:
