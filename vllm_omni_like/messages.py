@@ -158,7 +158,7 @@ class OmniRequest:
     # the client's own id (x-request-id), carried for logs; the engine keys on request_id
     client_id: str | None = None
     # the caller writes the output to a file: the engine records its success once the caller
-    # reports the write done (`AsyncOmni.stored`), a failed write as an error
+    # reports the write done (`AsyncOmni.store`), a failed write as an error
     stores_output: bool = False
     # run stages 0..last_stage only (a chat completion stops after the LLM stage); None: all
     last_stage: int | None = None
@@ -187,7 +187,6 @@ class Submit:
 class Abort:
     request_id: str
     kind: ErrorKind = ErrorKind.ABORTED  # one of errors.ABORT_KINDS
-    message: str = ""
 
 
 @dataclass

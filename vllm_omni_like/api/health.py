@@ -38,15 +38,15 @@ async def health(request: Request) -> JSONResponse:
 def _model(engine, name: str) -> dict:
     """OpenAI's model object, with what the model makes and its limits as extension fields
     (`limits` is null for a model that makes text only: a chat model has no media limits)."""
-    makes_media = engine.pipeline_output(name) != "text"
+    output = engine.pipeline_output(name)
     return {
         "id": name,
         "object": "model",
         "created": STARTED_AT,
         "owned_by": "vllm_omni_like",
-        "output": engine.pipeline_output(name),
+        "output": output,
         "stages": [s.name for s in engine.config_of(name).stages],
-        "limits": engine.model_limits(name).as_dict() if makes_media else None,
+        "limits": engine.model_limits(name).as_dict() if output != "text" else None,
     }
 
 

@@ -234,12 +234,12 @@ class Orchestrator:
         match msg:
             case Submit(state=state):
                 self._on_submit(state)
-            case Abort(request_id=rid, kind=kind, message=message):
+            case Abort(request_id=rid, kind=kind):
                 state = self.requests.get(rid)
                 if state is None and rid not in self.recent_final:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
                 elif state is not None:
-                    self._abort(state, kind, message)
+                    self._abort(state, kind)
             case CutOff(message=message):
                 for state in list(self.requests.values()):
                     self._abort(state, ErrorKind.SHUTTING_DOWN, message)
