@@ -8,6 +8,7 @@ a video encoded either way is the same bytes. CPU work: callers keep it off the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
@@ -21,6 +22,25 @@ import numpy as np
 # against the default preset's 1.45 s for 33 frames of 832x480 on this project's CPU, for a
 # smaller file of the same PSNR.
 X264_PRESET = "veryfast"
+# PyAV's bundled libx264 (x264 core 165) encodes the same frames to different bytes now and
+# then on a CPU with AVX-512 (measured on a 16-core host of an H100: with its frame threads or
+# one thread, while torch works beside it), never with its AVX-512 code left out: there x264
+# gets the CPU's flags up to AVX2 (`asm=AVX2`, which a CPU with AVX-512 always has), so a video
+# streamed chunk by chunk is the bytes of encoding it whole. Same speed (bench/README.md).
+X264_CAP_WITHOUT = "avx512f"
+
+
+@functools.cache
+def pyav_x264_params(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """libx264's options for PyAV on this CPU: its assembly capped at AVX2 where AVX-512 is."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:  # not Linux: x264 detects the CPU itself
+        return {}
+    return {"x264-params": "asm=AVX2"} if X264_CAP_WITHOUT in flags else {}
 
 
 class VideoWriter:
@@ -91,7 +111,7 @@ class VideoWriter:
             stream.codec_context.time_base = Fraction(1, self.fps)
             stream.height, stream.width = size
             stream.pix_fmt = "yuv420p"
-            stream.options = {"preset": X264_PRESET}
+            stream.options = {"preset": X264_PRESET, **pyav_x264_params()}
             self._av = (container, stream)
             return
         import imageio.v2 as imageio
