@@ -32,7 +32,8 @@ from typing import Any
 import raw_diffusers as ref
 import torch
 
-from vllm_omni_like.stages.acceleration import compile_denoiser
+from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
+from vllm_omni_like.stages.acceleration import compile_models
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 
 SDPA_BACKENDS = {
@@ -158,7 +159,7 @@ def configure(pipe: Any, tokens: set[str], state: dict[str, Any]) -> None:
         else None
     )
     if mode:
-        compile_denoiser(pipe, mode, "inductor")  # the server's: the UNet and the VAE decoder
+        compile_models(StableDiffusionAdapter(pipe), mode, "inductor")  # the UNet, the VAE decoder
         if "vae" not in tokens:  # the UNet alone
             pipe.vae.decoder = pipe.vae.decoder._orig_mod
 

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from vllm_omni_like.models.wan.adapter import WanAdapter
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.torch_utils import dummy_pipeline
@@ -110,7 +111,7 @@ def main() -> None:
         if args.graphs:
             graphed = graphed_ms(model, latents[:rows], t[:rows], text[:rows], args.runs)
             out[f"forward_b{rows}_graph_ms"] = graphed
-    cfg = accel.batch_cfg(pipe)
+    cfg = WanAdapter(pipe).batched_cfg()
     kwargs = dict(
         prompt_embeds=text[:1],
         negative_prompt_embeds=text[1:],

@@ -1,14 +1,26 @@
 """The layers import only downwards: api -> protocol -> engine -> executor -> stages ->
-messages/outputs -> config/errors; the offline batch command never imports the HTTP layer."""
+pipelines -> models -> parallel -> messages/outputs -> config/errors; the offline batch command
+never imports the HTTP layer; no model class is named outside models/."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_omni_like"
 # a layer may import those after it in this order, never those before it
-ORDER = ["api", "batch", "protocol", "engine", "executor", "stages", "pipelines"]
+ORDER = [
+    "api",
+    "batch",
+    "protocol",
+    "engine",
+    "executor",
+    "stages",
+    "pipelines",
+    "models",
+    "parallel",
+]
 BOTTOM = {"messages", "outputs", "config", "errors", "params", "stage_options", "cost"}
 
 
@@ -47,3 +59,47 @@ def test_the_batch_command_does_not_import_the_http_layer():
     imported = _imports(PACKAGE / "batch.py")
     assert not [m for m in imported if m.startswith("vllm_omni_like.api")]
     assert not [m for m in imported if m.split(".")[0] in ("fastapi", "uvicorn", "starlette")]
+
+
+MODEL_CLASSES = re.compile(
+    r"^(StableDiffusion|UNet2D|AutoencoderKL|Wan|Flux|QwenImage|ZImage|SD3|CogVideo|HunyuanVideo)"
+)
+
+
+def _names_and_strings(tree: ast.AST) -> set[str]:
+    """Identifiers, attributes and string constants of a module, less its docstrings."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.split(".")[-1])
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            found.add(node.value)
+    return found
+
+
+def test_no_model_class_is_named_outside_models():
+    """Model knowledge lives in its family's adapter: stages, engine, executor and parallel
+    name no model or pipeline class (the families' modules under models/ do)."""
+    named = []
+    for layer in ("stages", "engine", "executor", "parallel"):
+        for path in (PACKAGE / layer).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            hits = sorted(n for n in _names_and_strings(tree) if MODEL_CLASSES.match(n))
+            named += [f"{path.relative_to(PACKAGE)}: {hit}" for hit in hits]
+    assert named == []

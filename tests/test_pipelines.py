@@ -54,7 +54,7 @@ def test_model_limits_come_from_the_model_and_yaml_or_flags_override_them():
     import argparse
 
     from vllm_omni_like import flags
-    from vllm_omni_like.stages.model_limits import pipeline_limits
+    from vllm_omni_like.models.limits import pipeline_limits
 
     (yaml_pipeline,) = from_yaml("examples/pipeline.yaml")
     limits = pipeline_limits(yaml_pipeline)

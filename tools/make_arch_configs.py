@@ -26,7 +26,7 @@ def sd15(out: str) -> None:
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig
 
-    from vllm_omni_like.stages.tiny_models import build_tokenizer
+    from vllm_omni_like.models.tiny import build_tokenizer
 
     with torch.device("meta"):
         UNet2DConditionModel(

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from common import Log, cosine, device, scenes, seed_all, train_vae, write_report
 
+from vllm_omni_like.models.tiny import MAX_TEXT_TOKENS, image_pipeline
 from vllm_omni_like.shapes import checker
-from vllm_omni_like.stages.tiny_models import MAX_TEXT_TOKENS, image_pipeline
 
 
 @torch.no_grad()

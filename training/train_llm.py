@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from common import Log, device, seed_all, write_report
 from prompts import pairs
 
-from vllm_omni_like.stages.tiny_llm import build_llm_tokenizer, llm_model
+from vllm_omni_like.models.tiny_llm import build_llm_tokenizer, llm_model
 
 TEMPLATE = "{prompt} <sep>"  # the tiny-omni pipeline's LLM prompt template
 MAX_LEN = 128

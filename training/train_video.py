@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from common import Log, clips, cosine, device, seed_all, train_vae, write_report
 
+from vllm_omni_like.models.tiny import MAX_TEXT_TOKENS, video_pipeline
 from vllm_omni_like.shapes import checker, world
-from vllm_omni_like.stages.tiny_models import MAX_TEXT_TOKENS, video_pipeline
 
 SHIFT = 3.0  # the FlowMatchEulerDiscreteScheduler's shift in the pipeline
 

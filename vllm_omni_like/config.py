@@ -133,7 +133,7 @@ class StageConfig:
     replicas: int = 1
     workers_per_replica: int = 1
     # the two guidance branches of each denoising step on two ranks (two devices) of one
-    # replica (stages/cfg_parallel.py): 2 workers per replica, devices taken two by two
+    # replica (parallel/cfg_parallel.py): 2 workers per replica, devices taken two by two
     cfg_parallel: bool = False
     max_batch_size: int = 8
     # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
@@ -163,7 +163,7 @@ class StageConfig:
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
-    # what a request may ask of the model; None: the model's own (stages/model_limits.py)
+    # what a request may ask of the model; None: the model's own (models/limits.py)
     max_side: int | None = None
     max_pixels: int | None = None
     max_frames: int | None = None
@@ -271,7 +271,7 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class Limits:
     """Server-wide request limits (over one is 400, 413 for bytes). What may be asked of a
-    model (sizes, frames, steps) is the model's own: StageConfig.max_* and model_limits.py."""
+    model (sizes, frames, steps) is the model's own: StageConfig.max_* and models/limits.py."""
 
     max_upload_bytes: int = 20 * 1024 * 1024
     max_upload_pixels: int = 4096 * 4096

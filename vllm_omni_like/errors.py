@@ -213,3 +213,19 @@ def classify(exc: BaseException, stage: str | None = None) -> ErrorInfo:
         return exc.info.at_stage(stage) if stage else exc.info
     detail = str(exc).strip() or type(exc).__name__
     return ErrorInfo(ErrorKind.GENERATE, f"{type(exc).__name__}: {detail}", stage=stage)
+
+
+# ---- a worker's device failures (raised and classified inside workers, never sent) --------------
+class FatalStageError(Exception):
+    """The device is unusable (a CUDA error other than out-of-memory): the worker must exit."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    if is_out_of_memory(exc):
+        return False
+    text = str(exc)
+    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "CUBLAS_" in text

@@ -18,7 +18,7 @@ class DiffusionOptions:
     """What the catalog knows of a diffusion model (its defaults and built-in limits); the
     stage flags `--max-side` etc. override the limits."""
 
-    default_steps: int | None = None  # None: stages/model_limits.py's default
+    default_steps: int | None = None  # None: models/limits.py's default
     default_guidance: float | None = None  # None: 7.5 for images, 5.0 for video
     default_size: int | None = None  # None: the model's native size
     default_width: int | None = None

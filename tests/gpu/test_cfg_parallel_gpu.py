@@ -61,8 +61,8 @@ def test_a_rank_lost_mid_step_takes_its_replica_down_on_gpus(sig, rank):
 def _header_rank(rank: int, rendezvous: str, sleep_cycles: int, took) -> None:
     import time
 
-    from vllm_omni_like.stages.base import Ranks
-    from vllm_omni_like.stages.cfg_parallel import Link
+    from vllm_omni_like.parallel.cfg_parallel import Link
+    from vllm_omni_like.parallel.ranks import Ranks
 
     link = Link(Ranks(rank, 2, rendezvous), torch.device("cuda", rank), timeout_s=60.0)
     if rank == 0:

@@ -10,8 +10,8 @@ import pytest
 from tests.api.conftest import live_server
 from tests.shapes.test_trained_models import _control, _stage
 from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models.tiny_llm import build_llm_tokenizer
 from vllm_omni_like.shapes import world
-from vllm_omni_like.stages.tiny_llm import build_llm_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -17,6 +17,10 @@ from vllm_omni_like import flags as cfg
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
+from vllm_omni_like.models.tiny import ensure_tiny_model
+from vllm_omni_like.models.wan.adapter import WanAdapter
+from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines import catalog
 from vllm_omni_like.stages import acceleration as accel
@@ -24,7 +28,6 @@ from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
-from vllm_omni_like.stages.tiny_models import ensure_tiny_model
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -144,8 +147,9 @@ def test_xformers_that_cannot_run_its_kernels_is_not_used(caplog, monkeypatch):
 def test_sdpa_needs_no_change_and_cpu_keeps_default_kernels():
     pipe = _Pipe()
     assert accel.set_attention(pipe, "sdpa", torch.device("cpu"), "d") == "sdpa"
-    assert accel.tune_kernels(pipe, torch.device("cpu"), fuse_qkv=True, compiled=True) == []
-    assert accel.use_channels_last(pipe, "auto", torch.device("cpu"), compiled=True) is False
+    adapter = StableDiffusionAdapter(pipe)
+    assert accel.tune_kernels(adapter, torch.device("cpu"), fuse_qkv=True, compiled=True) == []
+    assert accel.use_channels_last(adapter, "auto", torch.device("cpu"), compiled=True) is False
 
 
 def test_channels_last_auto_is_for_a_compiled_unet_on_cuda():
@@ -161,10 +165,17 @@ def test_channels_last_auto_is_for_a_compiled_unet_on_cuda():
         return weight.is_contiguous(memory_format=torch.channels_last) and nhwc_only
 
     cuda = torch.device("cuda")  # only the decision and the layout are checked: no kernel runs
-    assert accel.use_channels_last(Conv(), "auto", cuda, compiled=False) is False
+    assert (
+        accel.use_channels_last(StableDiffusionAdapter(Conv()), "auto", cuda, compiled=False)
+        is False
+    )
     assert not nhwc(Conv.unet) and not nhwc(Conv.vae)
-    assert accel.use_channels_last(Conv(), "off", cuda, compiled=True) is False
-    assert accel.use_channels_last(Conv(), "auto", cuda, compiled=True) is True
+    assert (
+        accel.use_channels_last(StableDiffusionAdapter(Conv()), "off", cuda, compiled=True) is False
+    )
+    assert (
+        accel.use_channels_last(StableDiffusionAdapter(Conv()), "auto", cuda, compiled=True) is True
+    )
     assert nhwc(Conv.unet) and nhwc(Conv.vae)
 
 
@@ -324,7 +335,7 @@ class _Denoiser(torch.nn.Module):
 
 def test_batched_cfg_runs_both_halves_in_one_forward():
     model = _Denoiser()
-    cfg = accel.BatchedCFG(model)
+    cfg = BatchedCFG(model)
     assert cfg.scale == 3.0  # attributes of the model show through
     latents, t = torch.randn(2, 4), torch.tensor([5.0, 5.0])
     text, negative = torch.randn(2, 3, 8), torch.zeros(2, 3, 8)
@@ -399,10 +410,19 @@ def test_channels_last_auto_puts_a_video_vae_in_ndhwc_on_cuda():
     x = torch.randn(1, 3, 5, 16, 16)
     with torch.inference_mode():
         before = Video.vae(x).sample
-    assert accel.use_channels_last(Video(), "auto", torch.device("cpu"), compiled=False) is False
-    assert accel.use_channels_last(Video(), "off", torch.device("cuda"), compiled=False) is False
+    assert (
+        accel.use_channels_last(WanAdapter(Video()), "auto", torch.device("cpu"), compiled=False)
+        is False
+    )
+    assert (
+        accel.use_channels_last(WanAdapter(Video()), "off", torch.device("cuda"), compiled=False)
+        is False
+    )
     assert not all(ndhwc(Video.vae))  # (only its 1x1x1 kernels count as both)
-    assert accel.use_channels_last(Video(), "auto", torch.device("cuda"), compiled=False) is True
+    assert (
+        accel.use_channels_last(WanAdapter(Video()), "auto", torch.device("cuda"), compiled=False)
+        is True
+    )
     assert all(ndhwc(Video.vae))
     with torch.inference_mode():  # the same model: only the weights' layout changed
         assert torch.allclose(Video.vae(x).sample, before, atol=1e-5)

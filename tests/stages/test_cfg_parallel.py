@@ -1,4 +1,4 @@
-"""CFG-parallel (stages/cfg_parallel.py) on the CPU: two gloo ranks per replica in real worker
+"""CFG-parallel (parallel/cfg_parallel.py) on the CPU: two gloo ranks per replica in real worker
 processes. The same images and videos as one rank at the same seed; a rank that dies or stops
 mid-step takes its replica down at once, which restarts whole, and the request re-runs."""
 
@@ -23,13 +23,14 @@ from vllm_omni_like.engine import stage_pool
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.executor import MultiprocExecutor, placement
 from vllm_omni_like.messages import BatchDone, ExecuteBatch, RequestResult, StageRequest
+from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
+from vllm_omni_like.models.tiny import image_pipeline
 from vllm_omni_like.outputs import OmniRequestOutput
+from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
-from vllm_omni_like.stages import cfg_parallel
 from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.tiny_models import image_pipeline
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 
 pytestmark = pytest.mark.slow
@@ -102,7 +103,7 @@ def test_config_takes_devices_two_by_two():
 def test_rank_1_keeps_only_the_denoiser():
     """Rank 1 never encodes text nor decodes: its pipeline drops all models but the denoiser."""
     pipe = image_pipeline()
-    dropped = cfg_parallel.keep_only_the_denoiser(pipe)
+    dropped = cfg_parallel.keep_only(pipe, StableDiffusionAdapter(pipe).keep_for_branches())
     assert {"text_encoder", "vae"} <= set(dropped) and "unet" not in dropped
     assert pipe.text_encoder is None and pipe.vae is None and pipe.unet is not None
 

@@ -1,4 +1,4 @@
-"""The CFG-parallel exchange between the ranks (stages/cfg_parallel.py: Leader and Follower), over
+"""The CFG-parallel exchange between the ranks (parallel/cfg_parallel.py: Leader and Follower), over
 an in-memory link in two threads: what travels per call, and what the ranks remember."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_omni_like.stages import cfg_parallel
-from vllm_omni_like.stages.cfg_parallel import Follower, Leader, PeerFailed
+from vllm_omni_like.parallel import cfg_parallel
+from vllm_omni_like.parallel.cfg_parallel import Follower, Leader, PeerFailed
 
 
 class QueueLink:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.stages.decode_loop import DecodeLoop
 from vllm_omni_like.stages.sampling import RowSampling, choose, penalize
-from vllm_omni_like.stages.tiny_models import ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import BatchDimProbe
 
 

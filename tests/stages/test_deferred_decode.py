@@ -9,7 +9,6 @@ import pytest
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages import latent_decode
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
@@ -67,7 +66,7 @@ def _assert_same(expected: dict, got: dict, levels: int = 0) -> None:
 
 
 def test_the_split_batch_equals_the_pipeline_call(image_stage):
-    assert latent_decode.decoder_for(image_stage.pipe) is not None  # the latent path runs
+    assert image_stage.adapter.decoder(image_stage.pipe) is not None  # the latent path runs
     batch = _text2img()
     whole = image_stage.execute(batch, _control())
     part = image_stage.begin(batch, _control())
@@ -84,13 +83,13 @@ def test_a_compiled_decoder_gets_its_bucket_sizes(image_stage, monkeypatch):
     batch = _text2img()
     want = _pixels(image_stage.execute(batch, _control()))
     seen = []
-    decoder = latent_decode.decoder_for(image_stage.pipe)
+    decoder = image_stage.adapter.decoder(image_stage.pipe)
 
     def recording(latents):
         seen.append(latents.shape[0])
         return decoder(latents)
 
-    monkeypatch.setattr(latent_decode, "decoder_for", lambda pipe: recording)
+    monkeypatch.setattr(image_stage.adapter, "decoder", lambda pipe: recording)
     monkeypatch.setattr(image_stage, "buckets", (1, 2, 4, 8))
     part = image_stage.begin(batch, _control())
     got = _pixels(part.finish([batch[0], batch[2]]))  # 3 rows, decoded as 4
@@ -102,7 +101,7 @@ def test_a_compiled_decoder_gets_its_bucket_sizes(image_stage, monkeypatch):
 def test_a_pipeline_without_a_known_decode_decodes_in_its_call(image_stage, monkeypatch):
     batch = _text2img()
     want = _pixels(image_stage.execute(batch, _control()))
-    monkeypatch.setattr(latent_decode, "decoder_for", lambda pipe: None)
+    monkeypatch.setattr(image_stage.adapter, "decoder", lambda pipe: None)
     part = image_stage.begin(batch, _control())
     _assert_same(want, _pixels(part.finish(batch)))
 
@@ -112,7 +111,7 @@ def test_edits_split_the_same_way(image_stage):
     mask = np.zeros((64, 64), dtype=np.uint8)
     mask[:, :32] = 255
     for name, pipe in image_stage.edit_pipes.items():
-        assert latent_decode.decoder_for(pipe) is not None, name
+        assert image_stage.adapter.decoder(pipe) is not None, name
         params = GenerationParams(seed=5, num_inference_steps=4, strength=0.8)
         batch = [
             StageRequest(
@@ -132,7 +131,7 @@ def test_edits_split_the_same_way(image_stage):
 def test_video_splits_the_same_way():
     stage = _stage("tiny-video")
     try:
-        assert latent_decode.decoder_for(stage.pipe) is not None
+        assert stage.adapter.decoder(stage.pipe) is not None
         batch = [
             StageRequest(
                 f"v{i}",

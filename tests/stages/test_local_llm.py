@@ -11,10 +11,10 @@ from tests.engine.helpers import final
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.models.tiny import ensure_tiny_model
+from vllm_omni_like.models.tiny_llm import build_llm_tokenizer
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
-from vllm_omni_like.stages.tiny_llm import build_llm_tokenizer
-from vllm_omni_like.stages.tiny_models import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
 

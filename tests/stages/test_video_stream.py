@@ -153,10 +153,10 @@ def test_a_video_of_other_than_the_expected_frames_gets_no_thumbnail(video_stage
 
 
 def test_only_an_untiled_wan_decoder_streams(video_stage):
-    module, patch = video_stream.chunk_source(video_stage.pipe)
-    assert module is video_stage.pipe.vae.decoder and patch is None
+    source = video_stage.adapter.chunk_source()
+    assert source is not None and source.module is video_stage.pipe.vae.decoder
     video_stage.pipe.vae.enable_tiling()
     try:
-        assert video_stream.chunk_source(video_stage.pipe) is None  # it decodes tile by tile
+        assert video_stage.adapter.chunk_source() is None  # it decodes tile by tile
     finally:
         video_stage.pipe.vae.disable_tiling()

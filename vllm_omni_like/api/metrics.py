@@ -60,8 +60,15 @@ class _EngineCollector:
             "GPU memory a replica's worker holds (its CUDA caching allocator)",
             labels=per_replica,
         )
+        family = GaugeMetricFamily(
+            f"{PREFIX}_stage_family",
+            "1 for the model family (adapter) and denoising loop a diffusion stage runs",
+            labels=["pipeline", "stage", "family", "loop"],
+        )
         for stage in self.engine.orchestrator.snapshot.stages:  # never the pools themselves
             key = [stage.pipeline, stage.name]
+            if stage.family is not None:
+                family.add_metric([*key, stage.family["family"], stage.family["loop"]], 1.0)
             waiting.add_metric(key, stage.waiting)
             running.add_metric(key, stage.running)  # denoising, and batches still decoding
             alive.add_metric(key, stage.replicas_live)
@@ -69,7 +76,7 @@ class _EngineCollector:
                 labels = [*key, str(r.index), r.device]
                 replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
                 gpu_memory.add_metric(labels, r.gpu_memory)
-        yield from (waiting, running, alive, replica_up, gpu_memory)
+        yield from (waiting, running, alive, replica_up, gpu_memory, family)
 
 
 class Metrics:

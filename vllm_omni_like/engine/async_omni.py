@@ -22,8 +22,8 @@ from vllm_omni_like.errors import (
 )
 from vllm_omni_like.executor import factory_for, release
 from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.models.limits import ModelLimits, pipeline_limits
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
-from vllm_omni_like.stages.model_limits import ModelLimits, pipeline_limits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

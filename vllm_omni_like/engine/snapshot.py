@@ -47,6 +47,7 @@ class StageView:
     default_steps: int = 1
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
     replicas: tuple[ReplicaView, ...] = ()
+    family: dict[str, str] | None = None  # a diffusion stage's model family and its loop
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -58,6 +59,8 @@ class StageView:
             "restarts": self.restarts,
             "replicas": [r.health() for r in self.replicas],
         }
+        if self.family is not None:
+            body.update(self.family)
         if self.restart_error:
             body["restart_error"] = self.restart_error
         return body
@@ -105,6 +108,7 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
                 default_steps=pool.default_steps,
                 rate=pool.parallel_rate(),
                 replicas=tuple(_replica_view(pool, r) for r in replicas),
+                family=pool.family,
             )
         )
     return EngineSnapshot(tuple(views), dead)

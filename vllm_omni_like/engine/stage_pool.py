@@ -29,6 +29,7 @@ from vllm_omni_like.messages import (
     ReplicaRestarted,
     ReplicaRestartFailed,
 )
+from vllm_omni_like.models.limits import stage_family
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class StagePool:
         self.text = config.kind == "llm" or getattr(options, "output", None) == "text"
         steps = getattr(options, "max_new_tokens" if self.text else "default_steps", None)
         self.default_steps = steps or getattr(options, "steps", None) or cost.DEFAULT_STEPS
+        family = stage_family(config)  # which adapter its workers run (models/)
+        self.family = None if family is None else family.describe()
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False

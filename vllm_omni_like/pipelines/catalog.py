@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from importlib import resources
@@ -12,10 +11,8 @@ import yaml
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.shapes.world import OUTSIDE, caption_grammar, describe
-
-VIDEO_CLASS_HINTS = ("Video", "Wan", "I2V", "T2V")
-
 
 # how the embedded models were trained (training/): the rewriter reads "<prompt> <sep>" and
 # answers "<outside>" alone to a prompt that names nothing its world draws;
@@ -112,9 +109,7 @@ def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> Pipeli
         raise NotFoundError(
             f"{path!r} is not a diffusers directory (no model_index.json)", code="model_not_found"
         )
-    with open(index_path) as f:
-        cls_name = str(json.load(f).get("_class_name", ""))
-    output = "video" if any(h in cls_name for h in VIDEO_CLASS_HINTS) else "image"
+    output = family_of(path).output
     stages = (_diffusion(path, **stage_kw),)
     if llm:
         stages = (_llm(llm, **stage_kw), *stages)

@@ -1,5 +1,5 @@
 """What a request may ask of its model: engine params from a validated body, checked against the
-server's limits and the model's own (stages/model_limits.py) before anything is queued."""
+server's limits and the model's own (models/limits.py) before anything is queued."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from vllm_omni_like.config import Limits
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.models.limits import OPENAI_VIDEO_SIZES, ModelLimits
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest, parse_size
-from vllm_omni_like.stages.model_limits import OPENAI_VIDEO_SIZES, ModelLimits
 
 DEFAULT_SECONDS = 1.0
 DEFAULT_STRENGTH = 0.8  # diffusers' img2img default

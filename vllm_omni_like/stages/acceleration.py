@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.models.adapter import Adapter
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
@@ -60,8 +62,11 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
 
 
 # ---- kernels that keep the maths ------------------------------------------------------
-def tune_kernels(pipe: Any, device: torch.device, fuse_qkv: bool, compiled: bool) -> list[str]:
-    """Fused QKV projections, and cuDNN's autotuned convolutions for a compiled model, on CUDA.
+def tune_kernels(
+    adapter: Adapter, device: torch.device, fuse_qkv: bool, compiled: bool
+) -> list[str]:
+    """Fused QKV projections (where the family has them), and cuDNN's autotuned convolutions
+    for a compiled model, on CUDA.
 
     Returns what is on. The fused projections use diffusers' SDPA processors, so they are left
     out under xformers. Autotuning is kept for the compiled setting, where it was measured
@@ -74,50 +79,18 @@ def tune_kernels(pipe: Any, device: torch.device, fuse_qkv: bool, compiled: bool
     if compiled:
         torch.backends.cudnn.benchmark = True  # the fastest conv algorithm per shape, found once
         done.append("cudnn_benchmark")
-    unet = getattr(pipe, "unet", None)
-    if fuse_qkv and unet is not None and hasattr(pipe, "fuse_qkv_projections"):
-        pipe.fuse_qkv_projections()  # one GEMM instead of three for each self-attention
+    if fuse_qkv and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
         done.append("fused_qkv")
     return done
 
 
 # ---- memory format -------------------------------------------------------------------
-def use_channels_last(pipe: Any, mode: str, device: torch.device, compiled: bool) -> bool:
-    """NHWC for the conv nets (UNet, image VAE; NDHWC for Wan's video VAE) where the tensor
-    cores prefer it.
-
-    `auto` turns it on for a compiled UNet on CUDA and for a video VAE on CUDA. In eager mode
-    the layout copies around each normalisation of a UNet or image VAE cost more than the
-    convolutions gain (H200, batch 32 with CFG: UNet forward 220 ms NHWC against 185 ms NCHW,
-    VAE decode 516 against 359 ms), while compiled, where Inductor plans the layouts, NHWC is
-    the faster one (130 against 133 ms). Wan's 3-D VAE decodes a 832x480 video of 33 frames in
-    0.675 s with NDHWC weights against 0.744 s (H200; 0.768 against 0.845 s on an H100; at most
-    6 of 255 levels apart in bf16, another choice of cuDNN kernels; `bench/vae_decode.py`).
-    """
-    unet, vae = getattr(pipe, "unet", None), getattr(pipe, "vae", None)
-    cuda = device.type == "cuda"
-    if mode == "off" or (mode == "auto" and not cuda):
+def use_channels_last(adapter: Adapter, mode: str, device: torch.device, compiled: bool) -> bool:
+    """Channels-last layouts where the family's adapter finds them faster (`auto`: on CUDA
+    only; `on`: asked for; `off`: never)."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return False
-    done = False
-    if mode == "on" or (unet is not None and compiled):
-        if unet is not None:
-            unet.to(memory_format=torch.channels_last)
-            done = True
-        if _image_vae(vae):
-            vae.to(memory_format=torch.channels_last)
-            done = True
-    if type(vae).__name__ == "AutoencoderKLWan":
-        for module in vae.modules():  # (its 1-D weights refuse `vae.to(memory_format=...)`)
-            if isinstance(module, torch.nn.Conv3d):
-                module.weight.data = module.weight.data.contiguous(
-                    memory_format=torch.channels_last_3d
-                )
-        done = True
-    return done
-
-
-def _image_vae(vae: Any) -> bool:
-    return type(vae).__name__ == "AutoencoderKL"  # Wan's video VAE is 3-D
+    return adapter.channels_last(compiled, forced=mode == "on")
 
 
 # ---- the pipeline's per-call lookups ----------------------------------------------------
@@ -137,16 +110,10 @@ def pin_execution_device(pipe: Any, device: torch.device) -> None:
 
 
 # ---- torch.compile ----------------------------------------------------------------------
-def denoiser_name(pipe: Any) -> str:
-    return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
-
-
-def compile_denoiser(pipe: Any, mode: str, backend: str) -> list[str]:
-    """Compile the denoiser in place, and the image VAE's decoder; returns what was compiled.
-
-    Shapes are static: batches are padded to buckets. The decoder is one call per batch, but
-    compiled it decodes 32 images at 512x512 in 202 ms instead of 359 ms on an H200.
-    """
+def compile_models(adapter: Adapter, mode: str, backend: str) -> list[str]:
+    """Compile in place what the family's adapter names (its denoisers; a UNet pipeline's
+    image VAE decoder too); returns what was compiled. Shapes are static: batches are padded
+    to buckets."""
     import torch._dynamo
 
     # every (size, bucket) pair is one graph; let all of them stay compiled
@@ -154,13 +121,11 @@ def compile_denoiser(pipe: Any, mode: str, backend: str) -> list[str]:
     kwargs: dict[str, Any] = {"backend": backend, "dynamic": False}
     if backend == "inductor" and mode != "default":
         kwargs["mode"] = mode
-    name = denoiser_name(pipe)
-    setattr(pipe, name, torch.compile(getattr(pipe, name), **kwargs))
-    done = [name]
-    vae = getattr(pipe, "vae", None)
-    if _image_vae(vae):
-        vae.decoder = torch.compile(vae.decoder, **kwargs)
-        done.append("vae.decoder")
+    done = []
+    for owner, name in adapter.compile_targets():
+        setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
+        parts = adapter.pipe.components.items()
+        done.append(next((f"{k}.{name}" for k, v in parts if v is owner), name))
     return done
 
 
@@ -175,106 +140,3 @@ def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds `rows`; past the largest, `rows` itself."""
     return next((b for b in buckets if b >= rows), rows)
-
-
-# ---- classifier-free guidance in one forward ----------------------------------------------
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
-
-
-class DenoiserWrapper(torch.nn.Module):
-    """A denoiser in the pipeline's place: what it does not define comes from the model (config,
-    cache_context, ...), and its `dtype` is read once (a diffusers model's walks its modules at
-    every read, and the pipeline reads it at every call)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.model_dtype: torch.dtype | None = getattr(model, "dtype", None)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype if self.model_dtype is None else self.model_dtype
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
-
-
-class BatchedCFG(DenoiserWrapper):
-    """Runs a pipeline's two guidance calls of the denoiser (conditional, then unconditional,
-    on the same latents) as one forward over both halves.
-
-    diffusers' Wan pipeline calls its transformer twice a step; the UNet pipelines already
-    batch the two. `arm(kwargs)` before a call (the negative prompt embeddings in the
-    denoiser's dtype, the very tensor passed to the pipeline), `disarm()` after: a conditional
-    call then computes both halves and the unconditional call that follows with the same
-    latents gets its half without running the model. Any other call runs as it is.
-    """
-
-    needs_embeddings = True  # the stage encodes the prompts before the call, for `arm`
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
-        self.negative: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, tuple] | None = None
-
-    def arm(self, kwargs: dict[str, Any]) -> None:
-        self.negative = kwargs["negative_prompt_embeds"]
-
-    def settle(self) -> None:
-        """After a call: raise if a branch computed elsewhere failed (CFG-parallel); none here."""
-
-    def disarm(self) -> None:
-        self.negative = None
-        self._pending = None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        pending, self._pending = self._pending, None
-        latents = kwargs.get("hidden_states")
-        text = kwargs.get("encoder_hidden_states")
-        negative = self.negative
-        if (
-            negative is None
-            or args
-            or latents is None
-            or text is None
-            or kwargs.get("return_dict", True)
-        ):
-            return self.model(*args, **kwargs)
-        if _same(text, negative):
-            if pending is not None and _same(latents, pending[0]):
-                return pending[1]  # computed with the conditional half
-            return self.model(**kwargs)
-        if text.shape != negative.shape:
-            return self.model(**kwargs)
-        cond, uncond = self._branches(kwargs, negative)
-        self._pending = (latents, uncond)
-        return cond
-
-    def _branches(self, kwargs: dict[str, Any], negative: torch.Tensor) -> tuple[tuple, tuple]:
-        """The conditional call's outputs and the unconditional one's: here, one forward."""
-        latents, text = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
-        timestep = kwargs.get("timestep")
-        both = dict(
-            kwargs,
-            hidden_states=torch.cat([latents, latents]),
-            encoder_hidden_states=torch.cat([text, negative]),
-        )
-        if isinstance(timestep, torch.Tensor) and timestep.dim() > 0:
-            both["timestep"] = torch.cat([timestep, timestep])
-        out = self.model(**both)
-        rows = latents.shape[0]
-        rest = tuple(out[1:])
-        return (out[0][:rows], *rest), (out[0][rows:], *rest)
-
-
-def batch_cfg(pipe: Any) -> BatchedCFG | None:
-    """Wrap the denoiser of a pipeline that runs guidance as two calls (Wan); else None."""
-    if type(pipe).__name__ != "WanPipeline" or getattr(pipe, "transformer_2", None) is not None:
-        return None
-    wrapper = BatchedCFG(pipe.transformer)
-    pipe.transformer = wrapper
-    return wrapper

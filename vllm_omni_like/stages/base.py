@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import typed
 from vllm_omni_like.stages.faults import FaultInjector
 
@@ -115,16 +116,6 @@ class StageControl:
 
     def saw_model_batch(self, size: int) -> None:
         self.max_model_batch = max(self.max_model_batch, size)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where a worker stands in its replica: rank `rank` of `size`; ranks that work together
-    (CFG-parallel) meet through the file `rendezvous` (torch.distributed's FileStore)."""
-
-    rank: int = 0
-    size: int = 1
-    rendezvous: str = ""
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""Diffusion stage: any diffusers pipeline from a local directory (text-to-image, edit, video)."""
+"""Diffusion stage: any diffusers pipeline from a local directory (text-to-image, edit, video).
+
+What differs between model families is asked of the pipeline's adapter (models/adapter.py);
+this module names no model class."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -15,16 +17,21 @@ import torch
 from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models import limits as model_limits
+from vllm_omni_like.models.adapter import adapter_for
+from vllm_omni_like.models.registry import FAMILIES, family_of
+from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.parallel import cfg_parallel
+from vllm_omni_like.parallel.branches import BatchedCFG
+from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import cfg_parallel, edits, latent_decode, model_limits, video_stream
+from vllm_omni_like.stages import edits, latent_decode, video_stream
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
-from vllm_omni_like.stages.rank_link import Link
-from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
@@ -68,8 +75,19 @@ class DiffusionStage(Stage):
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
         accel.pin_execution_device(pipe, self.device)
-        self.is_video = "num_frames" in inspect.signature(pipe.__call__).parameters
-        self.denoiser = getattr(pipe, accel.denoiser_name(pipe))
+        self.family = family_of(path)
+        self.adapter = adapter = adapter_for(pipe, self.family)
+        if self.family.name == "generic":
+            logger.warning(
+                "stage %s: %s has no family adapter here: it runs through the pipeline's own "
+                "call, whole requests batched together, without the decode overlap, CFG "
+                "batching or streamed MP4 of the families (%s)",
+                self.name,
+                type(pipe).__name__,
+                ", ".join(f.name for f in FAMILIES),
+            )
+        self.is_video = self.family.output == "video"
+        self.denoiser = getattr(pipe, adapter.denoiser_name)
         self.denoiser_dtype = self.denoiser.dtype  # (a model's `dtype` walks its modules)
         self.tokenizer = getattr(pipe, "tokenizer", None)
         self.embed_shape = self._random_embeddings_shape(pipe)
@@ -78,18 +96,16 @@ class DiffusionStage(Stage):
         self.default_height = self.limits.default_height
         self.default_steps = self.limits.default_steps
         guidance = opts.default_guidance
-        self.default_guidance = (
-            guidance if guidance is not None else (5.0 if self.is_video else 7.5)
-        )
+        self.default_guidance = guidance if guidance is not None else self.family.default_guidance
         self.default_frames = self.limits.default_frames or 9
         # speed: kernels, memory format, compilation (none of them changes the maths)
         cfg = self.config
         self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
         self.channels_last = accel.use_channels_last(
-            pipe, cfg.channels_last, self.device, compiled=cfg.compile
+            adapter, cfg.channels_last, self.device, compiled=cfg.compile
         )
         self.tuned = accel.tune_kernels(
-            pipe, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
+            adapter, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
         )
         if host_scheduler(pipe):  # the same steps, none of them waiting on the device
             self.tuned.append("UniPC coefficients on the host")
@@ -103,28 +119,28 @@ class DiffusionStage(Stage):
         self.buckets: tuple[int, ...] = ()
         if cfg.compile:
             backend = opts.compile_backend
-            compiled = accel.compile_denoiser(pipe, cfg.compile_mode, backend)
+            compiled = accel.compile_models(adapter, cfg.compile_mode, backend)
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
             configured = cfg.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
         self.leader: cfg_parallel.Leader | None = None
-        self.cfg: accel.BatchedCFG | cfg_parallel.SplitCFG | None = None
-        self.branch_model = getattr(pipe, accel.denoiser_name(pipe))  # rank 1's, compiled or not
+        self.cfg: BatchedCFG | cfg_parallel.SplitCFG | None = None
+        self.branch_model = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
         if self.link is not None and self.ranks.rank > 0:  # rank 1 runs its denoiser only
-            cfg_parallel.keep_only_the_denoiser(pipe)
+            cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
             self.follower = cfg_parallel.Follower(self.link)
             if cfg.compile:
                 self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
             return
         if self.link is not None:
             self.leader = cfg_parallel.Leader(self.link, self.tracer.mark)
-            self.cfg = cfg_parallel.split_branches(pipe, self.leader)
+            self.cfg = adapter.split_cfg(self.leader)
         else:
-            self.cfg = accel.batch_cfg(pipe) if cfg.batched_cfg and self.link is None else None
+            self.cfg = adapter.batched_cfg() if cfg.batched_cfg else None
         self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
-        model = getattr(pipe, accel.denoiser_name(pipe))
+        model = getattr(pipe, adapter.denoiser_name)
         self.probe.attach(self.cfg.model if self.cfg is not None else model)
-        self.edit_pipes = {} if self.is_video else edits.edit_pipelines(pipe, self.name)
+        self.edit_pipes = adapter.edit_pipelines(self.name)
         # the decode of a deferred batch runs here, beside the next batch's steps
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if cfg.compile:
@@ -162,10 +178,7 @@ class DiffusionStage(Stage):
         """A dummy model without its text encoder gets seeded random prompt embeddings."""
         if "text_encoder" not in pipe.components or pipe.text_encoder is not None:
             return None
-        dim = int(getattr(self.denoiser.config, "text_dim", 0) or 0) or int(
-            self.denoiser.config.cross_attention_dim
-        )
-        return self.options.max_sequence_length, dim
+        return self.options.max_sequence_length, self.adapter.text_embed_dim()
 
     def _warm_up(self) -> None:
         """Compile now, for every warm-up size and batch bucket, so no request pays for it."""
@@ -225,10 +238,10 @@ class DiffusionStage(Stage):
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
         pipe, kwargs, rows, seeds = self._prepare(batch, control)
-        decoder = latent_decode.decoder_for(pipe)
+        decoder = self.adapter.decoder(pipe)
         if decoder is not None:
             kwargs["output_type"] = "latent"
-        media = self._media(self._denoise(pipe, kwargs, control))
+        media = self.adapter.media(self._denoise(pipe, kwargs, control))
         if decoder is None:  # a pipeline we cannot decode for: it did, in the call
             with torch.inference_mode():
                 pixels = tensor_to_uint8(media[:rows])
@@ -237,7 +250,7 @@ class DiffusionStage(Stage):
                 [video_stream.Encoded() for _ in picked],
             )
         else:
-            chunks = video_stream.chunk_source(pipe) if self.is_video else None
+            chunks = self.adapter.chunk_source() if self.is_video else None
             decode = latent_decode.PendingDecode(
                 decoder, media, self.side_stream, self.buckets, chunks
             )
@@ -263,9 +276,6 @@ class DiffusionStage(Stage):
 
     def _rows(self, request: StageRequest) -> int:
         return 1 if self.is_video else request.params.n
-
-    def _media(self, result: Any) -> torch.Tensor:
-        return result.frames if self.is_video else result.images
 
     def _prepare(
         self, batch: list[StageRequest], control: StageControl
@@ -318,12 +328,8 @@ class DiffusionStage(Stage):
         on two ranks (CFG-parallel)."""
         if self.cfg is not None and kwargs["guidance_scale"] > 1.0:
             if self.cfg.needs_embeddings and "prompt_embeds" not in kwargs:  # the negative half
-                kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = pipe.encode_prompt(
-                    prompt=kwargs.pop("prompt"),
-                    negative_prompt=kwargs.pop("negative_prompt", None),
-                    do_classifier_free_guidance=True,
-                    max_sequence_length=kwargs.get("max_sequence_length", 512),
-                    device=self.device,
+                kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = (
+                    self.adapter.encode_prompt(kwargs, self.device)
                 )
             if self.cfg.needs_embeddings:
                 for key in ("prompt_embeds", "negative_prompt_embeds"):
@@ -362,13 +368,7 @@ class DiffusionStage(Stage):
             )
             kwargs["max_sequence_length"] = seq_len
             return kwargs
-        kwargs["prompt"] = prompts
-        if any(negatives) or not self.is_video:
-            kwargs["negative_prompt"] = negatives
-        if self.is_video:
-            kwargs["max_sequence_length"] = (
-                self.tokenizer.model_max_length if self.tokenizer is not None else 512
-            )
+        kwargs.update(self.adapter.text_kwargs(prompts, negatives, self.tokenizer))
         return kwargs
 
     def _callback(self, batch: list[StageRequest], control: StageControl):
@@ -387,17 +387,16 @@ class DiffusionStage(Stage):
     ) -> dict[str, Any]:
         """Decode the current latents of the first image of each request that asked."""
         latents = callback_kwargs.get("latents")
-        if latents is None or self.is_video:
+        preview = self.adapter.preview(pipe)
+        if latents is None or preview is None:
             return {}
         rows, k = {}, 0
         for r in batch:
             rows[r.request_id] = k
             k += r.params.n
         picked = latents[[rows[r.request_id] for r in want]]
-        vae = pipe.vae
         with torch.inference_mode():
-            decoded = vae.decode(picked / vae.config.scaling_factor, return_dict=False)[0]
-            images = tensor_to_uint8(pipe.image_processor.postprocess(decoded, output_type="pt"))
+            images = tensor_to_uint8(preview(picked))
         return {r.request_id: img for r, img in zip(want, images, strict=True)}
 
     def close(self) -> None:

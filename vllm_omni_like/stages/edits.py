@@ -1,30 +1,11 @@
-"""Image edits (img2img, inpaint) with the components of the text-to-image pipeline."""
+"""Image edits (img2img, inpaint): a batch's images and masks as the edit pipelines (which the
+family's adapter makes from the text-to-image one) take them."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm_omni_like.messages import StageRequest
-
-logger = logging.getLogger(__name__)
-
-
-def edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:
-    """'edit' and 'inpaint' pipelines sharing `pipe`'s models (no second copy of weights)."""
-    import diffusers
-
-    pipes = {}
-    for mode, auto in (
-        ("edit", diffusers.AutoPipelineForImage2Image),
-        ("inpaint", diffusers.AutoPipelineForInpainting),
-    ):
-        try:
-            pipes[mode] = auto.from_pipe(pipe)
-            pipes[mode].set_progress_bar_config(disable=True)
-        except Exception as exc:  # this model family has no such variant
-            logger.info("stage %s: no %s pipeline (%s)", stage, mode, exc)
-    return pipes
 
 
 def edit_inputs(

@@ -8,28 +8,20 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from vllm_omni_like.errors import EngineGenerateError, InvalidRequestError, OmniError
+from vllm_omni_like.errors import (
+    EngineGenerateError,
+    FatalStageError,
+    InvalidRequestError,
+    OmniError,
+    is_fatal_device_error,
+    is_out_of_memory,
+)
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, Stage, StageAborted, StageControl
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class FatalStageError(Exception):
-    """The device is unusable (a CUDA error other than out-of-memory): the worker must exit."""
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def is_fatal_device_error(exc: BaseException) -> bool:
-    if is_out_of_memory(exc):
-        return False
-    text = str(exc)
-    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "CUBLAS_" in text
 
 
 def free_device_cache() -> None:

@@ -1,65 +1,28 @@
 """The end of a diffusers pipeline call - latents to pixels - run apart from its denoising loop.
 
 A stage that defers its decode calls the pipeline with `output_type="latent"` and later decodes
-with the function `decoder_for` returns: the same operations, in the same order, as that
-pipeline's own `output_type="pt"` path (checked byte for byte by the tests), so the images do
-not change. Pipelines whose decode is not reproduced here get None and decode inside the call.
+with the decoder its family's adapter gives (models/<family>/adapter.py): the same operations,
+in the same order, as that pipeline's own `output_type="pt"` path (checked byte for byte by the
+contract tests), so the images do not change. Pipelines whose adapter has no decoder decode
+inside the call.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models.adapter import ChunkSource
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
 
-Decoder = Callable[[torch.Tensor], torch.Tensor]
-
-
-def decoder_for(pipe: Any) -> Decoder | None:
-    """latents -> pixels in [0, 1], (B, C, H, W) for images, (B, F, C, H, W) for videos."""
-    import diffusers
-
-    stable_diffusion = (
-        diffusers.StableDiffusionPipeline,
-        diffusers.StableDiffusionImg2ImgPipeline,
-        diffusers.StableDiffusionInpaintPipeline,
-    )
-    # an AsymmetricAutoencoderKL's decode (inpainting) also takes the masked input image
-    if isinstance(pipe, stable_diffusion) and type(pipe.vae) is diffusers.AutoencoderKL:
-        return lambda latents: _stable_diffusion(pipe, latents)
-    if isinstance(pipe, diffusers.WanPipeline):
-        return lambda latents: _wan(pipe, latents)
-    return None
-
-
-def _stable_diffusion(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
-    vae = pipe.vae
-    image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
-    # the pipeline passes its prompt embeddings' dtype, which its latents were made in
-    image, nsfw = pipe.run_safety_checker(image, image.device, latents.dtype)
-    denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
-    return pipe.image_processor.postprocess(image, output_type="pt", do_denormalize=denormalize)
-
-
-def _wan(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
-    vae = pipe.vae
-    latents = latents.to(dtype=vae.dtype)
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(
-        latents.device, latents.dtype
-    )
-    video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
-    return pipe.video_processor.postprocess_video(video, output_type="pt")
+Decoder = Callable[[torch.Tensor], torch.Tensor]  # latents -> pixels in [0, 1]
 
 
 class PendingDecode:
@@ -76,7 +39,7 @@ class PendingDecode:
         latents: torch.Tensor,
         stream: torch.cuda.Stream | None,
         buckets: tuple[int, ...] = (),
-        chunks: tuple[torch.nn.Module, int | None] | None = None,
+        chunks: ChunkSource | None = None,
     ) -> None:
         self.decoder = decoder
         self.chunks = chunks  # where a video's frames come from chunk by chunk (video_stream)

@@ -11,17 +11,16 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import InvalidRequestError, is_fatal_device_error
 from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.outputs import StageOutput, TextDelta
 from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
 from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult
 from vllm_omni_like.stages.guided import Guides
-from vllm_omni_like.stages.isolation import is_fatal_device_error
 from vllm_omni_like.stages.sampling import RowSampling
-from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,

@@ -1,16 +1,15 @@
 """A video's MP4 encoded while its VAE still decodes it.
 
-Wan's VAE decodes a video latent frame by latent frame (one decoder call makes the first frame,
-each later call four more). A forward hook on that decoder turns each call's output into uint8
-frames with the same elementwise maths as the whole video's post-processing (clamp to [-1, 1],
-x * 0.5 + 0.5 clamped to [0, 1], x 255 rounded; the ops commute with cutting the frames into
-chunks, so the frames and the MP4's bytes are those of encoding the finished video) and hands
-them to a thread that appends them to one encoder per video: the encoder (an ffmpeg process)
-works on the first frames while the GPU decodes the next. On CUDA the chunk is copied to pinned
-host memory without waiting; the thread waits on the copy's event, so the decode never waits
-for the host. What is left after the decode is the encode of the last chunk and the file's end.
-The same thread encodes each video's thumbnail (its middle frame as PNG, what the videos API
-stores beside the MP4) when that frame goes by, so the API has nothing left to encode.
+A family whose VAE decodes a video chunk by chunk (Wan's: latent frame by latent frame) names
+the module that makes each chunk and how its output becomes uint8 frames with the same maths as
+the whole video's post-processing (the adapter's `chunk_source`, models/adapter.py). A forward
+hook on that module hands each chunk's frames to a thread that appends them to one encoder per
+video: the encoder works on the first frames while the GPU decodes the next. On CUDA the chunk
+is copied to pinned host memory without waiting; the thread waits on the copy's event, so the
+decode never waits for the host. What is left after the decode is the encode of the last chunk
+and the file's end. The same thread encodes each video's thumbnail (its middle frame as PNG,
+what the videos API stores beside the MP4) when that frame goes by, so the API has nothing left
+to encode.
 
 A failed encode (no encoder, an ffmpeg error) costs nothing but the overlap: its videos carry
 no MP4 and the API encodes their frames itself, as it does for stages that do not stream.
@@ -28,34 +27,10 @@ import numpy as np
 import torch
 
 from vllm_omni_like.media import encode_image
+from vllm_omni_like.models.adapter import ChunkSource
 from vllm_omni_like.video_codec import VideoBytes
 
 log = logging.getLogger(__name__)
-
-
-def chunk_source(pipe: Any) -> tuple[torch.nn.Module, int | None] | None:
-    """The module whose calls make a video's frames chunk by chunk, and the patch size its
-    output is in: a Wan VAE's decoder when it does not tile (a tiled decode calls it per tile);
-    None for other pipelines."""
-    import diffusers
-
-    vae = getattr(pipe, "vae", None)
-    if not isinstance(pipe, diffusers.WanPipeline) or vae is None or vae.use_tiling:
-        return None
-    return vae.decoder, vae.config.patch_size
-
-
-def chunk_pixels(out: torch.Tensor, patch_size: int | None) -> torch.Tensor:
-    """One decoder call's output (B, C, t, H, W) in model units -> uint8 (B, t, H, W, 3) on the
-    device: the VAE's own clamp, the video processor's denormalize, `tensor_to_uint8`'s maths."""
-    if patch_size is not None:
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-        out = unpatchify(out, patch_size=patch_size)
-    frames = torch.clamp(out, min=-1.0, max=1.0).permute(0, 2, 1, 3, 4)
-    frames = (frames * 0.5 + 0.5).clamp(0, 1)
-    pixels = (frames.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return pixels.movedim(-3, -1)
 
 
 @dataclass
@@ -74,10 +49,8 @@ class StreamedMP4:
     `Encoded`: no MP4 for any row if the encode failed, no thumbnail if the video did not have
     the expected number of frames."""
 
-    def __init__(
-        self, source: tuple[torch.nn.Module, int | None], fps: list[int], frames: int = 0
-    ) -> None:
-        (self.source, self.patch_size), self.fps = source, fps
+    def __init__(self, source: ChunkSource, fps: list[int], frames: int = 0) -> None:
+        self.source, self.fps = source, fps
         self.expected, self.seen = frames, 0
         self.thumbnails: list[bytes | None] = [None] * len(fps)
         self.videos = [VideoBytes(f) for f in fps]
@@ -89,7 +62,7 @@ class StreamedMP4:
 
     def __enter__(self) -> StreamedMP4:
         self.thread.start()
-        self.hook = self.source.register_forward_hook(self._on_chunk)
+        self.hook = self.source.module.register_forward_hook(self._on_chunk)
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
@@ -114,7 +87,7 @@ class StreamedMP4:
         return [Encoded(m, t) for m, t in zip(mp4s, thumbs, strict=True)]
 
     def _on_chunk(self, module: Any, args: Any, out: torch.Tensor) -> None:
-        pixels = chunk_pixels(out[: len(self.fps)], self.patch_size)
+        pixels = self.source.to_pixels(out[: len(self.fps)])
         if pixels.device.type != "cuda":
             self.chunks.put((None, pixels.cpu()))
             return

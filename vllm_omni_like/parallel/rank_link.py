@@ -1,4 +1,4 @@
-"""The two ranks of a CFG-parallel replica, point to point (stages/cfg_parallel.py runs the
+"""The two ranks of a CFG-parallel replica, point to point (parallel/cfg_parallel.py runs the
 exchange over it).
 
 torch.distributed (NCCL on CUDA, gloo on the CPU) carries the tensors, and a second, gloo (host
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vllm_omni_like.stages.base import Ranks
-from vllm_omni_like.stages.isolation import FatalStageError
+from vllm_omni_like.errors import FatalStageError
+from vllm_omni_like.parallel.ranks import Ranks
 
 T = TypeVar("T")
 HEADER_BYTES = 4096  # a call's header (its arguments' structure) fits in one message

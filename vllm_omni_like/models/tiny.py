@@ -14,7 +14,7 @@ from collections.abc import Callable
 from importlib import resources
 
 from vllm_omni_like.config import cache_dir
-from vllm_omni_like.stages.tiny_llm import build_llm
+from vllm_omni_like.models.tiny_llm import build_llm
 
 TINY_NAMES = ("tiny-llm", "tiny-image", "tiny-video")
 BUILD_VERSION = "3"
@@ -135,7 +135,7 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
     """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>).
 
     The text encoders of the tiny diffusion models get `<s> text </s>` (the rewriter has its own
-    byte-level tokenizer: stages/tiny_llm.py).
+    byte-level tokenizer: models/tiny_llm.py).
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast

@@ -7,15 +7,15 @@ the same numbers. A model's defaults come from what it was built or trained for;
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.registry import family_for, family_of, read_config
 
 DEFAULT_MAX_STEPS = 200
 DEFAULT_MAX_FRAMES = 129
@@ -79,37 +79,31 @@ class ModelLimits:
         return k * (self.frame_multiple or 1) + 1
 
 
-def _read(path: str, *parts: str) -> dict[str, Any]:
-    file = os.path.join(path, *parts)
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        return json.load(f)
-
-
 def model_path(stage: StageConfig) -> str:
     """The directory a diffusion stage loads (an embedded model's shipped copy, or the user's)."""
-    from vllm_omni_like.stages.tiny_models import TINY_NAMES, ensure_tiny_model
+    from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model  # (torch once built)
 
     name = stage.model or "tiny-image"
     return ensure_tiny_model(name) if name in TINY_NAMES else name
 
 
+def stage_family(stage: StageConfig) -> Family | None:
+    """The model family a stage runs (None: not a diffusion stage)."""
+    return family_of(model_path(stage)) if stage.kind == "diffusion" else None
+
+
 def _geometry(path: str) -> dict[str, Any]:
     """Spatial and temporal factors, native size and positional limits from the config files."""
-    index = _read(path, "model_index.json")
+    index = read_config(path, "model_index.json")
     denoiser = "transformer" if "transformer" in index else "unet"
-    net = _read(path, denoiser, "config.json")
-    vae = _read(path, "vae", "config.json")
-    if "scale_factor_spatial" in vae:  # Wan's VAE
-        spatial, temporal = int(vae["scale_factor_spatial"]), int(vae["scale_factor_temporal"])
-    else:
-        spatial, temporal = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), None
+    net = read_config(path, denoiser, "config.json")
+    vae = read_config(path, "vae", "config.json")
+    family = family_for(index, vae)
+    spatial, temporal = family.vae_factors(vae)
     patch = net.get("patch_size") or 1
     patch_hw = int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
-    cls = str(index.get("_class_name", ""))
-    video = temporal is not None or any(h in cls for h in ("Video", "Wan", "T2V", "I2V"))
-    base = 16 if "Wan" in cls else 8  # what the diffusers pipeline's check_inputs asks
+    video = family.output == "video"
+    base = family.size_base
     sample = net.get("sample_size")
     native = int(sample) * spatial if isinstance(sample, int) and not video else None
     rope = net.get("rope_max_seq_len")

@@ -13,7 +13,7 @@ apart. Whatever breaks the exchange itself (a rank gone, an unexpected message) 
 worker, and the executor restarts the replica as a whole; the process group's timeout is only a
 backstop behind the executor's death and stall detection.
 
-Transport (stages/rank_link.py): torch.distributed point to point (NCCL on CUDA, gloo on the
+Transport (parallel/rank_link.py): torch.distributed point to point (NCCL on CUDA, gloo on the
 CPU) for tensors, and a second, gloo (host memory) group for the small objects that steer the
 exchange. Per step, rank 0 sends a header (the call's structure) over the host group and the
 branch's tensors over the device group, and receives a status and the branch's output, all
@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from vllm_omni_like.stages.acceleration import BatchedCFG, DenoiserWrapper, denoiser_name
-from vllm_omni_like.stages.isolation import is_fatal_device_error, is_out_of_memory
-from vllm_omni_like.stages.rank_link import (
+from vllm_omni_like.errors import is_fatal_device_error, is_out_of_memory
+from vllm_omni_like.parallel.branches import BatchedCFG, DenoiserWrapper
+from vllm_omni_like.parallel.rank_link import (
     Link,
     RankDiverged,
     Spec,
@@ -204,9 +204,9 @@ class Follower:
 
 
 class SplitCFG(DenoiserWrapper):
-    """A UNet pipeline's doubled guidance batch (negative half, then positive) over two ranks:
-    rank 1 runs the first half, rank 0 the second. Armed with the doubled batch's rows; any
-    other call (no guidance, another batch size) runs here whole."""
+    """A pipeline's doubled guidance batch of one call (a UNet's: negative half, then positive)
+    over two ranks: rank 1 runs the first half, rank 0 the second. Armed with the doubled
+    batch's rows; any other call (no guidance, another batch size) runs here whole."""
 
     needs_embeddings = False
 
@@ -251,7 +251,7 @@ def _half(value: Any, rows: int, part: slice) -> Any:
 
 
 class PairCFG(BatchedCFG):
-    """A pipeline that calls its denoiser once per branch (Wan): the conditional call runs here
+    """A pipeline that calls its denoiser once per branch (Wan's): the conditional call runs here
     while rank 1 runs the unconditional one; the unconditional call then gets rank 1's output."""
 
     def __init__(self, model: torch.nn.Module, leader: Leader) -> None:
@@ -272,30 +272,16 @@ class PairCFG(BatchedCFG):
         return tuple(mine), (theirs, *tuple(mine)[1:])
 
 
-def keep_only_the_denoiser(pipe: Any) -> list[str]:
-    """Rank 1: drop every model of the pipeline but its denoiser (text encoders, VAE: a Wan
-    text encoder alone is 11 GB in 16 bits); the names dropped."""
-    keep = denoiser_name(pipe)
+def keep_only(pipe: Any, keep: set[str]) -> list[str]:
+    """Rank 1: drop every model of the pipeline but those named in `keep` (its denoisers; text
+    encoders, VAE: a Wan text encoder alone is 11 GB in 16 bits); the names dropped."""
     dropped = [
         name
         for name, part in pipe.components.items()
-        if name != keep and isinstance(part, torch.nn.Module)
+        if name not in keep and isinstance(part, torch.nn.Module)
     ]
     for name in dropped:
         setattr(pipe, name, None)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return dropped
-
-
-def split_branches(pipe: Any, leader: Leader) -> SplitCFG | PairCFG:
-    """Rank 0: wrap the pipeline's denoiser so its guidance branches run on both ranks."""
-    name = denoiser_name(pipe)
-    if name == "unet":
-        wrapper: SplitCFG | PairCFG = SplitCFG(pipe.unet, leader)
-    elif type(pipe).__name__ == "WanPipeline" and getattr(pipe, "transformer_2", None) is None:
-        wrapper = PairCFG(pipe.transformer, leader)
-    else:
-        raise ValueError(f"CFG-parallel runs UNet and Wan pipelines, not {type(pipe).__name__}")
-    setattr(pipe, name, wrapper)
-    return wrapper

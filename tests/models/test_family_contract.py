@@ -1,0 +1,203 @@
+"""The contract every registered model family keeps (models/<family>/adapter.py), run on its
+embedded tiny model: the stage makes what its diffusers pipeline makes at the same seed, the
+adapter decodes, shapes latents and calls the denoiser as the pipeline does, the limits are what
+the pipeline accepts, and where the family has classifier-free guidance its CFG-parallel split
+reproduces one rank. A new family registers a tiny model here (docs/architecture.md, "Adding a
+model family")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models.adapter import Guidance, adapter_for
+from vllm_omni_like.models.limits import diffusion_limits
+from vllm_omni_like.models.registry import FAMILIES, family_of
+from vllm_omni_like.models.tiny import ensure_tiny_model
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+
+pytestmark = pytest.mark.slow
+
+# every registered family's tiny model (built offline: models/tiny.py)
+TINY = {"stable-diffusion": "tiny-image", "wan": "tiny-video"}
+SEED, STEPS, FRAMES = 3, 3, 5
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    model: str
+    path: str
+    video: bool
+
+    def stage(self, **config) -> DiffusionStage:
+        config = {"name": "diffusion", "kind": "diffusion", "model": self.model, **config}
+        stage = DiffusionStage(StageConfig(**config))
+        stage.load("cpu")
+        return stage
+
+    def pipeline(self):
+        pipe = diffusers.DiffusionPipeline.from_pretrained(
+            self.path,
+            local_files_only=True,
+            dtype=torch.float32,  # the stage's on a CPU
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def limits(self):
+        return diffusion_limits(StageConfig(name="d", kind="diffusion", model=self.model))
+
+    def call(self, pipe, **kw):
+        """The pipeline's own call, as the stage asks it (prompt, size, seed, steps, guidance)."""
+        limits = self.limits()
+        kwargs = dict(
+            width=limits.default_width,
+            height=limits.default_height,
+            prompt=["a red circle"],
+            negative_prompt=[""],
+            num_inference_steps=STEPS,
+            guidance_scale=family_of(self.path).default_guidance,
+            generator=[torch.Generator().manual_seed(SEED)],
+            output_type="pt",
+        )
+        if self.video:  # the stage passes its tokenizer's length and no empty negative prompt
+            kwargs.update(num_frames=FRAMES, max_sequence_length=pipe.tokenizer.model_max_length)
+            del kwargs["negative_prompt"]
+        kwargs.update(kw)
+        with torch.inference_mode():
+            return pipe(**kwargs)
+
+    def request(self) -> StageRequest:
+        params = GenerationParams(seed=SEED, num_inference_steps=STEPS)
+        if self.video:
+            params = dataclasses.replace(params, num_frames=FRAMES)
+        mode = "text2video" if self.video else "text2img"
+        return StageRequest("r", "a red circle", params, mode=mode)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def case(request) -> Case:
+    model = TINY[request.param]
+    path = ensure_tiny_model(model)
+    return Case(request.param, model, path, family_of(path).output == "video")
+
+
+def _run(stage: DiffusionStage, request: StageRequest) -> np.ndarray:
+    (out,) = stage.execute([request], StageControl(FaultInjector((), "diffusion")))
+    assert out.error is None, out.error
+    return out.video.frames if out.video is not None else out.images[0].pixels
+
+
+def _pixels(case: Case, result) -> np.ndarray:
+    media = result.frames if case.video else result.images
+    return tensor_to_uint8(media)[0]
+
+
+def test_every_registered_family_has_a_tiny_model_here():
+    assert {f.name for f in FAMILIES} == set(TINY)
+    for name, model in TINY.items():
+        assert family_of(ensure_tiny_model(model)).name == name
+
+
+def test_the_stage_makes_what_its_diffusers_pipeline_makes(case):
+    stage = case.stage()
+    assert stage.family.name == case.name and type(stage.adapter).family.name == case.name
+    got = _run(stage, case.request())
+    want = _pixels(case, case.call(case.pipeline()))
+    assert got.shape == want.shape
+    # batched CFG (Wan's two calls in one forward) rounds differently, nothing more
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_the_adapter_decodes_and_shapes_latents_as_the_pipeline_does(case):
+    pipe = case.pipeline()
+    adapter = adapter_for(pipe, family_of(case.path))
+    latents = case.call(pipe, output_type="latent")
+    latents = latents.frames if case.video else latents.images
+    limits = case.limits()
+    width, height = limits.default_width, limits.default_height
+    assert tuple(latents.shape) == adapter.latent_shape(1, width, height, FRAMES)
+    with torch.inference_mode():
+        decoded = tensor_to_uint8(adapter.decoder(pipe)(latents))[0]
+    assert np.array_equal(decoded, _pixels(case, case.call(pipe)))  # byte for byte
+
+
+def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
+    pipe = case.pipeline()
+    adapter = adapter_for(pipe, family_of(case.path))
+    (expert,) = adapter.experts()
+    calls = []
+
+    def record(module, args, kwargs, out):
+        latents = args[0] if args else kwargs["hidden_states"]
+        timestep = args[1] if len(args) > 1 else kwargs["timestep"]
+        calls.append((latents, timestep.reshape(-1)[0], kwargs["encoder_hidden_states"], out[0]))
+
+    handle = expert.model.register_forward_hook(record, with_kwargs=True)
+    try:
+        case.call(pipe, num_inference_steps=1, output_type="latent")
+    finally:
+        handle.remove()
+    # one forward over both halves (SD), or one per branch (Wan)
+    assert len(calls) == (1 if adapter.guidance is Guidance.BATCHED else 2)
+    with torch.inference_mode():
+        for latents, timestep, text, out in calls:
+            assert torch.allclose(adapter.predict(latents, timestep, text), out, atol=1e-6)
+    uncond, cond = (calls[0][3].chunk(2)) if len(calls) == 1 else (calls[1][3], calls[0][3])
+    guided = adapter.guide(cond, uncond, 5.0)
+    assert torch.allclose(guided, uncond + 5.0 * (cond - uncond))
+    assert set(adapter.schedulers()) >= {type(pipe.scheduler).__name__}
+
+
+def test_the_limits_are_what_the_pipeline_accepts(case):
+    limits = case.limits()
+    family = family_of(case.path)
+    assert limits.output == family.output
+    pipe = case.pipeline()
+    width = limits.default_width + limits.size_multiple
+    assert limits.supports(width, limits.default_height)
+    case.call(pipe, num_inference_steps=1, width=width, output_type="latent")  # accepted
+    assert not limits.supports(width + 1, limits.default_height)
+    with pytest.raises(ValueError):  # what the limits refuse, the pipeline's own check refuses
+        case.call(pipe, num_inference_steps=1, width=width + 1)
+    if case.video:
+        assert limits.frame_multiple == pipe.vae_scale_factor_temporal
+
+
+class LocalLeader:
+    """Rank 1 of CFG-parallel in this process: its branch runs here, on the same model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.calls = model, 0
+
+    def arm(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def alongside(self, local, args: tuple, kwargs: dict):
+        self.calls += 1
+        return local(), self.model(*args, **kwargs)[0]
+
+
+def test_the_cfg_parallel_split_reproduces_one_rank(case):
+    one_rank = _run(case.stage(), case.request())
+    stage = case.stage(batched_cfg=False)
+    model = getattr(stage.pipe, stage.adapter.denoiser_name)
+    leader = LocalLeader(model)
+    stage.cfg = stage.adapter.split_cfg(leader)
+    split = _run(stage, case.request())
+    assert leader.calls == STEPS  # one exchange a step
+    assert np.abs(split.astype(int) - one_rank.astype(int)).max() <= 1

@@ -1,0 +1,211 @@
+"""What a worker does differently for each model family: the adapter interface.
+
+A diffusion stage holds one adapter for its pipeline (`adapter_for`) and asks it everything that
+differs between families; the stage itself names no model class. An adapter describes how its
+denoiser is called and with which conditioning (`predict`, `experts`, `per_token_timesteps`,
+`image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
+latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
+its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split,
+and what to compile or lay out for speed. Today every family's batch runs through the
+diffusers pipeline's own `__call__` (`Family.loop`); `predict`, `guide` and `latent_shape` are
+what a loop of our own steps with, and the contract tests (tests/models/) hold each family's
+answers equal to its pipeline's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_omni_like.models.family import Family
+from vllm_omni_like.parallel.branches import BatchedCFG
+from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
+
+Decoder = Callable[[torch.Tensor], torch.Tensor]  # latents -> pixels in [0, 1]
+
+
+class Guidance(enum.Enum):
+    """How a family applies classifier-free guidance."""
+
+    BATCHED = "batched"  # both halves in one forward, by the pipeline itself (SD's UNet)
+    TWO_CALLS = "two-calls"  # one call per branch, the same text length (Wan): batchable
+    TRUE_CFG = "true-cfg"  # one call per branch, texts of different lengths (Qwen-Image)
+    DISTILLED = "distilled"  # a guidance embedding, one branch (FLUX.1-dev)
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One denoiser of a pipeline: the attribute it lives in, and the timestep from which down
+    it runs (`boundary`; None: every step). Wan2.2-A14B switches from `transformer` (high
+    noise) to `transformer_2` at its `boundary_ratio` of the schedule."""
+
+    name: str
+    model: Any
+    boundary: float | None = None
+
+
+@dataclass(frozen=True)
+class ChunkSource:
+    """A module whose every call makes the next frames of a video (stages/video_stream.py), and
+    its output (B, C, t, H, W in model units) as uint8 frames (B, t, H, W, 3) on the device."""
+
+    module: torch.nn.Module
+    to_pixels: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Adapter:
+    """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
+
+    family: ClassVar[Family]
+    guidance: ClassVar[Guidance]
+    image_conditions: ClassVar[tuple[str, ...]] = ()  # "edit", "inpaint", "image" (I2V)
+
+    def __init__(self, pipe: Any, family: Family | None = None) -> None:
+        self.pipe = pipe
+        if family is not None:  # the generic adapter's description is the model's own
+            self.family = family
+
+    # ---- the denoiser and its conditioning -----------------------------------------------
+    @property
+    def denoiser_name(self) -> str:
+        return "unet" if getattr(self.pipe, "unet", None) is not None else "transformer"
+
+    def experts(self) -> list[Expert]:
+        return [Expert(self.denoiser_name, getattr(self.pipe, self.denoiser_name))]
+
+    @property
+    def per_token_timesteps(self) -> bool:
+        """Whether the denoiser takes a timestep per latent token (Wan2.2-TI2V)."""
+        return False
+
+    def schedulers(self) -> tuple[str, ...]:
+        """The scheduler classes the pipeline runs with (its own and those diffusers lists as
+        compatible with it)."""
+        scheduler = self.pipe.scheduler
+        names = {type(scheduler).__name__}
+        names.update(c.__name__ for c in getattr(scheduler, "compatibles", ()))
+        return tuple(sorted(names))
+
+    def text_embed_dim(self) -> int:
+        """The width of the text embeddings the denoiser attends to."""
+        config = getattr(self.pipe, self.denoiser_name).config
+        return int(getattr(config, "text_dim", 0) or 0) or int(config.cross_attention_dim)
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
+        """One branch's noise (or velocity) prediction, as the pipeline calls its denoiser."""
+        raise NotImplementedError(f"{self.family.name}: no denoiser call of our own")
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance's combination of the two branches."""
+        return uncond + scale * (cond - uncond)
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
+        raise NotImplementedError(f"{self.family.name}: no latents of our own")
+
+    # ---- the pipeline call ------------------------------------------------------------------
+    def text_kwargs(self, prompts: list[str], negatives: list[str], tokenizer: Any) -> dict:
+        """The call's text arguments (prompts, negative prompts and their length)."""
+        if self.family.output != "video":
+            return {"prompt": prompts, "negative_prompt": negatives}
+        kwargs: dict[str, Any] = {"prompt": prompts}
+        if any(negatives):
+            kwargs["negative_prompt"] = negatives
+        kwargs["max_sequence_length"] = tokenizer.model_max_length if tokenizer else 512
+        return kwargs
+
+    def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple:
+        """(prompt embeddings, negative prompt embeddings) for a batched-CFG call."""
+        raise NotImplementedError(f"{self.family.name}: its guidance is not batched here")
+
+    def media(self, result: Any) -> torch.Tensor:
+        """The pipeline call's pixels: (B, C, H, W) images or (B, F, C, H, W) videos."""
+        return result.frames if self.family.output == "video" else result.images
+
+    # ---- decode, previews, video hooks, edits ----------------------------------------------
+    def decoder(self, pipe: Any) -> Decoder | None:
+        """The pipeline's own latent decode for `pipe` (this pipeline or an edit variant), done
+        here so it can run apart from the denoising; None: the pipeline decodes in its call."""
+        return None
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        """Decodes a batch's current latents for a partial image; None: no previews."""
+        return None
+
+    def chunk_source(self) -> ChunkSource | None:
+        return None
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        """Pipelines sharing this one's models for the `image_conditions` it takes."""
+        return {}
+
+    # ---- speed: the same maths -----------------------------------------------------------------
+    def fuse_qkv(self) -> bool:
+        """Fuse the denoiser's attention projections into one GEMM; whether it did."""
+        return False
+
+    def channels_last(self, compiled: bool, forced: bool) -> bool:
+        """Lay out the conv nets channels-last where that is faster (`forced`: the user asked
+        for it); whether anything changed."""
+        return False
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        """(owner, attribute) of each module to compile: the denoisers by default."""
+        return [(self.pipe, expert.name) for expert in self.experts()]
+
+    # ---- classifier-free guidance --------------------------------------------------------------
+    def batched_cfg(self) -> BatchedCFG | None:
+        """Wrap a denoiser called once per branch so both run in one forward; None where the
+        pipeline batches them already or the family has no such guidance."""
+        return None
+
+    def split_cfg(self, leader: Leader) -> SplitCFG | PairCFG:
+        """Rank 0 of CFG-parallel: wrap the denoiser so the branches run on both ranks."""
+        raise ValueError(f"CFG-parallel does not run {type(self.pipe).__name__}")
+
+    def keep_for_branches(self) -> set[str]:
+        """What rank 1 of CFG-parallel keeps of the pipeline: its denoisers."""
+        return {expert.name for expert in self.experts()}
+
+
+def adapter_for(pipe: Any, family: Family) -> Adapter:
+    """The adapter of `family` for the loaded pipeline `pipe`."""
+    cls = family.adapter_class()
+    return cls(pipe, family if family.name == "generic" else None)
+
+
+def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
+    """NHWC for a UNet and an image VAE (AutoencoderKL) where the tensor cores prefer it: when
+    compiled (Inductor plans the layouts) or asked for. In eager mode the layout copies around
+    each normalisation cost more than the convolutions gain (H200, batch 32 with CFG: UNet
+    forward 220 ms NHWC against 185 ms NCHW, VAE decode 516 against 359 ms); compiled, NHWC is
+    the faster one (130 against 133 ms)."""
+    unet, vae = getattr(pipe, "unet", None), getattr(pipe, "vae", None)
+    if not (forced or (unet is not None and compiled)):
+        return False
+    done = False
+    if unet is not None:
+        unet.to(memory_format=torch.channels_last)
+        done = True
+    if is_image_vae(vae):
+        vae.to(memory_format=torch.channels_last)
+        done = True
+    return done
+
+
+def is_image_vae(vae: Any) -> bool:
+    return type(vae).__name__ == "AutoencoderKL"
+
+
+def unet_adapter_speed(pipe: Any) -> list[tuple[Any, str]]:
+    """A UNet pipeline's compile targets: the UNet, and the image VAE's decoder (one call per
+    batch, but compiled it decodes 32 images at 512x512 in 202 ms instead of 359 ms on an
+    H200)."""
+    targets: list[tuple[Any, str]] = [(pipe, "unet")]
+    if is_image_vae(getattr(pipe, "vae", None)):
+        targets.append((pipe.vae, "decoder"))
+    return targets

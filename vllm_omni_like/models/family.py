@@ -1,0 +1,50 @@
+"""What a model family is, torch-free: which diffusers pipelines it runs, what it makes, its
+geometry, and where its adapter (the torch side: models/<family>/adapter.py) lives.
+
+The API process (admission, `/v1/models`, `/health`) and the worker read the same description,
+chosen once from a model directory's `model_index.json` (models/registry.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Config = dict[str, Any]
+
+
+def vae_factors_by_blocks(vae: Config) -> tuple[int, int | None]:
+    """An image VAE (AutoencoderKL): one halving per block after the first; no time axis."""
+    return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of diffusion models: the description the whole server shares.
+
+    `size_base`: what the pipeline's own `check_inputs` asks width and height to be multiples
+    of (the VAE's factor times the patch size is added by the limits). `vae_factors`: the
+    VAE's (spatial, temporal) factors from its config. `loop`: which denoising loop runs a
+    batch ("pipeline": the diffusers pipeline's own `__call__`, whole requests batched
+    together). `adapter`: the module whose `ADAPTER` class runs the family in a worker.
+    """
+
+    name: str
+    pipelines: tuple[str, ...]  # model_index.json `_class_name`s it runs
+    output: str  # image | video
+    size_base: int
+    default_guidance: float
+    adapter: str
+    vae_factors: Callable[[Config], tuple[int, int | None]] = field(default=vae_factors_by_blocks)
+    loop: str = "pipeline"
+    default_frames: int | None = None  # videos: frames when neither request nor options say
+
+    def adapter_class(self) -> Any:
+        """The torch side (imports torch and diffusers)."""
+        return importlib.import_module(self.adapter).ADAPTER
+
+    def describe(self) -> dict[str, str]:
+        """What `/health` and `/metrics` say of a stage that runs this family."""
+        return {"family": self.name, "loop": self.loop}

@@ -1,0 +1,17 @@
+"""The Stable Diffusion UNet family (SD1.5 and its architecture, the embedded tiny-image model):
+torch-free description; the adapter is models/stable_diffusion/adapter.py."""
+
+from vllm_omni_like.models.family import Family
+
+FAMILY = Family(
+    name="stable-diffusion",
+    pipelines=(
+        "StableDiffusionPipeline",
+        "StableDiffusionImg2ImgPipeline",
+        "StableDiffusionInpaintPipeline",
+    ),
+    output="image",
+    size_base=8,  # StableDiffusionPipeline.check_inputs
+    default_guidance=7.5,
+    adapter="vllm_omni_like.models.stable_diffusion.adapter",
+)

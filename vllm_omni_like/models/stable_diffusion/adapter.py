@@ -1,0 +1,94 @@
+"""The Stable Diffusion UNet family in a worker (SD1.5, the tiny image model)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from vllm_omni_like.models.adapter import (
+    Adapter,
+    Decoder,
+    Guidance,
+    is_image_vae,
+    nhwc_unet_and_image_vae,
+    unet_adapter_speed,
+)
+from vllm_omni_like.models.stable_diffusion import FAMILY
+from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
+
+logger = logging.getLogger(__name__)
+
+
+class StableDiffusionAdapter(Adapter):
+    family = FAMILY
+    guidance = Guidance.BATCHED  # the pipeline doubles the batch: one UNet forward a step
+    image_conditions = ("edit", "inpaint")
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
+        return self.pipe.unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
+        factor = self.pipe.vae_scale_factor
+        return (rows, self.pipe.unet.config.in_channels, height // factor, width // factor)
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        # an AsymmetricAutoencoderKL's decode (inpainting) also takes the masked input image
+        if not is_image_vae(pipe.vae):
+            return None
+        return lambda latents: _decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        def decode(latents: torch.Tensor) -> torch.Tensor:
+            vae = pipe.vae
+            images = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+            return pipe.image_processor.postprocess(images, output_type="pt")
+
+        return decode
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        """'edit' (img2img) and 'inpaint' pipelines sharing the models (no second copy)."""
+        import diffusers
+
+        pipes = {}
+        for mode, auto in (
+            ("edit", diffusers.AutoPipelineForImage2Image),
+            ("inpaint", diffusers.AutoPipelineForInpainting),
+        ):
+            try:
+                pipes[mode] = auto.from_pipe(self.pipe)
+                pipes[mode].set_progress_bar_config(disable=True)
+            except Exception as exc:  # this model has no such variant
+                logger.info("stage %s: no %s pipeline (%s)", stage, mode, exc)
+        return pipes
+
+    def fuse_qkv(self) -> bool:
+        if not hasattr(self.pipe, "fuse_qkv_projections"):
+            return False
+        self.pipe.fuse_qkv_projections()  # one GEMM instead of three for each self-attention
+        return True
+
+    def channels_last(self, compiled: bool, forced: bool) -> bool:
+        return nhwc_unet_and_image_vae(self.pipe, compiled, forced)
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return unet_adapter_speed(self.pipe)
+
+    def split_cfg(self, leader: Leader) -> SplitCFG:
+        wrapper = SplitCFG(self.pipe.unet, leader)
+        self.pipe.unet = wrapper
+        return wrapper
+
+
+def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """StableDiffusionPipeline's decode: the VAE, the safety checker, the post-processing."""
+    vae = pipe.vae
+    image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+    # the pipeline passes its prompt embeddings' dtype, which its latents were made in
+    image, nsfw = pipe.run_safety_checker(image, image.device, latents.dtype)
+    denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+    return pipe.image_processor.postprocess(image, output_type="pt", do_denormalize=denormalize)
+
+
+ADAPTER = StableDiffusionAdapter
