@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import os
@@ -143,8 +144,13 @@ def ratio(new: list[float], old: list[float]) -> float:
 def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     flags, body, video = PARTS[part]
     cpu = part.startswith("tiny")  # memory.load's tiny-image requests
-    old = Tree("old", flags, args.log, args.before)
-    new = Tree("new", flags, args.log, None)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load (and compile) at once
+        starting = [
+            pool.submit(Tree, "old", flags, args.log, args.before),
+            pool.submit(Tree, "new", flags, args.log, None),
+        ]
+        started = [f.result() for f in starting]  # (a start that failed raises here)
+    old, new = started
     trees = (old, new)
     try:
         for tree in trees:  # warm-up: cuDNN, the allocator's pool
