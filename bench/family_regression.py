@@ -4,9 +4,10 @@
 
 For each part, both trees' servers start once on the same GPU (`--gpu-memory-fraction 0.45`
 each, random weights) and their runs alternate, old then new, round after round:
-  - batch 1: one request at a time; each step's device time from the worker's timeline (CUDA
-    events, VLLM_OMNI_LIKE_TRACE_DIR: stages/trace.py), so the host's launch speed cancels out;
-    the median step of every batch, then the median over the batches;
+  - batch 1: one request at a time (--batch1 a round, the trees request by request); each
+    step's device time from the worker's timeline (CUDA events, VLLM_OMNI_LIKE_TRACE_DIR:
+    stages/trace.py): the host's launch speed cancels out where the host runs ahead of the
+    device (a large model); the median step of every batch, then the median over the batches;
   - c32 (images): 32 clients, img/s per round (its spread: every round's figure);
   - the video (Wan2.1-T2V-1.3B, 832x480, 33 frames, 20 steps): per-step device time and the
     end-to-end seconds of create -> poll -> content.
@@ -158,8 +159,10 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
             if not video:
                 asyncio.run(load(tree.server.url, 32, 64, cpu=cpu, oom_share=0))
         for _ in range(args.rounds):
+            for _ in range(args.batch1):  # request by request, old then new
+                for tree in trees:
+                    batch_one(tree, body, video)
             for tree in trees:
-                batch_one(tree, body, video)
                 if not video:
                     out = asyncio.run(load(tree.server.url, 32, args.c32_requests, cpu, 0))
                     if out["failed"]:
@@ -189,6 +192,7 @@ def main() -> int:
     ap.add_argument("--parts", default="sd15-eager,sd15-compiled,wan")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--c32-requests", type=int, default=96)
+    ap.add_argument("--batch1", type=int, default=3, help="batch-1 requests a tree a round")
     ap.add_argument("--log", default="family_regression.log")
     ap.add_argument("--out", default="", help="a JSON-lines file to append each part to")
     args = ap.parse_args()

@@ -297,7 +297,12 @@ def signal_mid_step(eng, pipeline: str, sig: int, rank: int, steps: int, seed: i
 
 @pytest.mark.parametrize(
     ("sig", "rank"),
-    [(signal.SIGKILL, 0), (signal.SIGKILL, 1), (signal.SIGSTOP, 0), (signal.SIGSTOP, 1)],
+    [
+        pytest.param(signal.SIGKILL, 0, marks=pytest.mark.drill),  # (the suite's time: -m drill)
+        (signal.SIGKILL, 1),
+        (signal.SIGSTOP, 0),
+        pytest.param(signal.SIGSTOP, 1, marks=pytest.mark.drill),
+    ],
     ids=["kill-rank0", "kill-rank1", "stop-rank0", "stop-rank1"],
 )
 def test_a_rank_killed_or_stopped_mid_step_takes_its_replica_down(cfgp, reference_image, sig, rank):
