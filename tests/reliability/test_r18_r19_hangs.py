@@ -110,6 +110,9 @@ def test_r18_a_hang_in_the_first_batch_of_a_fresh_replica(tmp_path_factory, mode
         assert peers == [200] * 7, results
         # while the only replica was stuck or restarting, /health said so
         assert any(code != "healthy" for code, _, _ in seen), seen
+        # the culprit's second stall killed the replica once more: a request waits for it back
+        back = lambda: httpx.get(f"{server.url}/health").status_code == 200  # noqa: E731
+        wait_for(back, 30, "the replica back after the culprit's second stall")
         assert _post(server.url, model, "a green star", steps)[0] == 200
         replica = server.engine.orchestrator.pools[model][0].replicas[0]
         assert server.engine.stats.worker_deaths == 2
