@@ -139,6 +139,7 @@ def test_images_equal_one_rank_and_rank_0_computes_half_the_batch(cfgp, referenc
         assert report.model_batch == rows, (kw, report)
 
 
+@pytest.mark.drill  # (the suite's time; tests/models/ checks Wan's split in one process)
 def test_a_video_equals_one_rank(tmp_path, monkeypatch):
     """Wan: the pipeline's second (unconditional) call is rank 1's. Compiled (dynamo's eager
     backend: real tracing, no C compiler): rank 0's warm-up at load drives rank 1's. Both
