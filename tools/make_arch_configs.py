@@ -26,7 +26,7 @@ def sd15(out: str) -> None:
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig
 
-    from vllm_omni_like.models.tiny import build_tokenizer
+    from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer
 
     with torch.device("meta"):
         UNet2DConditionModel(
@@ -66,14 +66,7 @@ def sd15(out: str) -> None:
         architectures=["CLIPTextModel"],
     ).save_pretrained(os.path.join(out, "text_encoder"))
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
-    DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    ).save_config(os.path.join(out, "scheduler"))
+    DDIMScheduler(**SD_SCHEDULER).save_config(os.path.join(out, "scheduler"))
     _index(
         out,
         "StableDiffusionPipeline",

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from vllm_omni_like.models import row_schedulers as rs
+from vllm_omni_like.models.tiny import SD_SCHEDULER
 
-SD = diffusers.DDIMScheduler(
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=1,
-).config
+SD = diffusers.DDIMScheduler(**SD_SCHEDULER).config
 KINDS = {
     "ddim": (diffusers.DDIMScheduler, SD),
     "euler": (diffusers.EulerDiscreteScheduler, SD),

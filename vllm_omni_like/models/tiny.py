@@ -19,6 +19,15 @@ from vllm_omni_like.models.tiny_llm import build_llm
 TINY_NAMES = ("tiny-llm", "tiny-image", "tiny-video")
 BUILD_VERSION = "3"
 MAX_TEXT_TOKENS = 32
+# Stable Diffusion's DDIM settings (SD1.5's scheduler config): the tiny image model's
+SD_SCHEDULER = {
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+}
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
 WORDS = [
@@ -211,14 +220,7 @@ def image_pipeline():
         norm_num_groups=16,
         sample_size=64,
     )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
+    scheduler = DDIMScheduler(**SD_SCHEDULER)
     return StableDiffusionPipeline(
         vae=vae,
         text_encoder=_clip_text_encoder(len(tokenizer), tokenizer),
