@@ -153,8 +153,9 @@ def test_r9_schemathesis_finds_no_server_error(tmp_path):
                 "30",
                 "--seed",
                 "9",
-                "--workers",
-                "2",
+                "--workers",  # one: hypothesis describes strategies with ast.parse, which in
+                "1",  # threads can raise "AST constructor recursion depth mismatch" (CPython
+                # gh-106905; once in a clean-clone run here on 3.11.7 with two workers)
                 "--max-time",
                 "8",
                 "--phases",
