@@ -67,7 +67,7 @@ class Adapter:
 
     def __init__(self, pipe: Any, family: Family | None = None) -> None:
         self.pipe = pipe
-        if family is not None:  # the generic adapter's description is the model's own
+        if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
 
     # ---- the denoiser and its conditioning -----------------------------------------------
@@ -174,8 +174,7 @@ class Adapter:
 
 def adapter_for(pipe: Any, family: Family) -> Adapter:
     """The adapter of `family` for the loaded pipeline `pipe`."""
-    cls = family.adapter_class()
-    return cls(pipe, family if family.name == "generic" else None)
+    return family.adapter_class()(pipe, family)
 
 
 def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
@@ -201,7 +200,23 @@ def is_image_vae(vae: Any) -> bool:
     return type(vae).__name__ == "AutoencoderKL"
 
 
-def unet_adapter_speed(pipe: Any) -> list[tuple[Any, str]]:
+def fuse_unet_qkv(pipe: Any) -> bool:
+    """Fuse a UNet pipeline's attention projections (one GEMM instead of three for each
+    self-attention); whether it did."""
+    if getattr(pipe, "unet", None) is None or not hasattr(pipe, "fuse_qkv_projections"):
+        return False
+    pipe.fuse_qkv_projections()
+    return True
+
+
+def split_unet_batch(pipe: Any, leader: Leader) -> SplitCFG:
+    """CFG-parallel for a UNet pipeline, which doubles its batch: each rank runs one half."""
+    wrapper = SplitCFG(pipe.unet, leader)
+    pipe.unet = wrapper
+    return wrapper
+
+
+def unet_compile_targets(pipe: Any) -> list[tuple[Any, str]]:
     """A UNet pipeline's compile targets: the UNet, and the image VAE's decoder (one call per
     batch, but compiled it decodes 32 images at 512x512 in 202 ms instead of 359 ms on an
     H200)."""

@@ -10,19 +10,17 @@ inside the call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from vllm_omni_like.messages import StageRequest
-from vllm_omni_like.models.adapter import ChunkSource
+from vllm_omni_like.models.adapter import ChunkSource, Decoder
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
-
-Decoder = Callable[[torch.Tensor], torch.Tensor]  # latents -> pixels in [0, 1]
 
 
 class PendingDecode:

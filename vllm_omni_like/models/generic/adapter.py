@@ -9,8 +9,10 @@ from typing import Any
 from vllm_omni_like.models.adapter import (
     Adapter,
     Guidance,
+    fuse_unet_qkv,
     nhwc_unet_and_image_vae,
-    unet_adapter_speed,
+    split_unet_batch,
+    unet_compile_targets,
 )
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 
@@ -19,27 +21,20 @@ class GenericAdapter(Adapter):
     guidance = Guidance.NONE  # not known here: the pipeline's call applies its own
 
     def fuse_qkv(self) -> bool:
-        if getattr(self.pipe, "unet", None) is None or not hasattr(
-            self.pipe, "fuse_qkv_projections"
-        ):
-            return False
-        self.pipe.fuse_qkv_projections()
-        return True
+        return fuse_unet_qkv(self.pipe)
 
     def channels_last(self, compiled: bool, forced: bool) -> bool:
         return nhwc_unet_and_image_vae(self.pipe, compiled, forced)
 
     def compile_targets(self) -> list[tuple[Any, str]]:
         if self.denoiser_name == "unet":
-            return unet_adapter_speed(self.pipe)
+            return unet_compile_targets(self.pipe)
         return super().compile_targets()
 
     def split_cfg(self, leader: Leader) -> SplitCFG | PairCFG:
         if self.denoiser_name != "unet":
             return super().split_cfg(leader)
-        wrapper = SplitCFG(self.pipe.unet, leader)  # a UNet pipeline doubles its batch
-        self.pipe.unet = wrapper
-        return wrapper
+        return split_unet_batch(self.pipe, leader)
 
 
 ADAPTER = GenericAdapter

@@ -11,9 +11,11 @@ from vllm_omni_like.models.adapter import (
     Adapter,
     Decoder,
     Guidance,
+    fuse_unet_qkv,
     is_image_vae,
     nhwc_unet_and_image_vae,
-    unet_adapter_speed,
+    split_unet_batch,
+    unet_compile_targets,
 )
 from vllm_omni_like.models.stable_diffusion import FAMILY
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
@@ -64,21 +66,16 @@ class StableDiffusionAdapter(Adapter):
         return pipes
 
     def fuse_qkv(self) -> bool:
-        if not hasattr(self.pipe, "fuse_qkv_projections"):
-            return False
-        self.pipe.fuse_qkv_projections()  # one GEMM instead of three for each self-attention
-        return True
+        return fuse_unet_qkv(self.pipe)
 
     def channels_last(self, compiled: bool, forced: bool) -> bool:
         return nhwc_unet_and_image_vae(self.pipe, compiled, forced)
 
     def compile_targets(self) -> list[tuple[Any, str]]:
-        return unet_adapter_speed(self.pipe)
+        return unet_compile_targets(self.pipe)
 
     def split_cfg(self, leader: Leader) -> SplitCFG:
-        wrapper = SplitCFG(self.pipe.unet, leader)
-        self.pipe.unet = wrapper
-        return wrapper
+        return split_unet_batch(self.pipe, leader)
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
