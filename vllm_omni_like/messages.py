@@ -27,7 +27,11 @@ class StageRequest:
     client_id: str | None = None  # the client's x-request-id (logs, fault selection)
     files_only: bool = False  # see OmniRequest.files_only
 
-    def batch_key(self) -> tuple:
+    def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple:
+        """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
+        its own steps, guidance, scheduler and seed: only the shapes count."""
+        if self.mode in own_loop:
+            return (self.mode, self.params.width, self.params.height, self.params.num_frames)
         if self.mode != "edit":
             return self.params.shape_key(self.mode)
         shape = tuple(self.images[0].shape[:2]) if self.images else None
@@ -82,13 +86,16 @@ class WorkerLoadFailed:
 
 @dataclass
 class Progress:
-    """Step `step` of `total` finished for these requests (those not aborted)."""
+    """Step `step` of `total` finished for these requests (those not aborted); `progress`:
+    each request's own (step, total) where rows run their own step counts (the batch's step
+    is its loop's, `total` its longest row's)."""
 
     batch_id: int
     request_ids: list[str]
     step: int
     total: int
     previews: dict[str, Any] = field(default_factory=dict)  # request id -> HxWx3 uint8
+    progress: dict[str, tuple[int, int]] | None = None
 
 
 @dataclass

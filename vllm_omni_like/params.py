@@ -30,6 +30,7 @@ class GenerationParams:
     num_frames: int | None = None
     fps: int | None = None
     partial_images: int = 0
+    scheduler: str | None = None  # models/schedulers.py's names; None: the model's own
     # LLM stage (each row of a batch its own: stages/decode_loop.py)
     max_new_tokens: int | None = None
     temperature: float = 0.0
@@ -61,5 +62,6 @@ class GenerationParams:
             self.guidance_scale,
             self.strength,
             self.negative_prompt is None,
+            self.scheduler,
             self.step_delay,
         )

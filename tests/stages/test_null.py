@@ -48,7 +48,7 @@ def test_text_and_video_outputs():
 
 def test_progress_every_step_and_step_counts():
     seen = []
-    control = _control(lambda ids, step, total, previews: seen.append((ids, step, total)))
+    control = _control(lambda ids, step, total, previews, progress: seen.append((ids, step, total)))
     _stage().execute([StageRequest("a", "cat", GenerationParams(num_inference_steps=3))], control)
     assert seen == [(["a"], 1, 3), (["a"], 2, 3), (["a"], 3, 3)]
     assert control.steps_run == {"a": 3}

@@ -62,13 +62,15 @@ class _EngineCollector:
         )
         family = GaugeMetricFamily(
             f"{PREFIX}_stage_family",
-            "1 for the model family (adapter) and denoising loop a diffusion stage runs",
-            labels=["pipeline", "stage", "family", "loop"],
+            "1 for the model family (adapter) of a diffusion stage and the denoising loop each "
+            "of its modes runs (own, or the diffusers pipeline's call)",
+            labels=["pipeline", "stage", "family", "mode", "loop"],
         )
         for stage in self.engine.orchestrator.snapshot.stages:  # never the pools themselves
             key = [stage.pipeline, stage.name]
             if stage.family is not None:
-                family.add_metric([*key, stage.family["family"], stage.family["loop"]], 1.0)
+                for mode, loop in stage.family["loops"].items():
+                    family.add_metric([*key, stage.family["family"], mode, loop], 1.0)
             waiting.add_metric(key, stage.waiting)
             running.add_metric(key, stage.running)  # denoising, and batches still decoding
             alive.add_metric(key, stage.replicas_live)

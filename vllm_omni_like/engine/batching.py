@@ -32,19 +32,19 @@ from vllm_omni_like.engine.request_state import RequestState
 
 
 def take_compatible(
-    waiting: deque[RequestState], max_batch: int
+    waiting: deque[RequestState], max_batch: int, own_loop: frozenset[str] = frozenset()
 ) -> tuple[list[RequestState], deque[RequestState]]:
     """The oldest request and up to `max_batch - 1` others that may share its batch (same
-    shapes and step loop); what stays queued, in order. A request re-queued after a worker
-    death (`isolate`) runs alone."""
+    shapes; in modes not run by our own loop (`own_loop`), the same step loop too); what stays
+    queued, in order. A request re-queued after a worker death (`isolate`) runs alone."""
     head = waiting.popleft()
     if head.isolate:
         return [head], waiting
-    key = head.stage_request.batch_key()
+    key = head.stage_request.batch_key(own_loop)
     batch, keep = [head], deque()
     while waiting and len(batch) < max_batch:
         s = waiting.popleft()
-        if not s.isolate and s.stage_request.batch_key() == key:
+        if not s.isolate and s.stage_request.batch_key(own_loop) == key:
             batch.append(s)
         else:
             keep.append(s)

@@ -307,14 +307,16 @@ class Orchestrator:
                 pool.denoised(replica, bid)
             case Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
-            case Progress(batch_id=bid, request_ids=ids, step=step, total=total, previews=previews):
+            case Progress(batch_id=bid, request_ids=ids, step=step, total=total) as report:
                 pool.on_progress(replica, bid, step, total, time.monotonic())
+                own = report.progress or {}
                 for rid in ids:
                     state = self.requests.get(rid)
                     if state is not None:
-                        preview = previews.get(rid)
+                        preview = report.previews.get(rid)
                         state.partials_sent += preview is not None
-                        state.emit(RequestProgress(rid, pool.name, step, total, preview))
+                        at, of = own.get(rid, (step, total))
+                        state.emit(RequestProgress(rid, pool.name, at, of, preview))
             case ReplicaDied() as event:
                 self._on_replica_death(pool, replica, event)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_omni_like import cost
 from vllm_omni_like.errors import ErrorInfo
@@ -47,7 +48,7 @@ class StageView:
     default_steps: int = 1
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
     replicas: tuple[ReplicaView, ...] = ()
-    family: dict[str, str] | None = None  # a diffusion stage's model family and its loop
+    family: dict[str, Any] | None = None  # a diffusion stage's family and its loops (per mode)
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {

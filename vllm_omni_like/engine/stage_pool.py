@@ -29,7 +29,7 @@ from vllm_omni_like.messages import (
     ReplicaRestarted,
     ReplicaRestartFailed,
 )
-from vllm_omni_like.models.limits import stage_family
+from vllm_omni_like.models.limits import describe_stage
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,10 @@ class StagePool:
         self.text = config.kind == "llm" or getattr(options, "output", None) == "text"
         steps = getattr(options, "max_new_tokens" if self.text else "default_steps", None)
         self.default_steps = steps or getattr(options, "steps", None) or cost.DEFAULT_STEPS
-        family = stage_family(config)  # which adapter its workers run (models/)
-        self.family = None if family is None else family.describe()
+        self.family = describe_stage(config)  # which adapter its workers run (models/)
+        # modes whose rows each carry their own steps, guidance, scheduler and seed
+        loops = self.family["loops"] if self.family else {}
+        self.own_loop = frozenset(mode for mode, loop in loops.items() if loop == "own")
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False
@@ -164,7 +166,9 @@ class StagePool:
             ]
             if not free:
                 break
-            batch, self.waiting = take_compatible(self.waiting, self.config.max_batch_size)
+            batch, self.waiting = take_compatible(
+                self.waiting, self.config.max_batch_size, self.own_loop
+            )
             flight = self._in_flight(next_batch_id(), batch, now)
             replica = routing.choose(free, flight.units_left, self.config.routing)
             replica.dispatched(flight)

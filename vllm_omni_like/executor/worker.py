@@ -114,9 +114,16 @@ class _Worker:
         callback_handler.register_start_callback(lambda *_: self.send(Compiling(True, self.rank)))
         callback_handler.register_end_callback(lambda *_: self.send(Compiling(False, self.rank)))
 
-    def _progress(self, ids: list[str], step: int, total: int, previews: dict[str, Any]) -> None:
+    def _progress(
+        self,
+        ids: list[str],
+        step: int,
+        total: int,
+        previews: dict[str, Any],
+        progress: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         if self.reports:
-            self.send(Progress(self.batch_id, ids, step, total, previews))
+            self.send(Progress(self.batch_id, ids, step, total, previews, progress))
 
     # 1) load ------------------------------------------------------------------------------------
     def load(self) -> bool:

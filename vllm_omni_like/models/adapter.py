@@ -6,10 +6,10 @@ denoiser is called and with which conditioning (`predict`, `experts`, `per_token
 `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
 latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
 its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split,
-and what to compile or lay out for speed. Today every family's batch runs through the
-diffusers pipeline's own `__call__` (`Family.loop`); `predict`, `guide` and `latent_shape` are
-what a loop of our own steps with, and the contract tests (tests/models/) hold each family's
-answers equal to its pipeline's.
+and what to compile or lay out for speed. Our own denoising loop (stages/denoise.py) steps
+with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
+(`Family.own_loop`) go through the diffusers pipeline's own `__call__`. The contract tests
+(tests/models/) hold each family's answers equal to its pipeline's.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class Adapter:
         self.pipe = pipe
         if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
+        self.own_scheduler = pipe.scheduler  # the model's, before a stage swaps it
+        self._schedulers: dict[str, Any] = {}
 
     # ---- the denoiser and its conditioning -----------------------------------------------
     @property
@@ -91,18 +93,62 @@ class Adapter:
         names.update(c.__name__ for c in getattr(scheduler, "compatibles", ()))
         return tuple(sorted(names))
 
+    def scheduler(self, name: str | None) -> Any:
+        """The scheduler a request's `scheduler` names (models/schedulers.py), built from the
+        model's own config; None: the model's own."""
+        if name is None:
+            return self.own_scheduler
+        if name not in self._schedulers:
+            from vllm_omni_like.models.row_schedulers import make_scheduler
+
+            self._schedulers[name] = make_scheduler(name, self.scheduler_config(name))
+        return self._schedulers[name]
+
+    def scheduler_config(self, name: str) -> dict[str, Any]:
+        """The config a named scheduler is built from: the model's own scheduler's."""
+        return dict(self.own_scheduler.config)
+
+    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+        """Text embeddings, one row per text, as the pipeline encodes a prompt (a negative
+        prompt is encoded the same way)."""
+        raise NotImplementedError(f"{self.family.name}: no text encoding of our own")
+
+    def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the pipeline keeps its latents in (SD: its text embeddings')."""
+        return text_dtype
+
+    def noise(
+        self, shape: tuple, generators: list[torch.Generator], device: torch.device, dtype: Any
+    ) -> torch.Tensor:
+        """Initial noise, each row drawn from its own generator as a pipeline given a list of
+        generators draws it."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        row = (1, *shape[1:])
+        return torch.cat(
+            [randn_tensor(row, generator=g, device=device, dtype=dtype) for g in generators]
+        )
+
     def text_embed_dim(self) -> int:
         """The width of the text embeddings the denoiser attends to."""
         config = getattr(self.pipe, self.denoiser_name).config
         return int(getattr(config, "text_dim", 0) or 0) or int(config.cross_attention_dim)
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
-        """One branch's noise (or velocity) prediction, as the pipeline calls its denoiser."""
+        """The denoiser's noise (or velocity) prediction for a batch of model rows, each at its
+        own timestep (`timestep`: one per row), as the pipeline calls its denoiser."""
         raise NotImplementedError(f"{self.family.name}: no denoiser call of our own")
 
-    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-        """Classifier-free guidance's combination of the two branches."""
-        return uncond + scale * (cond - uncond)
+    def guide(
+        self, cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """Classifier-free guidance's combination of the two branches; `scale`: one for all
+        rows, or a float32 column of one per row (each product rounded to the branches' dtype,
+        as a scalar's is: a row's result is the same either way)."""
+        diff = cond - uncond
+        if isinstance(scale, torch.Tensor):
+            return uncond + (scale * diff).to(diff.dtype)
+        return uncond + scale * diff
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
         raise NotImplementedError(f"{self.family.name}: no latents of our own")

@@ -26,9 +26,12 @@ class Family:
 
     `size_base`: what the pipeline's own `check_inputs` asks width and height to be multiples
     of (the VAE's factor times the patch size is added by the limits). `vae_factors`: the
-    VAE's (spatial, temporal) factors from its config. `loop`: which denoising loop runs a
-    batch ("pipeline": the diffusers pipeline's own `__call__`, whole requests batched
-    together). `adapter`: the module whose `ADAPTER` class runs the family in a worker.
+    VAE's (spatial, temporal) factors from its config. `own_loop`: the modes whose batches
+    run our own denoising loop (stages/denoise.py: rows with their own steps, guidance,
+    scheduler and seed); other modes run the diffusers pipeline's own `__call__`, whole
+    requests of one step loop batched together. `schedulers`: the names (models/schedulers.py)
+    a request may pick from. `adapter`: the module whose `ADAPTER` class runs the family in a
+    worker.
     """
 
     name: str
@@ -38,13 +41,14 @@ class Family:
     default_guidance: float
     adapter: str
     vae_factors: Callable[[Config], tuple[int, int | None]] = field(default=vae_factors_by_blocks)
-    loop: str = "pipeline"
+    own_loop: tuple[str, ...] = ()
+    schedulers: tuple[str, ...] = ()
     default_frames: int | None = None  # videos: frames when neither request nor options say
 
     def adapter_class(self) -> Any:
         """The torch side (imports torch and diffusers)."""
         return importlib.import_module(self.adapter).ADAPTER
 
-    def describe(self) -> dict[str, str]:
-        """What `/health` and `/metrics` say of a stage that runs this family."""
-        return {"family": self.name, "loop": self.loop}
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("text2video",) if self.output == "video" else ("text2img", "edit")

@@ -15,7 +15,7 @@ from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.family import Family
-from vllm_omni_like.models.registry import family_for, family_of, read_config
+from vllm_omni_like.models.registry import family_for, family_of, loops_for, read_config
 
 DEFAULT_MAX_STEPS = 200
 DEFAULT_MAX_FRAMES = 129
@@ -42,9 +42,20 @@ class ModelLimits:
     default_frames: int | None = None
     frame_multiple: int | None = None  # frames are k x this + 1
     default_fps: int | None = None
+    schedulers: tuple[str, ...] = ()  # the names a request's `scheduler` may take
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def check_scheduler(self, model: str, scheduler: str | None) -> None:
+        if scheduler is None or scheduler in self.schedulers:
+            return
+        runs = ", ".join(self.schedulers) or "none: only its own"
+        raise InvalidRequestError(
+            f"scheduler {scheduler!r} is not one {model} runs; it runs: {runs}",
+            param="scheduler",
+            code="invalid_value",
+        )
 
     def sizes_text(self) -> str:
         m = self.size_multiple
@@ -92,6 +103,20 @@ def stage_family(stage: StageConfig) -> Family | None:
     return family_of(model_path(stage)) if stage.kind == "diffusion" else None
 
 
+def describe_stage(stage: StageConfig) -> dict[str, Any] | None:
+    """What `/health` and `/metrics` say of a diffusion stage's model: its family, the loop
+    its generation mode runs ("own" or "pipeline") and each mode's (None: not diffusion)."""
+    family = stage_family(stage)
+    if family is None:
+        return None
+    loops = loops_for(model_path(stage), stage.cfg_parallel)
+    return {
+        "family": family.name,
+        "loop": loops[family.modes[0]][0],
+        "loops": {mode: loop for mode, (loop, _) in loops.items()},
+    }
+
+
 def _geometry(path: str) -> dict[str, Any]:
     """Spatial and temporal factors, native size and positional limits from the config files."""
     index = read_config(path, "model_index.json")
@@ -124,7 +149,8 @@ def _first(*values: Any) -> Any:
 
 def diffusion_limits(stage: StageConfig) -> ModelLimits:
     opts = stage.options
-    g = _geometry(model_path(stage))
+    path = model_path(stage)
+    g = _geometry(path)
     video = g["video"]
     native = g["native"] or (64 if stage.model in ("", "tiny-image", "tiny-video") else 512)
     size = _first(opts.default_size, native)
@@ -155,6 +181,7 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         default_frames=default_frames,
         frame_multiple=g["temporal"] if video else None,
         default_fps=fps,
+        schedulers=family_of(path).schedulers,
     )
 
 

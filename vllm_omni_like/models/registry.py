@@ -8,6 +8,7 @@ import os
 from vllm_omni_like.models import stable_diffusion, wan
 from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.models.generic import generic_family
+from vllm_omni_like.models.schedulers import unsupported
 
 FAMILIES: tuple[Family, ...] = (stable_diffusion.FAMILY, wan.FAMILY)
 
@@ -34,3 +35,24 @@ def family_of(path: str) -> Family:
     return family_for(
         read_config(path, "model_index.json"), read_config(path, "vae", "config.json")
     )
+
+
+def loops_for(path: str, cfg_parallel: bool = False) -> dict[str, tuple[str, str | None]]:
+    """Per mode of the model at `path`: which denoising loop its batches run, "own" or
+    "pipeline" (the diffusers pipeline's call), and why not our own (None where it is).
+    The API process (batching, `/health`, `/metrics`) and the worker decide alike."""
+    family = family_of(path)
+    index = read_config(path, "model_index.json")
+    scheduler = str((index.get("scheduler") or [None, ""])[1])
+    problem = unsupported(scheduler, read_config(path, "scheduler", "scheduler_config.json"))
+    loops: dict[str, tuple[str, str | None]] = {}
+    for mode in family.modes:
+        why = None
+        if mode not in family.own_loop:
+            why = f"{family.name}: {mode} runs the pipeline's call"
+        elif cfg_parallel:
+            why = "CFG-parallel ranks run the pipeline's call"
+        elif problem is not None:
+            why = f"the model's scheduler: {problem}"
+        loops[mode] = ("pipeline", why) if why else ("own", None)
+    return loops

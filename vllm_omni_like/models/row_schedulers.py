@@ -8,9 +8,10 @@ one vectorised computation over per-row coefficients gathered on the host from t
 the same order of operations as the scheduler's `step`, so each row's result is the one a
 pipeline running that row alone computes. Never one `step()` call per row.
 
-Kinds: DDIM, Euler and Euler ancestral (whose noise comes from each row's own generator) for
-the UNet family; flow-match Euler for Wan. The denoising loop of our own (#33) steps with these;
-DPM-Solver++ 2M and UniPC (multistep: per-row history) join it there.
+Kinds: DDIM, Euler and Euler ancestral (whose noise comes from each row's own generator) and
+flow-match Euler, each by its own code here; DPM-Solver++, UniPC and PNDM ("multistep": a
+history per row) by models/multistep.py, the same way. The names a request gives
+(`scheduler`) are models/schedulers.py's.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from vllm_omni_like.models import multistep
+from vllm_omni_like.models.schedulers import EXPLICIT, MULTISTEP, SCHEDULERS, unsupported
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,12 @@ class Schedule:
     final_alpha_cumprod: float | None
     step_ratio: int | None
     init_noise_sigma: float
+    tables: multistep.Tables | None = None  # multistep: each step's variant and scalars
+
+    @property
+    def iterations(self) -> int:
+        """Denoiser calls (PNDM makes one more than its steps)."""
+        return len(self.timesteps)
 
 
 @dataclass
@@ -45,6 +55,7 @@ class Row:
     schedule: Schedule
     index: int = 0
     generator: torch.Generator | None = None  # an ancestral step's noise
+    history: dict[str, torch.Tensor] = field(default_factory=dict)  # multistep: its past
 
     @property
     def timestep(self) -> torch.Tensor:
@@ -52,7 +63,7 @@ class Row:
 
     @property
     def done(self) -> bool:
-        return self.index >= self.schedule.steps
+        return self.index >= self.schedule.iterations
 
 
 KINDS = {
@@ -60,7 +71,18 @@ KINDS = {
     "EulerDiscreteScheduler": "euler",
     "EulerAncestralDiscreteScheduler": "euler-a",
     "FlowMatchEulerDiscreteScheduler": "flow-euler",
+    **{name: "multistep" for name in MULTISTEP},
 }
+assert set(KINDS) == set(EXPLICIT + MULTISTEP)
+
+
+def make_scheduler(name: str, config: dict[str, Any]) -> Any:
+    """The diffusers scheduler a request's `scheduler` name stands for, built from the model's
+    own scheduler config."""
+    import diffusers
+
+    class_name, overrides = SCHEDULERS[name]
+    return getattr(diffusers, class_name).from_config(dict(config), **overrides)
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,6 +92,7 @@ def _schedule(class_name: str, config_json: str, steps: int) -> Schedule:
     scheduler = getattr(diffusers, class_name).from_config(json.loads(config_json))
     scheduler.set_timesteps(steps, device="cpu")
     kind = KINDS[class_name]
+    tables = multistep.tables(scheduler) if kind == "multistep" else None
     sigmas = getattr(scheduler, "sigmas", None) if kind != "ddim" else None
     alphas = scheduler.alphas_cumprod if kind == "ddim" else None
     return Schedule(
@@ -81,21 +104,23 @@ def _schedule(class_name: str, config_json: str, steps: int) -> Schedule:
         final_alpha_cumprod=float(scheduler.final_alpha_cumprod) if kind == "ddim" else None,
         step_ratio=scheduler.config.num_train_timesteps // steps if kind == "ddim" else None,
         init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),
+        tables=tables,
     )
 
 
 def schedule_for(scheduler: Any, steps: int) -> Schedule:
     """The tables of `scheduler`'s class and config at `steps` steps (cached)."""
     name = type(scheduler).__name__
-    if name not in KINDS:
-        raise ValueError(f"no batched steps for {name}; these have: {', '.join(KINDS)}")
+    problem = unsupported(name, dict(scheduler.config))
+    if problem is not None:
+        raise ValueError(f"no batched steps for {problem}; these have them: {', '.join(KINDS)}")
     config = json.dumps(dict(scheduler.config), sort_keys=True, default=str)
     return _schedule(name, config, steps)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     shape = (len(values),) + (1,) * (like.dim() - 1)
-    return torch.tensor(values, dtype=torch.float32).view(shape).to(like.device)
+    return multistep.to_device(torch.tensor(values, dtype=torch.float32).view(shape), like.device)
 
 
 def scale_input(rows: Sequence[Row], latents: torch.Tensor) -> torch.Tensor:
@@ -106,22 +131,30 @@ def scale_input(rows: Sequence[Row], latents: torch.Tensor) -> torch.Tensor:
         float((r.schedule.sigmas[r.index] ** 2 + 1) ** 0.5) if r.schedule.kind in EULERS else 1.0
         for r in rows
     ]
-    return latents / _column(scale, latents).to(latents.dtype)
+    return (latents / _column(scale, latents)).to(latents.dtype)  # (as a 0-dim sigma: in fp32)
 
 
 def step(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     """Every row one step on: its scheduler's update of `latents` by the denoiser's `output`
-    (epsilon for DDIM and Euler, velocity for flow-match), each with its own coefficients."""
-    kinds = {r.schedule.kind for r in rows}
-    if len(kinds) == 1:
-        out = _STEPS[kinds.pop()](rows, output, latents)
-    else:  # rows of several kinds: each kind's rows together, put back in place
-        out = torch.empty_like(latents)
-        for kind in kinds:
-            picked = [i for i, r in enumerate(rows) if r.schedule.kind == kind]
-            index = torch.tensor(picked, device=latents.device)
+    (epsilon for DDIM and Euler, velocity for flow-match; a multistep scheduler's prediction
+    type is its config's), each with its own coefficients. In the dtype its scheduler leaves
+    the sample in."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):  # (a multistep scheduler's rows by what their step does)
+        tables = r.schedule.tables
+        key = multistep.variant((tables, r.index)) if tables else (r.schedule.kind,)
+        groups.setdefault(key, []).append(i)
+    if len(groups) == 1:
+        out = _STEPS[rows[0].schedule.kind](rows, output, latents)
+    else:  # rows of several kinds: each kind's rows together, put back in place (a row's
+        # values are those its kind left, in a dtype that holds every kind's exactly)
+        dtype = torch.promote_types(latents.dtype, output.dtype)
+        out = torch.empty_like(latents, dtype=dtype)
+        for picked in groups.values():
+            index = multistep.to_device(torch.tensor(picked), latents.device)
+            kind = rows[picked[0]].schedule.kind
             part = _STEPS[kind]([rows[i] for i in picked], output[index], latents[index])
-            out[index] = part
+            out[index] = part.to(dtype)
     for r in rows:
         r.index += 1
     return out
@@ -141,7 +174,7 @@ def _ddim(rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch
     beta = 1 - a
     x0 = (sample - beta ** (0.5) * eps) / a ** (0.5)
     direction = (1 - a_prev) ** (0.5) * eps
-    return a_prev ** (0.5) * x0 + direction
+    return (a_prev ** (0.5) * x0 + direction).to(torch.promote_types(sample.dtype, eps.dtype))
 
 
 def _euler(rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
@@ -186,5 +219,16 @@ def _flow_euler(rows: Sequence[Row], v: torch.Tensor, sample: torch.Tensor) -> t
     return (x + (nxt - sigma) * v).to(v.dtype)
 
 
+def _multistep(rows: Sequence[Row], output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    positions = [(r.schedule.tables, r.index) for r in rows]
+    return multistep.step(positions, [r.history for r in rows], output, sample)
+
+
 EULERS = ("euler", "euler-a")
-_STEPS = {"ddim": _ddim, "euler": _euler, "euler-a": _euler_ancestral, "flow-euler": _flow_euler}
+_STEPS = {
+    "ddim": _ddim,
+    "euler": _euler,
+    "euler-a": _euler_ancestral,
+    "flow-euler": _flow_euler,
+    "multistep": _multistep,
+}

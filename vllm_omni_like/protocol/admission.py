@@ -65,8 +65,10 @@ def image_params(
         seed=body.seed,
         strength=body.strength,
         partial_images=body.partial_images if body.stream else 0,
+        scheduler=body.scheduler,
     )
     check_steps(params, model, name)
+    model.check_scheduler(name, params.scheduler)
     check_pixels(params, model, name)
     return params
 
@@ -148,6 +150,8 @@ def video_params(
         seed=body.seed,
         fps=fps,
         num_frames=frames,
+        scheduler=body.scheduler,
     )
     check_steps(params, model, name)
+    model.check_scheduler(name, params.scheduler)
     return params

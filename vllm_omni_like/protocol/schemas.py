@@ -20,6 +20,7 @@ class _Sampling(_Strict):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, lt=2**31)
+    scheduler: str | None = None  # a name the model's family runs (`/v1/models` lists them)
     user: str | None = None
     quality: Any = None
     style: Any = None

@@ -32,7 +32,7 @@ class StageControl:
     def __init__(
         self,
         faults: FaultInjector,
-        on_progress: Callable[[list[str], int, int, dict[str, Any]], None] | None = None,
+        on_progress: Callable[..., None] | None = None,
     ) -> None:
         self.faults = faults
         self._on_progress = on_progress
@@ -96,18 +96,22 @@ class StageControl:
         step: int,
         total: int,
         previews: dict[str, Any] | None = None,
+        progress: dict[str, tuple[int, int]] | None = None,
     ) -> None:
-        """Call after each denoising/decoding step; raises StageAborted once nobody needs it."""
+        """Call after each denoising/decoding step; raises StageAborted once nobody needs it.
+        `progress`: the (step, total) of each request that stepped, where they differ (rows
+        with their own step counts); the others of `batch` did not step."""
         self.faults.fire("step", batch)
         with self._lock:  # the abort check and the count together: no abort slips between them
             live = self._live(batch)
             for r in live:
-                self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
+                if progress is None or r.request_id in progress:
+                    self.steps_run[r.request_id] = self.steps_run.get(r.request_id, 0) + 1
         if not live:
             raise StageAborted()
         if self._on_progress is not None:
-            ids = [r.request_id for r in live]
-            self._on_progress(ids, step, total, previews or {})
+            ids = [r.request_id for r in live if progress is None or r.request_id in progress]
+            self._on_progress(ids, step, total, previews or {}, progress)
 
     def wants_preview(self, request: StageRequest, step: int, total: int) -> bool:
         """Partial images come from real intermediate steps, spread before the last one."""

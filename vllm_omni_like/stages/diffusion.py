@@ -19,7 +19,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import adapter_for
-from vllm_omni_like.models.registry import FAMILIES, family_of
+from vllm_omni_like.models.registry import FAMILIES, family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
@@ -28,7 +28,10 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import edits, latent_decode, video_stream
+from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
+from vllm_omni_like.stages.denoise import DenoiseLoop, Settings
+from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
@@ -87,6 +90,12 @@ class DiffusionStage(Stage):
                 ", ".join(f.name for f in FAMILIES),
             )
         self.is_video = self.family.output == "video"
+        # per mode: our own denoising loop, or the pipeline's call (and why)
+        self.loops = loops_for(path, self.config.cfg_parallel)
+        self.own = {mode for mode, (loop, _) in self.loops.items() if loop == "own"}
+        for mode, (loop, why) in self.loops.items():
+            if mode in self.family.own_loop and why is not None:
+                logger.warning("stage %s: %s runs the pipeline's call: %s", self.name, mode, why)
         self.denoiser = getattr(pipe, adapter.denoiser_name)
         self.denoiser_dtype = self.denoiser.dtype  # (a model's `dtype` walks its modules)
         self.tokenizer = getattr(pipe, "tokenizer", None)
@@ -107,8 +116,10 @@ class DiffusionStage(Stage):
         self.tuned = accel.tune_kernels(
             adapter, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
         )
-        if host_scheduler(pipe):  # the same steps, none of them waiting on the device
+        pipeline_loop = set(self.family.modes) - self.own
+        if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
             self.tuned.append("UniPC coefficients on the host")
+        self.scheduler = pipe.scheduler  # the pipeline call's default
         logger.info(
             "stage %s: attention %s, channels_last %s, %s",
             self.name,
@@ -123,6 +134,15 @@ class DiffusionStage(Stage):
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
             configured = cfg.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
+        # model rows: two per row with guidance; a compiled denoiser's buckets count them
+        self.denoise = DenoiseLoop(
+            adapter,
+            self.device,
+            self._embed,
+            tuple(2 * b for b in self.buckets),
+            cfg.batched_cfg,
+            self.tracer.mark,
+        )
         self.leader: cfg_parallel.Leader | None = None
         self.cfg: BatchedCFG | cfg_parallel.SplitCFG | None = None
         self.branch_model = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
@@ -135,8 +155,8 @@ class DiffusionStage(Stage):
         if self.link is not None:
             self.leader = cfg_parallel.Leader(self.link, self.tracer.mark)
             self.cfg = adapter.split_cfg(self.leader)
-        else:
-            self.cfg = adapter.batched_cfg() if cfg.batched_cfg else None
+        elif cfg.batched_cfg and self.family.modes[0] not in self.own:  # (our loop batches)
+            self.cfg = adapter.batched_cfg()
         self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
         model = getattr(pipe, adapter.denoiser_name)
         self.probe.attach(self.cfg.model if self.cfg is not None else model)
@@ -188,6 +208,10 @@ class DiffusionStage(Stage):
         started = time.monotonic()
         for width, height in sizes:
             for rows in self.buckets:
+                if self.family.modes[0] in self.own:  # a batch of `rows` through our own loop
+                    self._warm_up_own(rows, width, height)
+                    logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
+                    continue
                 gens = [torch.Generator(device=self.device).manual_seed(0) for _ in range(rows)]
                 kwargs = self._call_kwargs(
                     ["warm-up"] * rows, [""] * rows, gens, 2, self.default_guidance
@@ -203,6 +227,15 @@ class DiffusionStage(Stage):
             len(sizes) * len(self.buckets),
             time.monotonic() - started,
         )
+
+    def _warm_up_own(self, rows: int, width: int, height: int) -> None:
+        frames = self.default_frames if self.is_video else None
+        params = GenerationParams(
+            width=width, height=height, num_inference_steps=2, seed=0, num_frames=frames
+        )
+        mode = self.family.modes[0]
+        batch = [StageRequest(f"warm-up-{i}", "warm-up", params, mode) for i in range(rows)]
+        self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
 
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
@@ -232,16 +265,23 @@ class DiffusionStage(Stage):
                 stage=self.name,
                 param="num_frames",
             )
+        lim.check_scheduler(self.config.model or "the model", p.scheduler)
         check_prompt_length(self.tokenizer, request, self.name)
 
     # 3. execute -----------------------------------------------------------------------------------
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
-        pipe, kwargs, rows, seeds = self._prepare(batch, control)
-        decoder = self.adapter.decoder(pipe)
-        if decoder is not None:
-            kwargs["output_type"] = "latent"
-        media = self.adapter.media(self._denoise(pipe, kwargs, control))
+        if batch[0].mode in self.own:
+            pipe, decoder = self.pipe, self.adapter.decoder(self.pipe)
+            media, seeds, frames = self._denoise_own(batch, control)
+        else:
+            pipe, kwargs, rows, seeds = self._prepare(batch, control)
+            decoder = self.adapter.decoder(pipe)
+            if decoder is not None:
+                kwargs["output_type"] = "latent"
+            media = self.adapter.media(self._denoise(pipe, kwargs, control))
+            frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
+        rows = len(seeds)
         if decoder is None:  # a pipeline we cannot decode for: it did, in the call
             with torch.inference_mode():
                 pixels = tensor_to_uint8(media[:rows])
@@ -254,7 +294,6 @@ class DiffusionStage(Stage):
             decode = latent_decode.PendingDecode(
                 decoder, media, self.side_stream, self.buckets, chunks
             )
-        frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
         first_row, k = {}, 0
         for r in batch:
             first_row[r.request_id] = k
@@ -276,6 +315,66 @@ class DiffusionStage(Stage):
 
     def _rows(self, request: StageRequest) -> int:
         return 1 if self.is_video else request.params.n
+
+    # our own loop (stages/denoise.py) ------------------------------------------------------------
+    def _denoise_own(
+        self, batch: list[StageRequest], control: StageControl
+    ) -> tuple[torch.Tensor, list[int], int]:
+        """The batch's latents, each row's seed, and a video's frames (0 for images)."""
+        p = batch[0].params
+        settings = Settings(self.default_steps, self.default_guidance, self._rows, self._prompt)
+        frames = (p.num_frames or self.default_frames) if self.is_video else 1
+        width, height = p.width or self.default_width, p.height or self.default_height
+        self.probe.reset()
+        with self.tracer.batch(), torch.inference_mode():
+            rows, embeds = self.denoise.rows(batch, settings)
+            shape = self.adapter.latent_shape(len(rows), width, height, frames)
+            latents = self.denoise.noise(rows, shape, self.adapter.latent_dtype(embeds.dtype))
+            first = {}
+            for i, row in enumerate(rows):
+                first.setdefault(row.request.request_id, i)
+
+            def on_step(latents: torch.Tensor, progress: dict[str, tuple[int, int]]) -> None:
+                want = [
+                    r
+                    for r in batch
+                    if r.request_id in progress
+                    and control.wants_preview(r, *progress[r.request_id])
+                ]
+                previews = self._own_previews(want, first, latents) if want else None
+                step = max(at for at, _ in progress.values())
+                total = max(of for _, of in progress.values())
+                control.step(batch, step, total, previews, progress)
+
+            latents = self.denoise.run(rows, embeds, latents, control, batch, on_step)
+            if self.device.type == "cuda":  # the loop ends when its steps do
+                torch.cuda.current_stream(self.device).synchronize()
+            self.tracer.mark("synced")
+        control.saw_model_batch(self.probe.max_seen)
+        return latents, [r.seed for r in rows], frames if self.is_video else 0
+
+    def _prompt(self, request: StageRequest) -> str:
+        if request.truncate_prompt and self.tokenizer is not None:
+            return truncate_prompt(self.tokenizer, request.prompt, self.name)
+        return request.prompt
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        """The batch's text embeddings: the text encoder's, or a dummy's seeded random ones."""
+        if self.embed_shape is not None:
+            seq_len, dim = self.embed_shape
+            return random_prompt_embeds(texts, seq_len, dim, self.denoiser_dtype, self.device)
+        max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
+        return self.adapter.encode_text(texts, self.device, max_length)
+
+    def _own_previews(
+        self, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
+    ) -> dict[str, Any]:
+        preview = self.adapter.preview(self.pipe)
+        if preview is None:
+            return {}
+        picked = latents[[first[r.request_id] for r in want]]
+        images = tensor_to_uint8(preview(picked))
+        return {r.request_id: img for r, img in zip(want, images, strict=True)}
 
     def _prepare(
         self, batch: list[StageRequest], control: StageControl
@@ -308,6 +407,8 @@ class DiffusionStage(Stage):
         if first.mode == "edit":
             mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.limits.size_multiple)
             pipe = self.edit_pipes[mode]
+        # the batch's scheduler (one per batch here: the batching key holds it)
+        pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler
         kwargs.setdefault("height", p.height or self.default_height)
         kwargs.setdefault("width", p.width or self.default_width)
         kwargs["callback_on_step_end"] = self._callback(batch, control)

@@ -14,4 +14,6 @@ FAMILY = Family(
     size_base=8,  # StableDiffusionPipeline.check_inputs
     default_guidance=7.5,
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
+    own_loop=("text2img",),  # edits (img2img, inpaint) run the pipelines' own calls
+    schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
 )

@@ -17,6 +17,7 @@ from vllm_omni_like.models.adapter import (
     split_unet_batch,
     unet_compile_targets,
 )
+from vllm_omni_like.models.multistep import to_device
 from vllm_omni_like.models.stable_diffusion import FAMILY
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
 
@@ -29,7 +30,11 @@ class StableDiffusionAdapter(Adapter):
     image_conditions = ("edit", "inpaint")
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
-        return self.pipe.unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
+        t = to_device(timestep, latents.device)
+        return self.pipe.unet(latents, t, encoder_hidden_states=text, return_dict=False)[0]
+
+    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+        return self.pipe.encode_prompt(texts, device, 1, False)[0]
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
         factor = self.pipe.vae_scale_factor

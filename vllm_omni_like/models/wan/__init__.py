@@ -19,4 +19,6 @@ FAMILY = Family(
     default_guidance=5.0,
     adapter="vllm_omni_like.models.wan.adapter",
     vae_factors=wan_vae_factors,
+    own_loop=("text2video",),
+    schedulers=("unipc", "flow-euler"),
 )

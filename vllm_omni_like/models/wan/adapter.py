@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
+from vllm_omni_like.models.multistep import to_device
 from vllm_omni_like.models.wan import FAMILY
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
@@ -33,30 +34,66 @@ class WanAdapter(Adapter):
         return bool(self.pipe.config.get("expand_timesteps", False))
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
-        model = self._expert_at(timestep)
-        dtype = text.dtype
+        """Rows at a timestep on each side of Wan2.2's boundary run their own expert."""
+        experts = self.experts()
+        boundary = experts[0].boundary
+        if boundary is None:
+            return self._call(experts[0].model, latents, timestep, text)
+        high = [i for i, t in enumerate(timestep.tolist()) if t >= boundary]
+        low = [i for i in range(len(timestep)) if i not in set(high)]
+        if not low or not high:
+            return self._call(experts[0 if high else 1].model, latents, timestep, text)
+        out = None
+        for picked, expert in ((high, experts[0]), (low, experts[1])):
+            index = to_device(torch.tensor(picked), latents.device)
+            part = self._call(expert.model, latents[index], timestep[picked], text[index])
+            out = part.new_empty((latents.shape[0], *part.shape[1:])) if out is None else out
+            out[index] = part
+        return out
+
+    def _call(self, model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: Any) -> Any:
         rows = latents.shape[0]
+        t = to_device(timestep, latents.device)
         if self.per_token_timesteps:  # one timestep per latent token (no image condition)
             p = model.config.patch_size
             tokens = (
                 latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
             )
-            t = timestep.reshape(1, 1).expand(rows, tokens)
-        else:
-            t = timestep.reshape(1).expand(rows)
+            t = t.reshape(rows, 1).expand(rows, tokens)
         return model(
-            hidden_states=latents.to(dtype),
+            hidden_states=latents.to(text.dtype),
             timestep=t,
             encoder_hidden_states=text,
             return_dict=False,
         )[0]
 
-    def _expert_at(self, timestep: torch.Tensor) -> Any:
-        experts = self.experts()
-        boundary = experts[0].boundary
-        if boundary is None or float(timestep) >= boundary:
-            return experts[0].model
-        return experts[1].model
+    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+        embeds = self.pipe.encode_prompt(
+            prompt=texts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_length,
+            device=device,
+        )[0]
+        return embeds.to(self.pipe.transformer.dtype)  # as the pipeline's call casts them
+
+    def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # WanPipeline.prepare_latents
+
+    def scheduler_config(self, name: str) -> dict[str, Any]:
+        """Wan's two schedulers over one flow: UniPC's `flow_shift` is flow-match Euler's
+        `shift` (the embedded tiny model ships the latter, Wan2.1 the former)."""
+        config = dict(self.own_scheduler.config)
+        trained = config.get("num_train_timesteps", 1000)
+        if name == "flow-euler" and "flow_shift" in config:
+            return {"shift": config["flow_shift"], "num_train_timesteps": trained}
+        if name == "unipc" and "flow_shift" not in config:
+            return {
+                "prediction_type": "flow_prediction",
+                "use_flow_sigmas": True,
+                "flow_shift": config.get("shift", 1.0),
+                "num_train_timesteps": trained,
+            }
+        return config
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
         pipe = self.pipe

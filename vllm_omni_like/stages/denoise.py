@@ -1,0 +1,194 @@
+"""Our own denoising loop: every row with its own steps, scheduler and its state, guidance scale
+(CFG on or off) and seed, stepped together.
+
+A batch's text is encoded once on entry (each distinct prompt and negative prompt once); each
+row's noise comes from its own generator. Each step runs one forward over every live row's
+conditional branch and the unconditional branch of the rows with guidance (model rows: two per
+CFG row, one otherwise; a compiled denoiser pads them to its warmed-up bucket), combines each
+CFG row with its own scale, and steps every row with its own scheduler (models/row_schedulers.py:
+one vectorised update a kind, no `step()` per row). A row that ends its steps, or whose request
+is aborted, leaves the forward; the loop ends when none is left. What a row computes depends on
+its own inputs only, so it equals that row run alone (a batched matmul may round differently:
+tests/stages/test_denoise_loop.py bounds it). The latents go to the stage's deferred decode.
+
+What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
+`latent_dtype`, `predict`, `guide`, `scheduler`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.models import row_schedulers as rs
+from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.multistep import to_device
+from vllm_omni_like.stages.acceleration import bucket_for
+from vllm_omni_like.stages.base import StageControl
+
+Embed = Callable[[list[str]], torch.Tensor]  # texts -> (len, seq, dim) on the device
+
+
+@dataclass
+class LoopRow:
+    request: StageRequest
+    seed: int
+    guidance: float
+    state: rs.Row
+    text: int  # its prompt's row of the batch's embeddings
+    negative: int | None  # its negative prompt's (a row with guidance), else None
+
+    @property
+    def cfg(self) -> bool:
+        return self.negative is not None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a request leaves unsaid: the stage's defaults."""
+
+    steps: int
+    guidance: float
+    rows_per_request: Callable[[StageRequest], int]
+    prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
+
+
+class DenoiseLoop:
+    def __init__(
+        self,
+        adapter: Adapter,
+        device: torch.device,
+        embed: Embed,
+        buckets: tuple[int, ...] = (),
+        batched_cfg: bool = True,
+        mark: Callable[[str], None] = lambda label: None,
+    ) -> None:
+        self.adapter = adapter
+        self.device = device
+        self.embed = embed
+        self.buckets = buckets  # model rows a compiled denoiser was warmed up for
+        self.batched_cfg = batched_cfg  # False: the two branches in two forwards
+        self.mark = mark
+
+    # ---- entry --------------------------------------------------------------------------------
+    def rows(self, batch: list[StageRequest], settings: Settings) -> tuple[list[LoopRow], Any]:
+        """Each request's rows (`n` images, or one video), and the batch's text embeddings."""
+        texts: dict[str, int] = {}
+
+        def text_row(text: str) -> int:
+            return texts.setdefault(text, len(texts))
+
+        rows = []
+        for r in batch:
+            p = r.params
+            base = p.seed if p.seed is not None else random.randrange(2**31)
+            guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
+            steps = p.num_inference_steps or settings.steps
+            schedule = rs.schedule_for(self.adapter.scheduler(p.scheduler), steps)
+            for i in range(settings.rows_per_request(r)):
+                gen = torch.Generator(device=self.device).manual_seed(base + i)
+                negative = text_row(p.negative_prompt or "") if guidance > 1.0 else None
+                state = rs.Row(schedule, generator=gen)
+                prompt = text_row(settings.prompt(r))
+                rows.append(LoopRow(r, base + i, guidance, state, prompt, negative))
+        return rows, self.embed(list(texts))
+
+    def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
+        sigma = [r.state.schedule.init_noise_sigma for r in rows]
+        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's: in fp32)
+            column = torch.tensor(sigma, dtype=torch.float32).view(-1, *[1] * (len(shape) - 1))
+            latents = (latents * column.to(self.device)).to(dtype)
+        return latents
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(
+        self,
+        rows: list[LoopRow],
+        embeds: torch.Tensor,
+        latents: torch.Tensor,
+        control: StageControl,
+        batch: list[StageRequest],
+        on_step: Callable[[torch.Tensor, dict[str, tuple[int, int]]], None],
+    ) -> torch.Tensor:
+        """Denoise `latents` (one per row) until every live row ended its steps. After each
+        step `on_step(latents, progress)` with each stepped request's (step, total)."""
+        step = 0
+        while True:
+            live = {r.request_id for r in control.live(batch)}
+            active = [
+                i for i, r in enumerate(rows) if not r.state.done and r.request.request_id in live
+            ]
+            if not active:
+                return latents
+            every = len(active) == len(rows)
+            part = latents if every else latents[_index(active, latents.device)]
+            group = [rows[i] for i in active]
+            output = self._predict(group, part, embeds)
+            stepped = rs.step([r.state for r in group], output, part)
+            if every:
+                latents = stepped
+            else:
+                latents = latents.to(stepped.dtype)
+                latents[_index(active, latents.device)] = stepped
+            step += 1
+            progress = {
+                r.request.request_id: (r.state.index, r.state.schedule.iterations) for r in group
+            }
+            on_step(latents, progress)
+            self.mark("step")
+
+    def _predict(
+        self, group: list[LoopRow], latents: torch.Tensor, embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """The guided prediction of each row: the conditional branch of all, the unconditional
+        of those with guidance, in one forward (two with `batched_cfg` off)."""
+        states = [r.state for r in group]
+        scaled = rs.scale_input(states, latents)
+        cfg = [j for j, r in enumerate(group) if r.cfg]
+        times = torch.stack([s.timestep for s in states])
+        text = [r.text for r in group]
+        negative = [group[j].negative for j in cfg]
+        device = latents.device
+        index = _index(cfg, device)
+        if cfg and self.batched_cfg:
+            inputs = torch.cat([scaled, scaled[index]])
+            texts = embeds[_index(text + negative, device)]
+            out = self._forward(inputs, torch.cat([times, times[cfg]]), texts)
+            cond, uncond = out[: len(group)], out[len(group) :]
+        else:
+            cond = self._forward(scaled, times, embeds[_index(text, device)])
+            uncond = None
+            if cfg:
+                uncond = self._forward(scaled[index], times[cfg], embeds[_index(negative, device)])
+        if not cfg:
+            return cond
+        scales = [group[j].guidance for j in cfg]
+        if len(cfg) == len(group) and len(set(scales)) == 1:  # one scale: as the pipeline does
+            return self.adapter.guide(cond, uncond, scales[0])
+        column = torch.tensor(scales, dtype=torch.float32).view(-1, *[1] * (cond.dim() - 1))
+        guided = self.adapter.guide(cond[index], uncond, to_device(column, device))
+        if len(cfg) == len(group):
+            return guided
+        out = cond.clone()
+        out[index] = guided
+        return out
+
+    def _forward(self, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor) -> Any:
+        """One denoiser call, padded to the compiled bucket of its model rows."""
+        rows = latents.shape[0]
+        pad = bucket_for(rows, self.buckets) - rows
+        if pad:
+            latents = torch.cat([latents, latents[-1:].expand(pad, *latents.shape[1:])])
+            times = torch.cat([times, times[-1:].expand(pad)])
+            text = torch.cat([text, text[-1:].expand(pad, *text.shape[1:])])
+        return self.adapter.predict(latents, times, text)[:rows]
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
