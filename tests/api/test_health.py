@@ -113,17 +113,20 @@ def test_health_says_starting_until_the_models_load(tmp_path):
                 assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
                 assert r.headers["retry-after"] == "2"  # it will be ready: come back
             assert wait_until(lambda: http.get("/health").status_code == 200, 60)
-            # which model family's adapter the stage runs, and through which loop
+            # which model family's adapter the stage runs, and through which loop each mode
             (stage,) = http.get("/health").json()["stages"]
-            assert (stage["family"], stage["loop"]) == ("stable-diffusion", "pipeline")
+            assert (stage["family"], stage["loop"]) == ("stable-diffusion", "own")
+            assert stage["loops"] == {"text2img": "own", "edit": "pipeline"}
             family = [
                 line
                 for line in http.get("/metrics").text.splitlines()
                 if line.startswith("vllm_omni_like_stage_family{")
             ]
             assert family == [  # (prometheus_client writes the labels sorted)
+                'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
+                'mode="text2img",pipeline="tiny-image",stage="diffusion"} 1.0',
                 'vllm_omni_like_stage_family{family="stable-diffusion",loop="pipeline",'
-                'pipeline="tiny-image",stage="diffusion"} 1.0'
+                'mode="edit",pipeline="tiny-image",stage="diffusion"} 1.0',
             ]
     finally:
         server.stop()

@@ -55,8 +55,11 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "size_multiple": 8,
         "default_width": 64,
         "default_height": 64,
+        # the names a request's `scheduler` may take (models/schedulers.py)
+        "schedulers": ["ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"],
     }
     video = client.models.retrieve("tiny-video").model_dump()["limits"]
+    assert video["schedulers"] == ["unipc", "flow-euler"]
     assert (video["max_side"], video["max_frames"], video["default_fps"]) == (64, 33, 8)
     assert video["frame_multiple"] == 2 and listed["tiny-video"].model_dump()["limits"] == video
     with pytest.raises(openai.NotFoundError) as exc:
@@ -187,3 +190,25 @@ def test_masks_are_read_by_alpha_or_as_greyscale(tiny):
             "(greyscale). Mark the region to edit with fully transparent pixels (OpenAI's PNG "
             "with alpha) or white on black (greyscale)"
         )
+
+
+def test_a_scheduler_the_model_does_not_run_is_a_400_naming_those_it_does(tiny):
+    client = tiny.client()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.generate(prompt="red circle", extra_body={"scheduler": "flow-euler"})
+    err = exc.value.body
+    assert (err["param"], err["code"]) == ("scheduler", "invalid_value")
+    assert err["message"] == (
+        "scheduler 'flow-euler' is not one tiny-image runs; it runs: ddim, pndm, euler, "
+        "euler-a, dpm++2m, dpm++2m-karras, unipc"
+    )
+    with tiny.http() as http:
+        r = http.post("/v1/videos", json={"prompt": "x", "scheduler": "ddim"})
+        assert _error(r, 400, "scheduler", "invalid_value").startswith(
+            "scheduler 'ddim' is not one tiny-video runs; it runs: unipc, flow-euler"
+        )
+    # one the model runs is taken, through the SDK's extra_body
+    image = client.images.generate(
+        prompt="red circle", extra_body={"scheduler": "dpm++2m-karras", "num_inference_steps": 3}
+    )
+    assert image.data[0].b64_json

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, req
 from vllm_omni_like.engine.batching import RefillHold, RequestLevel, take_compatible
+from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.params import GenerationParams
 
 
 @dataclass
 class _Key:
     key: str
 
-    def batch_key(self) -> str:
+    def batch_key(self, own_loop: frozenset[str] = frozenset()) -> str:
         return self.key
 
 
@@ -127,3 +129,22 @@ def test_without_a_wait_requests_that_arrive_apart_run_as_they_come():
         outs = _spaced(e, 4, gap=0.3)
         assert all(o.ok for o in outs)
         wait_for(lambda: e.stats.snapshot()["batch_sizes"] == {1: 4}, 5, "four batches of 1")
+
+
+def test_in_a_mode_our_own_loop_runs_only_the_shapes_keep_requests_apart():
+    def request(mode="text2img", **params):
+        return StageRequest("r", "a cat", GenerationParams(**params), mode=mode)
+
+    own = frozenset({"text2img"})
+    plain = request(width=64, height=64)
+    others = [
+        request(width=64, height=64, num_inference_steps=7),
+        request(width=64, height=64, guidance_scale=1.0, negative_prompt="blur"),
+        request(width=64, height=64, scheduler="euler-a", seed=3),
+    ]
+    for other in others:  # each row has its own steps, guidance, scheduler and seed
+        assert other.batch_key(own) == plain.batch_key(own)
+        assert other.batch_key() != plain.batch_key()  # the pipeline's call: one step loop
+    assert request(width=32, height=64).batch_key(own) != plain.batch_key(own)
+    edit = request("edit", width=64, height=64, num_inference_steps=7)
+    assert edit.batch_key(own) != request("edit", width=64, height=64).batch_key(own)

@@ -153,7 +153,8 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     assert len(calls) == (1 if adapter.guidance is Guidance.BATCHED else 2)
     with torch.inference_mode():
         for latents, timestep, text, out in calls:
-            assert torch.allclose(adapter.predict(latents, timestep, text), out, atol=1e-6)
+            per_row = timestep.float().reshape(1).expand(latents.shape[0]).cpu()
+            assert torch.allclose(adapter.predict(latents, per_row, text), out, atol=1e-6)
     uncond, cond = (calls[0][3].chunk(2)) if len(calls) == 1 else (calls[1][3], calls[0][3])
     guided = adapter.guide(cond, uncond, 5.0)
     assert torch.allclose(guided, uncond + 5.0 * (cond - uncond))
@@ -195,6 +196,7 @@ class LocalLeader:
 def test_the_cfg_parallel_split_reproduces_one_rank(case):
     one_rank = _run(case.stage(), case.request())
     stage = case.stage(batched_cfg=False)
+    stage.own = set()  # CFG-parallel ranks run the pipeline's call (registry.loops_for)
     model = getattr(stage.pipe, stage.adapter.denoiser_name)
     leader = LocalLeader(model)
     stage.cfg = stage.adapter.split_cfg(leader)

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from vllm_omni_like.models.registry import FAMILIES, family_for, family_of
+from vllm_omni_like.models.registry import FAMILIES, family_for, family_of, loops_for
 from vllm_omni_like.pipelines.catalog import arch_path
 
 IMAGE_VAE = {"block_out_channels": [128, 256, 512, 512]}
@@ -25,15 +25,11 @@ def test_each_family_claims_its_pipelines():
 
 
 def test_another_pipeline_gets_the_generic_adapter_with_what_its_configs_say():
-    sdxl = family_for({"_class_name": "StableDiffusionXLPipeline"}, IMAGE_VAE)
-    assert (sdxl.name, sdxl.output, sdxl.size_base, sdxl.loop) == (
-        "generic",
-        "image",
-        8,
-        "pipeline",
-    )
-    assert sdxl.vae_factors(IMAGE_VAE) == (8, None)
-    assert sdxl.adapter.endswith("generic.adapter")
+    pixart = family_for({"_class_name": "PixArtAlphaPipeline"}, IMAGE_VAE)
+    assert (pixart.name, pixart.output, pixart.size_base) == ("generic", "image", 8)
+    assert (pixart.own_loop, pixart.schedulers) == ((), ())  # the pipeline's call, its scheduler
+    assert pixart.vae_factors(IMAGE_VAE) == (8, None)
+    assert pixart.adapter.endswith("generic.adapter")
     cog = family_for({"_class_name": "CogVideoXPipeline"}, {"block_out_channels": [1, 2, 3, 4]})
     assert cog.output == "video" and cog.default_guidance == 5.0
     i2v = family_for({"_class_name": "WanImageToVideoPipeline"}, VIDEO_VAE)  # no adapter yet
@@ -43,11 +39,37 @@ def test_another_pipeline_gets_the_generic_adapter_with_what_its_configs_say():
 
 def test_a_directory_without_its_configs_is_generic(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    family = family_of(str(tmp_path))
-    assert family.name == "generic" and family.describe() == {
-        "family": "generic",
-        "loop": "pipeline",
+    assert family_of(str(tmp_path)).name == "generic"
+    assert loops_for(str(tmp_path)) == {
+        "text2img": ("pipeline", "generic: text2img runs the pipeline's call"),
+        "edit": ("pipeline", "generic: edit runs the pipeline's call"),
     }
+
+
+def _model(tmp_path, pipeline: str, scheduler: str, **config) -> str:
+    index = {"_class_name": pipeline, "scheduler": ["diffusers", scheduler]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
+    assert loops_for(arch_path("sd15")) == {
+        "text2img": ("own", None),
+        "edit": ("pipeline", "stable-diffusion: edit runs the pipeline's call"),
+    }
+    assert loops_for(arch_path("wan2.1-t2v-1.3b")) == {"text2video": ("own", None)}
+    assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
+        "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")
+    }
+    sde = _model(tmp_path, "StableDiffusionPipeline", "DPMSolverMultistepScheduler",
+                 algorithm_type="sde-dpmsolver++")  # fmt: skip
+    assert loops_for(sde)["text2img"] == (
+        "pipeline",
+        "the model's scheduler: DPMSolverMultistepScheduler with sde-dpmsolver++ draws noise "
+        "at each step",
+    )
 
 
 def test_the_registry_and_limits_do_not_import_torch():

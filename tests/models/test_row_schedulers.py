@@ -71,5 +71,48 @@ def test_euler_scales_its_input_and_others_keep_theirs():
 
 
 def test_a_scheduler_without_batched_steps_is_refused():
-    with pytest.raises(ValueError, match="no batched steps for PNDMScheduler"):
-        rs.schedule_for(diffusers.PNDMScheduler.from_config(SD), 20)
+    with pytest.raises(ValueError, match="no batched steps for LMSDiscreteScheduler"):
+        rs.schedule_for(diffusers.LMSDiscreteScheduler.from_config(SD), 20)
+    sde = diffusers.DPMSolverMultistepScheduler.from_config(SD, algorithm_type="sde-dpmsolver++")
+    with pytest.raises(ValueError, match="sde-dpmsolver.. draws noise at each step"):
+        rs.schedule_for(sde, 20)
+
+
+FLOW = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
+MULTISTEP = [  # (name, base config, steps): each row its own scheduler and step count
+    ("dpm++2m", SD, 20),
+    ("dpm++2m-karras", SD, 9),
+    ("pndm", SD, 12),
+    ("unipc", SD, 7),
+    ("unipc", diffusers.UniPCMultistepScheduler(**FLOW).config, 10),
+    ("dpm++2m", SD, 4),
+]
+
+
+def _denoiser(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A smooth stand-in for a model, each row on its own input."""
+    return torch.tanh(0.3 * x + 0.001 * t.view(-1, 1, 1, 1)) + 0.1 * x
+
+
+def test_multistep_rows_follow_their_own_trajectories_as_their_schedulers_alone_do():
+    torch.manual_seed(0)
+    start = torch.randn(len(MULTISTEP), 4, 8, 8)
+    rows = [
+        rs.Row(rs.schedule_for(rs.make_scheduler(name, config), steps))
+        for name, config, steps in MULTISTEP
+    ]
+    x = start.clone()
+    while not all(r.done for r in rows):  # the batch: rows that ended drop out
+        live = [b for b, r in enumerate(rows) if not r.done]
+        states = [rows[b] for b in live]
+        t = torch.stack([r.timestep for r in states])
+        x[live] = rs.step(states, _denoiser(x[live], t), x[live])
+    for b, (name, config, steps) in enumerate(MULTISTEP):
+        scheduler = rs.make_scheduler(name, config)
+        scheduler.set_timesteps(steps, device="cpu")
+        alone = start[b : b + 1].clone()
+        for t in scheduler.timesteps:
+            out = _denoiser(alone, t.float().reshape(1))
+            alone = scheduler.step(out, t, alone, return_dict=False)[0]
+        assert torch.equal(x[b : b + 1], alone), (name, steps)  # bit for bit
+        assert rows[b].index == len(scheduler.timesteps)

@@ -100,6 +100,7 @@ def test_a_compiled_decoder_gets_its_bucket_sizes(image_stage, monkeypatch):
 
 def test_a_pipeline_without_a_known_decode_decodes_in_its_call(image_stage, monkeypatch):
     batch = _text2img()
+    monkeypatch.setattr(image_stage, "own", set())  # (our own loop always has its decoder)
     want = _pixels(image_stage.execute(batch, _control()))
     monkeypatch.setattr(image_stage.adapter, "decoder", lambda pipe: None)
     part = image_stage.begin(batch, _control())

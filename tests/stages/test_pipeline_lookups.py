@@ -48,11 +48,15 @@ def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypa
     monkeypatch.setattr(modeling, "get_parameter_dtype", counted("dtype", dtype))
     part = stage.begin(batch, control)
     # no walk over the denoiser's or the VAE's modules (the text encoder's device is looked up
-    # once per prompt, by a diffusers function: its T5 is the smallest model of the three)
-    assert calls == {"onload": ["UMT5EncoderModel"] * 2, "dtype": []}
+    # once per encode, by a diffusers function: its T5 is the smallest model of the three; our
+    # loop encodes the batch's prompts and negative prompts together)
+    assert calls == {"onload": ["UMT5EncoderModel"], "dtype": []}
     pinned = part.finish(batch)[0].video.frames
-    # diffusers' own lookups (the walks) give the same video
+    # the pipeline's own call with diffusers' own lookups (the walks) gives the same video (one
+    # level apart at most: our loop runs both guidance branches in one forward)
     monkeypatch.setattr(type(pipe), "_execution_device", type(pipe).__mro__[1]._execution_device)
+    monkeypatch.setattr(stage, "own", set())
     walked = stage.execute(batch, control)[0].video.frames
-    assert "WanTransformer3DModel" in calls["onload"] and np.array_equal(pinned, walked)
+    assert "WanTransformer3DModel" in calls["onload"]
+    assert np.abs(pinned.astype(int) - walked.astype(int)).max() <= 1
     stage.close()

@@ -18,6 +18,10 @@ class WanAdapter(Adapter):
     family = FAMILY
     guidance = Guidance.TWO_CALLS  # the pipeline calls its transformer once per branch
 
+    def __init__(self, pipe: Any, family: Any = None) -> None:
+        super().__init__(pipe, family)
+        self._dtype = pipe.transformer.dtype  # (a model's `dtype` walks its modules: at load)
+
     def experts(self) -> list[Expert]:
         """`transformer` alone, or (Wan2.2-A14B) `transformer` for the high-noise steps, from
         timestep `boundary_ratio` x the scheduler's train timesteps on, `transformer_2` below."""
@@ -74,7 +78,8 @@ class WanAdapter(Adapter):
             max_sequence_length=max_length,
             device=device,
         )[0]
-        return embeds.to(self.pipe.transformer.dtype)  # as the pipeline's call casts them
+        return embeds.to(self._dtype)  # as the pipeline's call casts them
+
 
     def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # WanPipeline.prepare_latents
