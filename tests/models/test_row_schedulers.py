@@ -74,7 +74,7 @@ def test_a_scheduler_without_batched_steps_is_refused():
     with pytest.raises(ValueError, match="no batched steps for LMSDiscreteScheduler"):
         rs.schedule_for(diffusers.LMSDiscreteScheduler.from_config(SD), 20)
     sde = diffusers.DPMSolverMultistepScheduler.from_config(SD, algorithm_type="sde-dpmsolver++")
-    with pytest.raises(ValueError, match="sde-dpmsolver.. draws noise at each step"):
+    with pytest.raises(ValueError, match=r"sde-dpmsolver\+\+ draws noise at each step"):
         rs.schedule_for(sde, 20)
 
 

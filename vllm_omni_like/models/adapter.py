@@ -69,7 +69,9 @@ class Adapter:
         self.pipe = pipe
         if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
-        self.own_scheduler = getattr(pipe, "scheduler", None)  # the model's, before a stage swaps it
+        self.own_scheduler = getattr(
+            pipe, "scheduler", None
+        )  # the model's, before a stage swaps it
         self._schedulers: dict[str, Any] = {}
 
     # ---- the denoiser and its conditioning -----------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from typing import Any
 
@@ -27,14 +26,13 @@ from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import edits, latent_decode, video_stream
-from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages import latent_decode, video_stream
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
-from vllm_omni_like.stages.denoise import DenoiseLoop, Settings
-from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.denoise import DenoiseLoop
 from vllm_omni_like.stages.host_scheduler import host_scheduler
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
-from vllm_omni_like.stages.prompt_length import check_prompt_length, truncate_prompt
+from vllm_omni_like.stages.own_loop import OwnLoop
+from vllm_omni_like.stages.pipeline_call import PipelineCall
+from vllm_omni_like.stages.prompt_length import check_prompt_length
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
@@ -49,8 +47,9 @@ from vllm_omni_like.stages.trace import BatchTracer
 logger = logging.getLogger(__name__)
 
 
-class DiffusionStage(Stage):
-    """Runs text2img / edit (img2img or inpaint, same components) / text2video batches."""
+class DiffusionStage(OwnLoop, PipelineCall, Stage):
+    """Runs text2img / edit (img2img or inpaint, same components) / text2video batches: each
+    mode through our own loop (own_loop.py) or the pipeline's call (pipeline_call.py)."""
 
     options_type = DiffusionOptions
 
@@ -93,7 +92,7 @@ class DiffusionStage(Stage):
         # per mode: our own denoising loop, or the pipeline's call (and why)
         self.loops = loops_for(path, self.config.cfg_parallel)
         self.own = {mode for mode, (loop, _) in self.loops.items() if loop == "own"}
-        for mode, (loop, why) in self.loops.items():
+        for mode, (_, why) in self.loops.items():
             if mode in self.family.own_loop and why is not None:
                 logger.warning("stage %s: %s runs the pipeline's call: %s", self.name, mode, why)
         self.denoiser = getattr(pipe, adapter.denoiser_name)
@@ -210,16 +209,8 @@ class DiffusionStage(Stage):
             for rows in self.buckets:
                 if self.family.modes[0] in self.own:  # a batch of `rows` through our own loop
                     self._warm_up_own(rows, width, height)
-                    logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
-                    continue
-                gens = [torch.Generator(device=self.device).manual_seed(0) for _ in range(rows)]
-                kwargs = self._call_kwargs(
-                    ["warm-up"] * rows, [""] * rows, gens, 2, self.default_guidance
-                )
-                kwargs.update(width=width, height=height)
-                if self.is_video:
-                    kwargs["num_frames"] = self.default_frames
-                self._run(self.pipe, kwargs)
+                else:
+                    self._warm_up_call(rows, width, height)
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
         logger.info(
             "stage %s: compiled and warmed up %d shapes in %.1fs",
@@ -227,15 +218,6 @@ class DiffusionStage(Stage):
             len(sizes) * len(self.buckets),
             time.monotonic() - started,
         )
-
-    def _warm_up_own(self, rows: int, width: int, height: int) -> None:
-        frames = self.default_frames if self.is_video else None
-        params = GenerationParams(
-            width=width, height=height, num_inference_steps=2, seed=0, num_frames=frames
-        )
-        mode = self.family.modes[0]
-        batch = [StageRequest(f"warm-up-{i}", "warm-up", params, mode) for i in range(rows)]
-        self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
 
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
@@ -315,190 +297,6 @@ class DiffusionStage(Stage):
 
     def _rows(self, request: StageRequest) -> int:
         return 1 if self.is_video else request.params.n
-
-    # our own loop (stages/denoise.py) ------------------------------------------------------------
-    def _denoise_own(
-        self, batch: list[StageRequest], control: StageControl
-    ) -> tuple[torch.Tensor, list[int], int]:
-        """The batch's latents, each row's seed, and a video's frames (0 for images)."""
-        p = batch[0].params
-        settings = Settings(self.default_steps, self.default_guidance, self._rows, self._prompt)
-        frames = (p.num_frames or self.default_frames) if self.is_video else 1
-        width, height = p.width or self.default_width, p.height or self.default_height
-        self.probe.reset()
-        with self.tracer.batch(), torch.inference_mode():
-            rows, embeds = self.denoise.rows(batch, settings)
-            shape = self.adapter.latent_shape(len(rows), width, height, frames)
-            latents = self.denoise.noise(rows, shape, self.adapter.latent_dtype(embeds.dtype))
-            first = {}
-            for i, row in enumerate(rows):
-                first.setdefault(row.request.request_id, i)
-
-            def on_step(latents: torch.Tensor, progress: dict[str, tuple[int, int]]) -> None:
-                want = [
-                    r
-                    for r in batch
-                    if r.request_id in progress
-                    and control.wants_preview(r, *progress[r.request_id])
-                ]
-                previews = self._own_previews(want, first, latents) if want else None
-                step = max(at for at, _ in progress.values())
-                total = max(of for _, of in progress.values())
-                control.step(batch, step, total, previews, progress)
-
-            latents = self.denoise.run(rows, embeds, latents, control, batch, on_step)
-            if self.device.type == "cuda":  # the loop ends when its steps do
-                torch.cuda.current_stream(self.device).synchronize()
-            self.tracer.mark("synced")
-        control.saw_model_batch(self.probe.max_seen)
-        return latents, [r.seed for r in rows], frames if self.is_video else 0
-
-    def _prompt(self, request: StageRequest) -> str:
-        if request.truncate_prompt and self.tokenizer is not None:
-            return truncate_prompt(self.tokenizer, request.prompt, self.name)
-        return request.prompt
-
-    def _embed(self, texts: list[str]) -> torch.Tensor:
-        """The batch's text embeddings: the text encoder's, or a dummy's seeded random ones."""
-        if self.embed_shape is not None:
-            seq_len, dim = self.embed_shape
-            return random_prompt_embeds(texts, seq_len, dim, self.denoiser_dtype, self.device)
-        max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
-        return self.adapter.encode_text(texts, self.device, max_length)
-
-    def _own_previews(
-        self, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
-    ) -> dict[str, Any]:
-        preview = self.adapter.preview(self.pipe)
-        if preview is None:
-            return {}
-        picked = latents[[first[r.request_id] for r in want]]
-        images = tensor_to_uint8(preview(picked))
-        return {r.request_id: img for r, img in zip(want, images, strict=True)}
-
-    def _prepare(
-        self, batch: list[StageRequest], control: StageControl
-    ) -> tuple[Any, dict[str, Any], int, list[int]]:
-        """The pipeline and its call for `batch`, the number of real rows and their seeds."""
-        first = batch[0]
-        p = first.params
-        prompts, negatives, generators, seeds = [], [], [], []
-        for r in batch:
-            base = r.params.seed if r.params.seed is not None else random.randrange(2**31)
-            for i in range(self._rows(r)):
-                prompts.append(r.prompt)
-                negatives.append(r.params.negative_prompt or "")
-                seeds.append(base + i)
-                generators.append(torch.Generator(device=self.device).manual_seed(base + i))
-        if self.tokenizer is not None and any(r.truncate_prompt for r in batch):
-            prompts = [truncate_prompt(self.tokenizer, t, self.name) for t in prompts]
-        rows = len(prompts)
-        # a compiled denoiser runs only the shapes it was warmed up for: pad to the bucket
-        for _ in range(accel.bucket_for(rows, self.buckets) - rows):
-            prompts.append(prompts[-1])
-            negatives.append(negatives[-1])
-            generators.append(torch.Generator(device=self.device).manual_seed(0))
-        guidance = self.default_guidance if p.guidance_scale is None else p.guidance_scale
-        steps = p.num_inference_steps or self.default_steps
-        kwargs = self._call_kwargs(prompts, negatives, generators, steps, guidance)
-        if self.is_video:
-            kwargs["num_frames"] = p.num_frames or self.default_frames
-        pipe = self.pipe
-        if first.mode == "edit":
-            mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.limits.size_multiple)
-            pipe = self.edit_pipes[mode]
-        # the batch's scheduler (one per batch here: the batching key holds it)
-        pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler
-        kwargs.setdefault("height", p.height or self.default_height)
-        kwargs.setdefault("width", p.width or self.default_width)
-        kwargs["callback_on_step_end"] = self._callback(batch, control)
-        return pipe, kwargs, rows, seeds
-
-    def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
-        self.probe.reset()
-        with self.tracer.batch():
-            result = self._run(pipe, kwargs)
-            if self.device.type == "cuda":  # no step waits on the device (HostUniPC): the loop
-                torch.cuda.current_stream(self.device).synchronize()  # ends when its steps do
-            self.tracer.mark("synced")
-        control.saw_model_batch(self.probe.max_seen)
-        return result
-
-    def _run(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
-        """One pipeline call; with CFG, both halves in one forward on a two-call pipeline, or
-        on two ranks (CFG-parallel)."""
-        if self.cfg is not None and kwargs["guidance_scale"] > 1.0:
-            if self.cfg.needs_embeddings and "prompt_embeds" not in kwargs:  # the negative half
-                kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = (
-                    self.adapter.encode_prompt(kwargs, self.device)
-                )
-            if self.cfg.needs_embeddings:
-                for key in ("prompt_embeds", "negative_prompt_embeds"):
-                    kwargs[key] = kwargs[key].to(self.denoiser_dtype)  # the pipeline's: no-op
-            self.cfg.arm(kwargs)
-        try:
-            with torch.inference_mode():
-                result = pipe(**kwargs)
-            if self.cfg is not None:
-                self.cfg.settle()
-            return result
-        finally:
-            if self.cfg is not None:
-                self.cfg.disarm()
-
-    def _call_kwargs(
-        self,
-        prompts: list[str],
-        negatives: list[str],
-        generators: list[torch.Generator],
-        steps: int,
-        guidance: float,
-    ) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "num_inference_steps": steps,
-            "guidance_scale": guidance,
-            "output_type": "pt",
-            "generator": generators,
-        }
-        if self.embed_shape is not None:  # no text encoder: seeded random embeddings
-            seq_len, dim = self.embed_shape
-            dtype, device = self.denoiser_dtype, self.device
-            kwargs["prompt_embeds"] = random_prompt_embeds(prompts, seq_len, dim, dtype, device)
-            kwargs["negative_prompt_embeds"] = random_prompt_embeds(
-                negatives, seq_len, dim, dtype, device
-            )
-            kwargs["max_sequence_length"] = seq_len
-            return kwargs
-        kwargs.update(self.adapter.text_kwargs(prompts, negatives, self.tokenizer))
-        return kwargs
-
-    def _callback(self, batch: list[StageRequest], control: StageControl):
-        def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
-            total = int(getattr(pipe, "_num_timesteps", 0) or 0) or i + 1
-            want = [r for r in batch if control.wants_preview(r, i + 1, total)]
-            previews = self._previews(pipe, batch, want, callback_kwargs) if want else None
-            control.step(batch, i + 1, total, previews)
-            self.tracer.mark("step")
-            return callback_kwargs
-
-        return on_step_end
-
-    def _previews(
-        self, pipe: Any, batch: list[StageRequest], want: list[StageRequest], callback_kwargs: dict
-    ) -> dict[str, Any]:
-        """Decode the current latents of the first image of each request that asked."""
-        latents = callback_kwargs.get("latents")
-        preview = self.adapter.preview(pipe)
-        if latents is None or preview is None:
-            return {}
-        rows, k = {}, 0
-        for r in batch:
-            rows[r.request_id] = k
-            k += r.params.n
-        picked = latents[[rows[r.request_id] for r in want]]
-        with torch.inference_mode():
-            images = tensor_to_uint8(preview(picked))
-        return {r.request_id: img for r, img in zip(want, images, strict=True)}
 
     def close(self) -> None:
         if self.link is not None:

@@ -20,7 +20,8 @@ class WanAdapter(Adapter):
 
     def __init__(self, pipe: Any, family: Any = None) -> None:
         super().__init__(pipe, family)
-        self._dtype = pipe.transformer.dtype  # (a model's `dtype` walks its modules: at load)
+        transformer = getattr(pipe, "transformer", None)  # (a model's `dtype` walks its
+        self._dtype = None if transformer is None else transformer.dtype  # modules: at load)
 
     def experts(self) -> list[Expert]:
         """`transformer` alone, or (Wan2.2-A14B) `transformer` for the high-noise steps, from
@@ -79,7 +80,6 @@ class WanAdapter(Adapter):
             device=device,
         )[0]
         return embeds.to(self._dtype)  # as the pipeline's call casts them
-
 
     def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # WanPipeline.prepare_latents
