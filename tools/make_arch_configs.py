@@ -2,8 +2,9 @@
 
     python tools/make_arch_configs.py
 
-SD1.5 (UNet 860M, KL VAE, CLIP ViT-L/14 text encoder, DDIM) and Wan2.1-T2V-1.3B (1.42B
-transformer, Wan VAE, UniPC flow scheduler). They load with `--load-format dummy`: the same
+SD1.5 (UNet 860M, KL VAE, CLIP ViT-L/14 text encoder, DDIM), SDXL 1.0 base (UNet 2.57B, two
+CLIP text encoders, Euler) and Wan2.1-T2V-1.3B (1.42B transformer, Wan VAE, UniPC flow
+scheduler). They load with `--load-format dummy`: the same
 architecture, random weights, which cost the same compute as trained ones. Models are built on
 the meta device here, so writing the configs takes no memory. The tokenizer is the package's
 word-level one (ids < 49408, 77 tokens); Wan's UMT5 encoder is left out: the stage feeds it
@@ -82,6 +83,81 @@ def sd15(out: str) -> None:
     )
 
 
+def sdxl(out: str) -> None:
+    """SDXL 1.0 base: UNet 2.57B (text_time conditioning), a VAE that decodes in float32
+    (force_upcast), CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 text encoders, Euler."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig
+
+    from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer
+
+    with torch.device("meta"):
+        UNet2DConditionModel(
+            sample_size=128,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=2,
+            block_out_channels=(320, 640, 1280),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(5, 10, 20),
+            use_linear_projection=True,
+            transformer_layers_per_block=(1, 2, 10),
+            cross_attention_dim=2048,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+        ).save_config(os.path.join(out, "unet"))
+        AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            layers_per_block=2,
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            sample_size=1024,
+            scaling_factor=0.13025,
+            force_upcast=True,
+        ).save_config(os.path.join(out, "vae"))
+    tokenizer = build_tokenizer(max_length=77)
+    for folder, kind, size in (
+        ("text_encoder", "CLIPTextModel", dict(hidden_size=768, intermediate_size=3072,
+         num_hidden_layers=12, num_attention_heads=12, projection_dim=768,
+         hidden_act="quick_gelu")),
+        ("text_encoder_2", "CLIPTextModelWithProjection", dict(hidden_size=1280,
+         intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+         projection_dim=1280, hidden_act="gelu")),
+    ):  # fmt: skip
+        CLIPTextConfig(
+            vocab_size=49408,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            architectures=[kind],
+            **size,
+        ).save_pretrained(os.path.join(out, folder))
+    for folder in ("tokenizer", "tokenizer_2"):
+        tokenizer.save_pretrained(os.path.join(out, folder))
+    base = {k: v for k, v in SD_SCHEDULER.items() if k not in ("clip_sample", "set_alpha_to_one")}
+    EulerDiscreteScheduler(**base).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "StableDiffusionXLPipeline",
+        unet=["diffusers", "UNet2DConditionModel"],
+        vae=["diffusers", "AutoencoderKL"],
+        text_encoder=["transformers", "CLIPTextModel"],
+        text_encoder_2=["transformers", "CLIPTextModelWithProjection"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        tokenizer_2=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "EulerDiscreteScheduler"],
+        feature_extractor=[None, None],
+        image_encoder=[None, None],
+        force_zeros_for_empty_prompt=True,
+    )
+
+
 def wan_1_3b(out: str) -> None:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
@@ -129,7 +205,7 @@ def _index(out: str, cls: str, **entries: object) -> None:
 
 
 def main() -> None:
-    for name, build in (("sd15", sd15), ("wan2.1-t2v-1.3b", wan_1_3b)):
+    for name, build in (("sd15", sd15), ("sdxl", sdxl), ("wan2.1-t2v-1.3b", wan_1_3b)):
         out = os.path.join(OUT, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)

@@ -8,12 +8,14 @@ model family")."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import diffusers
 import numpy as np
 import pytest
 import torch
 
+from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.adapter import Guidance, adapter_for
@@ -28,8 +30,13 @@ from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 
 pytestmark = pytest.mark.slow
 
-# every registered family's tiny model (built offline: models/tiny.py)
-TINY = {"stable-diffusion": "tiny-image", "wan": "tiny-video"}
+# every registered family's tiny model (built offline: models/tiny.py; SDXL's for the tests
+# only: tests/models/tiny_sdxl.py)
+TINY = {
+    "stable-diffusion": "tiny-image",
+    "stable-diffusion-xl": tiny_sdxl_path,
+    "wan": "tiny-video",
+}
 SEED, STEPS, FRAMES = 3, 3, 5
 
 
@@ -65,15 +72,13 @@ class Case:
             width=limits.default_width,
             height=limits.default_height,
             prompt=["a red circle"],
-            negative_prompt=[""],
             num_inference_steps=STEPS,
             guidance_scale=family_of(self.path).default_guidance,
             generator=[torch.Generator().manual_seed(SEED)],
             output_type="pt",
         )
-        if self.video:  # the stage passes its tokenizer's length and no empty negative prompt
+        if self.video:  # the stage passes its tokenizer's length
             kwargs.update(num_frames=FRAMES, max_sequence_length=pipe.tokenizer.model_max_length)
-            del kwargs["negative_prompt"]
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
@@ -86,10 +91,15 @@ class Case:
         return StageRequest("r", "a red circle", params, mode=mode)
 
 
+def _model(entry) -> str:
+    """An embedded model's name, or a test model's directory (built on first use)."""
+    return entry() if callable(entry) else entry
+
+
 @pytest.fixture(scope="module", params=sorted(TINY))
 def case(request) -> Case:
-    model = TINY[request.param]
-    path = ensure_tiny_model(model)
+    model = _model(TINY[request.param])
+    path = model if os.path.isdir(model) else ensure_tiny_model(model)
     return Case(request.param, model, path, family_of(path).output == "video")
 
 
@@ -107,7 +117,8 @@ def _pixels(case: Case, result) -> np.ndarray:
 def test_every_registered_family_has_a_tiny_model_here():
     assert {f.name for f in FAMILIES} == set(TINY)
     for name, model in TINY.items():
-        assert family_of(ensure_tiny_model(model)).name == name
+        model = _model(model)
+        assert family_of(model if os.path.isdir(model) else ensure_tiny_model(model)).name == name
 
 
 def test_the_stage_makes_what_its_diffusers_pipeline_makes(case):
@@ -142,7 +153,11 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     def record(module, args, kwargs, out):
         latents = args[0] if args else kwargs["hidden_states"]
         timestep = args[1] if len(args) > 1 else kwargs["timestep"]
-        calls.append((latents, timestep.reshape(-1)[0], kwargs["encoder_hidden_states"], out[0]))
+        text = kwargs["encoder_hidden_states"]
+        added = kwargs.get("added_cond_kwargs")
+        if added:  # SDXL's pooled embedding (its size conditioning is the adapter's own)
+            text = {"embeds": text, "pooled": added["text_embeds"]}
+        calls.append((latents, timestep.reshape(-1)[0], text, out[0]))
 
     handle = expert.model.register_forward_hook(record, with_kwargs=True)
     try:

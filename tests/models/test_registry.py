@@ -19,6 +19,12 @@ def test_each_family_claims_its_pipelines():
         for name in family.pipelines:
             assert family_for({"_class_name": name}) is family
     assert family_of(arch_path("sd15")).name == "stable-diffusion"
+    xl = family_of(arch_path("sdxl"))  # the UNet family's second member
+    assert (xl.name, xl.default_guidance, xl.schedulers) == (
+        "stable-diffusion-xl",
+        5.0,
+        family_of(arch_path("sd15")).schedulers,
+    )
     wan = family_of(arch_path("wan2.1-t2v-1.3b"))
     assert (wan.name, wan.output, wan.size_base) == ("wan", "video", 16)
     assert wan.vae_factors(VIDEO_VAE) == (8, 4)
@@ -59,6 +65,7 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
         "text2img": ("own", None),
         "edit": ("pipeline", "stable-diffusion: edit runs the pipeline's call"),
     }
+    assert loops_for(arch_path("sdxl"))["text2img"] == ("own", None)  # (Euler: its own)
     assert loops_for(arch_path("wan2.1-t2v-1.3b")) == {"text2video": ("own", None)}
     assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
         "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")

@@ -189,9 +189,12 @@ def test_shipped_architectures_are_the_real_models_sizes():
     import transformers
 
     sd, wan = catalog.arch_path("sd15"), catalog.arch_path("wan2.1-t2v-1.3b")
+    xl = catalog.arch_path("sdxl")
     expected = [
         (diffusers.UNet2DConditionModel, f"{sd}/unet", 859_520_964),
         (diffusers.AutoencoderKL, f"{sd}/vae", 83_653_863),
+        (diffusers.UNet2DConditionModel, f"{xl}/unet", 2_567_463_684),  # SDXL 1.0 base
+        (diffusers.AutoencoderKL, f"{xl}/vae", 83_653_863),
         (diffusers.WanTransformer3DModel, f"{wan}/transformer", 1_418_996_800),
         (diffusers.AutoencoderKLWan, f"{wan}/vae", 126_892_531),
     ]
@@ -200,8 +203,14 @@ def test_shipped_architectures_are_the_real_models_sizes():
             assert _params(cls.from_config(cls.load_config(path))) == count, cls.__name__
         clip = transformers.CLIPTextConfig.from_pretrained(f"{sd}/text_encoder")
         assert _params(transformers.CLIPTextModel(clip)) == 123_060_480
+        clip_l = transformers.CLIPTextConfig.from_pretrained(f"{xl}/text_encoder")
+        assert _params(transformers.CLIPTextModel(clip_l)) == 123_060_480
+        big_g = transformers.CLIPTextConfig.from_pretrained(f"{xl}/text_encoder_2")
+        assert _params(transformers.CLIPTextModelWithProjection(big_g)) == 694_659_840
     with open(f"{sd}/scheduler/scheduler_config.json") as f:
         assert json.load(f)["_class_name"] == "DDIMScheduler"
+    with open(f"{xl}/vae/config.json") as f:
+        assert json.load(f)["force_upcast"] is True  # (its decode runs in float32)
 
 
 def test_an_architecture_without_weights_needs_dummy_load():

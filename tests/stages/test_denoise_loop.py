@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.denoise import Settings
+from vllm_omni_like.stages.denoise import Settings, text_dtype
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 
@@ -33,6 +34,13 @@ def _stage(model: str, **config) -> DiffusionStage:
 @pytest.fixture(scope="module")
 def image():
     stage = _stage("tiny-image")
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    stage = _stage(tiny_sdxl_path())
     yield stage
     stage.close()
 
@@ -63,7 +71,8 @@ def _our_latents(stage: DiffusionStage, request: StageRequest) -> list[torch.Ten
     with torch.inference_mode():
         rows, embeds = stage.denoise.rows([request], settings)
         shape = stage.adapter.latent_shape(1, stage.default_width, stage.default_height, frames)
-        latents = stage.denoise.noise(rows, shape, stage.adapter.latent_dtype(embeds.dtype))
+        dtype = stage.adapter.latent_dtype(text_dtype(embeds))
+        latents = stage.denoise.noise(rows, shape, dtype)
         stage.denoise.run(
             rows, embeds, latents, _control(), [request], lambda x, _: seen.append(x.clone())
         )
@@ -83,6 +92,8 @@ def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torc
         return kwargs
 
     kwargs = stage.adapter.text_kwargs([request.prompt], [p.negative_prompt or ""], stage.tokenizer)
+    # (none given: the pipeline's own default)
+    kwargs["negative_prompt"] = None if p.negative_prompt is None else [p.negative_prompt]
     kwargs.update(
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale,
@@ -103,6 +114,7 @@ def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torc
 CASES = [
     ("image", name) for name in ("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras")
 ] + [("image", "unipc"), ("image", None), ("video", "unipc"), ("video", "flow-euler")]
+CASES += [("sdxl", name) for name in (None, "euler-a", "dpm++2m-karras", "unipc")]
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
@@ -115,7 +127,7 @@ def test_each_scheduler_steps_the_latents_the_pipeline_steps(request, which, sch
         num_inference_steps=STEPS,
         guidance_scale=guidance,
         scheduler=scheduler,
-        negative_prompt="blurry",
+        negative_prompt=None if which == "sdxl" else "blurry",  # (SDXL's: zeros)
     )
     ours, theirs = _our_latents(stage, req), _pipeline_latents(stage, req)
     assert len(ours) == len(theirs) >= STEPS  # (PNDM makes one more call than its steps)
@@ -165,7 +177,7 @@ def _mixed(stage: DiffusionStage) -> list[StageRequest]:
     ]
 
 
-@pytest.mark.parametrize("which", ["image", "video"])
+@pytest.mark.parametrize("which", ["image", "sdxl", "video"])
 def test_a_request_is_the_same_alone_or_among_other_steps_scales_schedulers_and_seeds(
     request, which
 ):

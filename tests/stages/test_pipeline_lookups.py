@@ -48,9 +48,9 @@ def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypa
     monkeypatch.setattr(modeling, "get_parameter_dtype", counted("dtype", dtype))
     part = stage.begin(batch, control)
     # no walk over the denoiser's or the VAE's modules (the text encoder's device is looked up
-    # once per encode, by a diffusers function: its T5 is the smallest model of the three; our
-    # loop encodes the batch's prompts and negative prompts together)
-    assert calls == {"onload": ["UMT5EncoderModel"], "dtype": []}
+    # once per encode, prompts and negative prompts, by a diffusers function: its T5 is the
+    # smallest model of the three)
+    assert calls == {"onload": ["UMT5EncoderModel"] * 2, "dtype": []}
     pinned = part.finish(batch)[0].video.frames
     # the pipeline's own call with diffusers' own lookups (the walks) gives the same video (one
     # level apart at most: our loop runs both guidance branches in one forward)

@@ -110,9 +110,10 @@ class Adapter:
         """The config a named scheduler is built from: the model's own scheduler's."""
         return dict(self.own_scheduler.config)
 
-    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
-        """Text embeddings, one row per text, as the pipeline encodes a prompt (a negative
-        prompt is encoded the same way)."""
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        """Text conditioning, one row per text, as the pipeline encodes a prompt (a negative
+        prompt is encoded the same way; None: none was given): the embeddings, or named
+        tensors with rows first."""
         raise NotImplementedError(f"{self.family.name}: no text encoding of our own")
 
     def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:

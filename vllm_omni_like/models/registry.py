@@ -10,7 +10,7 @@ from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.models.generic import generic_family
 from vllm_omni_like.models.schedulers import unsupported
 
-FAMILIES: tuple[Family, ...] = (stable_diffusion.FAMILY, wan.FAMILY)
+FAMILIES: tuple[Family, ...] = (stable_diffusion.FAMILY, stable_diffusion.XL_FAMILY, wan.FAMILY)
 
 
 def read_config(path: str, *parts: str) -> Config:

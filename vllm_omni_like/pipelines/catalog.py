@@ -40,6 +40,7 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
 # architecture configs shipped without weights (vllm_omni_like/assets/archs, for benchmarks)
 ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     "sd15": {"default_steps": 30, "default_guidance": 7.5},
+    "sdxl": {"default_steps": 30, "default_guidance": 5.0},
     "wan2.1-t2v-1.3b": {
         "default_width": 832,
         "default_height": 480,

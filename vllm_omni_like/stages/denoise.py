@@ -31,7 +31,34 @@ from vllm_omni_like.models.multistep import to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.base import StageControl
 
-Embed = Callable[[list[str]], torch.Tensor]  # texts -> (len, seq, dim) on the device
+# a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
+# (SDXL's embeddings and pooled embeddings)
+Text = torch.Tensor | dict[str, torch.Tensor]
+# texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros)
+Embed = Callable[[list[str | None]], Text]
+
+
+def take(text: Text, index: torch.Tensor) -> Text:
+    if isinstance(text, dict):
+        return {k: v[index] for k, v in text.items()}
+    return text[index]
+
+
+def pad_rows(value: Text, pad: int) -> Text:
+    """`pad` more rows, copies of the last."""
+    if isinstance(value, dict):
+        return {k: pad_rows(v, pad) for k, v in value.items()}
+    return torch.cat([value, value[-1:].expand(pad, *value.shape[1:])])
+
+
+def cat_rows(a: Text, b: Text) -> Text:
+    if isinstance(a, dict):
+        return {k: torch.cat([a[k], b[k]]) for k in a}
+    return torch.cat([a, b])
+
+
+def text_dtype(text: Text) -> torch.dtype:
+    return next(iter(text.values())).dtype if isinstance(text, dict) else text.dtype
 
 
 @dataclass
@@ -77,11 +104,11 @@ class DenoiseLoop:
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(self, batch: list[StageRequest], settings: Settings) -> tuple[list[LoopRow], Any]:
-        """Each request's rows (`n` images, or one video), and the batch's text embeddings."""
-        texts: dict[str, int] = {}
-
-        def text_row(text: str) -> int:
-            return texts.setdefault(text, len(texts))
+        """Each request's rows (`n` images, or one video), and the batch's text conditioning:
+        each distinct prompt once, then each distinct negative prompt once, in two encoder
+        calls as a pipeline makes them (a batch's rounding then is the pipeline's)."""
+        prompts: dict[str | None, int] = {}
+        negatives: dict[str | None, int] = {}
 
         rows = []
         for r in batch:
@@ -92,11 +119,18 @@ class DenoiseLoop:
             schedule = rs.schedule_for(self.adapter.scheduler(p.scheduler), steps)
             for i in range(settings.rows_per_request(r)):
                 gen = torch.Generator(device=self.device).manual_seed(base + i)
-                negative = text_row(p.negative_prompt or "") if guidance > 1.0 else None
+                negative = None
+                if guidance > 1.0:
+                    negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
-                prompt = text_row(settings.prompt(r))
+                prompt = prompts.setdefault(settings.prompt(r), len(prompts))
                 rows.append(LoopRow(r, base + i, guidance, state, prompt, negative))
-        return rows, self.embed(list(texts))
+        text = self.embed(list(prompts))
+        if negatives:
+            for row in rows:  # (the negatives' rows follow the prompts')
+                row.negative = None if row.negative is None else row.negative + len(prompts)
+            text = cat_rows(text, self.embed(list(negatives)))
+        return rows, text
 
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
@@ -110,7 +144,7 @@ class DenoiseLoop:
     def run(
         self,
         rows: list[LoopRow],
-        embeds: torch.Tensor,
+        embeds: Text,
         latents: torch.Tensor,
         control: StageControl,
         batch: list[StageRequest],
@@ -143,9 +177,7 @@ class DenoiseLoop:
             on_step(latents, progress)
             self.mark("step")
 
-    def _predict(
-        self, group: list[LoopRow], latents: torch.Tensor, embeds: torch.Tensor
-    ) -> torch.Tensor:
+    def _predict(self, group: list[LoopRow], latents: torch.Tensor, embeds: Text) -> torch.Tensor:
         """The guided prediction of each row: the conditional branch of all, the unconditional
         of those with guidance, in one forward (two with `batched_cfg` off)."""
         states = [r.state for r in group]
@@ -158,14 +190,15 @@ class DenoiseLoop:
         index = _index(cfg, device)
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, scaled[index]])
-            texts = embeds[_index(text + negative, device)]
+            texts = take(embeds, _index(text + negative, device))
             out = self._forward(inputs, torch.cat([times, times[cfg]]), texts)
             cond, uncond = out[: len(group)], out[len(group) :]
         else:
-            cond = self._forward(scaled, times, embeds[_index(text, device)])
+            cond = self._forward(scaled, times, take(embeds, _index(text, device)))
             uncond = None
             if cfg:
-                uncond = self._forward(scaled[index], times[cfg], embeds[_index(negative, device)])
+                negatives = take(embeds, _index(negative, device))
+                uncond = self._forward(scaled[index], times[cfg], negatives)
         if not cfg:
             return cond
         scales = [group[j].guidance for j in cfg]
@@ -179,14 +212,12 @@ class DenoiseLoop:
         out[index] = guided
         return out
 
-    def _forward(self, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor) -> Any:
+    def _forward(self, latents: torch.Tensor, times: torch.Tensor, text: Text) -> Any:
         """One denoiser call, padded to the compiled bucket of its model rows."""
         rows = latents.shape[0]
         pad = bucket_for(rows, self.buckets) - rows
         if pad:
-            latents = torch.cat([latents, latents[-1:].expand(pad, *latents.shape[1:])])
-            times = torch.cat([times, times[-1:].expand(pad)])
-            text = torch.cat([text, text[-1:].expand(pad, *text.shape[1:])])
+            latents, times, text = pad_rows(latents, pad), pad_rows(times, pad), pad_rows(text, pad)
         return self.adapter.predict(latents, times, text)[:rows]
 
 

@@ -12,7 +12,7 @@ import torch
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.denoise import Settings
+from vllm_omni_like.stages.denoise import Settings, Text, text_dtype
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import truncate_prompt
@@ -43,7 +43,8 @@ class OwnLoop:
         with self.tracer.batch(), torch.inference_mode():
             rows, embeds = self.denoise.rows(batch, settings)
             shape = self.adapter.latent_shape(len(rows), width, height, frames)
-            latents = self.denoise.noise(rows, shape, self.adapter.latent_dtype(embeds.dtype))
+            dtype = self.adapter.latent_dtype(text_dtype(embeds))
+            latents = self.denoise.noise(rows, shape, dtype)
             first = {}
             for i, row in enumerate(rows):
                 first.setdefault(row.request.request_id, i)
@@ -72,10 +73,12 @@ class OwnLoop:
             return truncate_prompt(self.tokenizer, request.prompt, self.name)
         return request.prompt
 
-    def _embed(self, texts: list[str]) -> torch.Tensor:
-        """The batch's text embeddings: the text encoder's, or a dummy's seeded random ones."""
+    def _embed(self, texts: list[str | None]) -> Text:
+        """The batch's text conditioning: the text encoders', or a dummy's seeded random
+        embeddings (None: a negative prompt not given)."""
         if self.embed_shape is not None:
             seq_len, dim = self.embed_shape
+            texts = [t or "" for t in texts]
             return random_prompt_embeds(texts, seq_len, dim, self.denoiser_dtype, self.device)
         max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
         return self.adapter.encode_text(texts, self.device, max_length)

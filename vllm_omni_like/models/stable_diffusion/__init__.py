@@ -1,5 +1,6 @@
-"""The Stable Diffusion UNet family (SD1.5 and its architecture, the embedded tiny-image model):
-torch-free description; the adapter is models/stable_diffusion/adapter.py."""
+"""The Stable Diffusion UNet family: SD1.5 (its architecture, the embedded tiny-image model) and
+SDXL (its architecture `sdxl`), torch-free descriptions; the adapters are
+models/stable_diffusion/adapter.py and xl.py."""
 
 from vllm_omni_like.models.family import Family
 
@@ -16,4 +17,19 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
     own_loop=("text2img",),  # edits (img2img, inpaint) run the pipelines' own calls
     schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
+)
+
+XL_FAMILY = Family(
+    name="stable-diffusion-xl",
+    pipelines=(
+        "StableDiffusionXLPipeline",
+        "StableDiffusionXLImg2ImgPipeline",
+        "StableDiffusionXLInpaintPipeline",
+    ),
+    output="image",
+    size_base=8,  # StableDiffusionXLPipeline.check_inputs
+    default_guidance=5.0,  # StableDiffusionXLPipeline's
+    adapter="vllm_omni_like.models.stable_diffusion.xl",
+    own_loop=FAMILY.own_loop,
+    schedulers=FAMILY.schedulers,
 )

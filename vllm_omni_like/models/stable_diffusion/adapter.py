@@ -33,8 +33,8 @@ class StableDiffusionAdapter(Adapter):
         t = to_device(timestep, latents.device)
         return self.pipe.unet(latents, t, encoder_hidden_states=text, return_dict=False)[0]
 
-    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
-        return self.pipe.encode_prompt(texts, device, 1, False)[0]
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        return self.pipe.encode_prompt([t or "" for t in texts], device, 1, False)[0]
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
         factor = self.pipe.vae_scale_factor

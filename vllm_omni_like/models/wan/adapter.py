@@ -72,9 +72,9 @@ class WanAdapter(Adapter):
             return_dict=False,
         )[0]
 
-    def encode_text(self, texts: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         embeds = self.pipe.encode_prompt(
-            prompt=texts,
+            prompt=[t or "" for t in texts],
             do_classifier_free_guidance=False,
             max_sequence_length=max_length,
             device=device,
