@@ -90,8 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="*",
         default=[],
-        help="built-in pipeline name, architecture (sd15, sdxl, wan2.1-t2v-1.3b), YAML pipeline file "
-        "or local diffusers directory (repeatable; default: tiny-omni tiny-image tiny-video)",
+        help="built-in pipeline name, architecture (sd15, sdxl, wan2.1-t2v-1.3b), YAML pipeline "
+        "file or local diffusers directory (repeatable; default: tiny-omni tiny-image tiny-video)",
     )
     parser.add_argument(
         "--llm",
