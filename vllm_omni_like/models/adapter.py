@@ -137,9 +137,13 @@ class Adapter:
         config = getattr(self.pipe, self.denoiser_name).config
         return int(getattr(config, "text_dim", 0) or 0) or int(config.cross_attention_dim)
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+    ) -> Any:
         """The denoiser's noise (or velocity) prediction for a batch of model rows, each at its
-        own timestep (`timestep`: one per row), as the pipeline calls its denoiser."""
+        own timestep (`timestep`: one per row, on the latents' device; `at`: the same on the
+        host, a list of floats, where the loop has them), as the pipeline calls its
+        denoiser."""
         raise NotImplementedError(f"{self.family.name}: no denoiser call of our own")
 
     def guide(

@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.models.columns import Cols
+from vllm_omni_like.models.columns import div as _div
+from vllm_omni_like.models.columns import mul as _mul
+
 
 @dataclass(frozen=True)
 class Tables:
@@ -38,14 +42,6 @@ KIND = {
     "UniPCMultistepScheduler": "unipc",
     "PNDMScheduler": "pndm",
 }
-
-
-def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host values on the device without the host waiting for it: a copy from pageable
-    memory would wait until the device drained (each step would wait for the last forward)."""
-    if device.type != "cuda":
-        return values
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 def tables(scheduler: Any) -> Tables:
@@ -172,31 +168,6 @@ def _pndm_tables(s: Any) -> tuple[list, list]:
 
 
 # ---- a batch's step ---------------------------------------------------------------------------
-class Cols:
-    """The rows' scalars as (B, 1, ..., 1) float32 columns on the device, made when asked."""
-
-    def __init__(self, scalars: list[dict[str, float]], like: torch.Tensor) -> None:
-        self.scalars, self.like = scalars, like
-        self.made: dict[str, torch.Tensor] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.made:
-            values = torch.tensor([s[name] for s in self.scalars], dtype=torch.float32)
-            shape = (len(self.scalars),) + (1,) * (self.like.dim() - 1)
-            self.made[name] = to_device(values.view(shape), self.like.device)
-        return self.made[name]
-
-
-def _mul(column: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """`scalar * tensor` for a 0-dim float32 scalar per row: computed in float32, left in the
-    tensor's dtype."""
-    return (column * tensor).to(tensor.dtype)
-
-
-def _div(tensor: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    return (tensor / column).to(tensor.dtype)
-
-
 def _convert(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     prediction = variant[0]
     if prediction == "epsilon":

@@ -1,17 +1,18 @@
 """Schedulers with per-row state, stepped for a whole batch at once (the denoising loop's).
 
-A row carries its own schedule: its scheduler, its step count and where it is in it. The
-schedule's tables (timesteps, sigmas, cumulative alphas) are the diffusers scheduler's own,
-made once per (scheduler config, steps) on the host with `set_timesteps`; a batch's update is
-one vectorised computation over per-row coefficients gathered on the host from those tables
-(float32, as diffusers computes them) and applied on the device as (B, 1, ..., 1) tensors, in
-the same order of operations as the scheduler's `step`, so each row's result is the one a
-pipeline running that row alone computes. Never one `step()` call per row.
+A row carries its own schedule: its scheduler, its step count and where it is in it. Each
+schedule's per-step scalars (sigmas, alphas and what its step derives from them) are computed
+once per (scheduler config, steps) on the host from the diffusers scheduler's own tables, each
+as diffusers computes it (float32 0-dim operations), and kept with the schedule (`Tables`). A
+batch's update gathers each row's scalars (models/columns.py: one 0-dim scalar where all rows
+agree, else a float32 column) and applies them in the order of operations of the scheduler's
+`step`, so each row's result is the one a pipeline running that row alone computes. Rows whose
+steps do different things (another kind, another solver order) step as separate groups; never
+one `step()` call per row, and no step waits on the device.
 
 Kinds: DDIM, Euler and Euler ancestral (whose noise comes from each row's own generator) and
-flow-match Euler, each by its own code here; DPM-Solver++, UniPC and PNDM ("multistep": a
-history per row) by models/multistep.py, the same way. The names a request gives
-(`scheduler`) are models/schedulers.py's.
+flow-match Euler here; DPM-Solver++, UniPC and PNDM (a history per row) in models/multistep.py.
+The names a request gives (`scheduler`) are models/schedulers.py's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models import multistep
+from vllm_omni_like.models.columns import Cols, div, mul, to_device
+from vllm_omni_like.models.multistep import Tables
 from vllm_omni_like.models.schedulers import EXPLICIT, MULTISTEP, SCHEDULERS, unsupported
 
 
@@ -35,17 +38,20 @@ class Schedule:
     kind: str
     steps: int
     timesteps: torch.Tensor  # what the denoiser is given at each step (host, float32)
-    sigmas: torch.Tensor | None  # Euler / flow-match: steps + 1 values (host, float32)
-    alphas_cumprod: torch.Tensor | None  # DDIM (host, float32)
-    final_alpha_cumprod: float | None
-    step_ratio: int | None
+    tables: Tables  # each step's variant and scalars
     init_noise_sigma: float
-    tables: multistep.Tables | None = None  # multistep: each step's variant and scalars
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def iterations(self) -> int:
         """Denoiser calls (PNDM makes one more than its steps)."""
         return len(self.timesteps)
+
+    def timesteps_on(self, device: torch.device) -> torch.Tensor:
+        """The timesteps on `device`, copied there once."""
+        if device not in self._on_device:
+            self._on_device[device] = self.timesteps.to(device)
+        return self._on_device[device]
 
 
 @dataclass
@@ -92,19 +98,13 @@ def _schedule(class_name: str, config_json: str, steps: int) -> Schedule:
     scheduler = getattr(diffusers, class_name).from_config(json.loads(config_json))
     scheduler.set_timesteps(steps, device="cpu")
     kind = KINDS[class_name]
-    tables = multistep.tables(scheduler) if kind == "multistep" else None
-    sigmas = getattr(scheduler, "sigmas", None) if kind != "ddim" else None
-    alphas = scheduler.alphas_cumprod if kind == "ddim" else None
+    tables = multistep.tables(scheduler) if kind == "multistep" else _explicit(scheduler, kind)
     return Schedule(
         kind=kind,
         steps=steps,
         timesteps=scheduler.timesteps.to(torch.float32),
-        sigmas=None if sigmas is None else sigmas.to(torch.float32),
-        alphas_cumprod=alphas,
-        final_alpha_cumprod=float(scheduler.final_alpha_cumprod) if kind == "ddim" else None,
-        step_ratio=scheduler.config.num_train_timesteps // steps if kind == "ddim" else None,
-        init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),
         tables=tables,
+        init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),
     )
 
 
@@ -118,117 +118,126 @@ def schedule_for(scheduler: Any, steps: int) -> Schedule:
     return _schedule(name, config, steps)
 
 
-def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    shape = (len(values),) + (1,) * (like.dim() - 1)
-    return multistep.to_device(torch.tensor(values, dtype=torch.float32).view(shape), like.device)
+# ---- the scalars of the kinds stepped here, as diffusers computes them ----------------------
+def _explicit(s: Any, kind: str) -> Tables:
+    scalars = []
+    for i, t in enumerate(s.timesteps):
+        if kind == "ddim":  # DDIMScheduler.step, eta 0
+            prev = int(t) - s.config.num_train_timesteps // s.num_inference_steps
+            alpha = s.alphas_cumprod[int(t)]
+            alpha_prev = s.alphas_cumprod[prev] if prev >= 0 else s.final_alpha_cumprod
+            beta = 1 - alpha
+            row = {
+                "beta_sqrt": beta ** (0.5),
+                "alpha_sqrt": alpha ** (0.5),
+                "direction": (1 - alpha_prev - torch.tensor(0.0) ** 2) ** (0.5),
+                "alpha_prev_sqrt": alpha_prev ** (0.5),
+            }
+        else:
+            sigma, nxt = s.sigmas[i], s.sigmas[i + 1]
+            row = {"sigma": sigma, "c_in": (sigma**2 + 1) ** 0.5}
+            if kind == "euler-a":
+                up = (nxt**2 * (sigma**2 - nxt**2) / sigma**2) ** 0.5
+                row.update(up=up, dt=(nxt**2 - up**2) ** 0.5 - sigma)
+            else:  # Euler (no churn: sigma_hat = sigma), flow-match Euler
+                row["dt"] = nxt - sigma
+        scalars.append({k: float(v) for k, v in row.items()})
+    return Tables(kind, tuple((kind,) for _ in scalars), tuple(scalars))
+
+
+EULERS = ("euler", "euler-a")
 
 
 def scale_input(rows: Sequence[Row], latents: torch.Tensor) -> torch.Tensor:
     """The denoiser's input for each row (Euler divides by sqrt(sigma^2 + 1))."""
     if all(r.schedule.kind not in EULERS for r in rows):
         return latents
-    scale = [
-        float((r.schedule.sigmas[r.index] ** 2 + 1) ** 0.5) if r.schedule.kind in EULERS else 1.0
+    scalars = [
+        r.schedule.tables.scalars[r.index] if r.schedule.kind in EULERS else {"c_in": 1.0}
         for r in rows
     ]
-    return (latents / _column(scale, latents)).to(latents.dtype)  # (as a 0-dim sigma: in fp32)
+    return div(latents, Cols(scalars, latents)["c_in"])
+
+
+def timesteps(rows: Sequence[Row], device: torch.device) -> torch.Tensor:
+    """Each row's timestep on `device`: a view of its schedule's where all rows share one
+    (no copy), else gathered on the host and copied without waiting."""
+    first = rows[0]
+    if all(r.schedule is first.schedule and r.index == first.index for r in rows):
+        return first.schedule.timesteps_on(device)[first.index].expand(len(rows))
+    return to_device(torch.stack([r.timestep for r in rows]), device)
 
 
 def step(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     """Every row one step on: its scheduler's update of `latents` by the denoiser's `output`
     (epsilon for DDIM and Euler, velocity for flow-match; a multistep scheduler's prediction
-    type is its config's), each with its own coefficients. In the dtype its scheduler leaves
-    the sample in."""
+    type is its config's), each with its own scalars. In the dtype its scheduler leaves the
+    sample in."""
     groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):  # (a multistep scheduler's rows by what their step does)
-        tables = r.schedule.tables
-        key = multistep.variant((tables, r.index)) if tables else (r.schedule.kind,)
-        groups.setdefault(key, []).append(i)
+    for i, r in enumerate(rows):  # by what their step does
+        groups.setdefault(multistep.variant((r.schedule.tables, r.index)), []).append(i)
     if len(groups) == 1:
-        out = _STEPS[rows[0].schedule.kind](rows, output, latents)
-    else:  # rows of several kinds: each kind's rows together, put back in place (a row's
-        # values are those its kind left, in a dtype that holds every kind's exactly)
+        out = _group(rows, output, latents)
+    else:  # each group's rows together, put back in place (a row's values are those its
+        # kind left, in a dtype that holds every kind's exactly)
         dtype = torch.promote_types(latents.dtype, output.dtype)
         out = torch.empty_like(latents, dtype=dtype)
         for picked in groups.values():
-            index = multistep.to_device(torch.tensor(picked), latents.device)
-            kind = rows[picked[0]].schedule.kind
-            part = _STEPS[kind]([rows[i] for i in picked], output[index], latents[index])
+            index = to_device(torch.tensor(picked), latents.device)
+            part = _group([rows[i] for i in picked], output[index], latents[index])
             out[index] = part.to(dtype)
     for r in rows:
         r.index += 1
     return out
 
 
-def _ddim(rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+def _group(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    kind = rows[0].schedule.kind
+    if kind == "multistep":
+        positions = [(r.schedule.tables, r.index) for r in rows]
+        return multistep.step(positions, [r.history for r in rows], output, latents)
+    c = Cols([r.schedule.tables.scalars[r.index] for r in rows], latents)
+    return _STEPS[kind](c, rows, output, latents)
+
+
+def _ddim(c: Cols, rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
     """DDIMScheduler.step with eta 0, epsilon prediction, no clipping."""
-    alpha, alpha_prev = [], []
-    for r in rows:
-        s = r.schedule
-        t = int(s.timesteps[r.index])
-        prev = t - s.step_ratio
-        alpha.append(float(s.alphas_cumprod[t]))
-        alpha_prev.append(float(s.alphas_cumprod[prev]) if prev >= 0 else s.final_alpha_cumprod)
-    a = _column(alpha, sample)
-    a_prev = _column(alpha_prev, sample)
-    beta = 1 - a
-    x0 = (sample - beta ** (0.5) * eps) / a ** (0.5)
-    direction = (1 - a_prev) ** (0.5) * eps
-    return (a_prev ** (0.5) * x0 + direction).to(torch.promote_types(sample.dtype, eps.dtype))
+    x0 = div(sample - mul(c["beta_sqrt"], eps), c["alpha_sqrt"])
+    direction = mul(c["direction"], eps)
+    return mul(c["alpha_prev_sqrt"], x0) + direction
 
 
-def _euler(rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+def _euler(c: Cols, rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
     """EulerDiscreteScheduler.step without churn, epsilon prediction (in float32)."""
-    sigma = _column([float(r.schedule.sigmas[r.index]) for r in rows], sample)
-    nxt = _column([float(r.schedule.sigmas[r.index + 1]) for r in rows], sample)
     x = sample.to(torch.float32)
-    x0 = x - sigma * eps
-    derivative = (x - x0) / sigma
-    return (x + derivative * (nxt - sigma)).to(eps.dtype)
+    x0 = x - mul(c["sigma"], eps)
+    derivative = div(x - x0, c["sigma"])
+    return (x + mul(c["dt"], derivative)).to(eps.dtype)
 
 
-def _euler_ancestral(rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+def _euler_ancestral(
+    c: Cols, rows: Sequence[Row], eps: torch.Tensor, sample: torch.Tensor
+) -> torch.Tensor:
     """EulerAncestralDiscreteScheduler.step, epsilon prediction (in float32): each row's noise
     from its own generator, as a pipeline's list of generators draws it."""
-    sigma, up, down = [], [], []
-    for r in rows:
-        s_from, s_to = r.schedule.sigmas[r.index], r.schedule.sigmas[r.index + 1]
-        sigma_up = (s_to**2 * (s_from**2 - s_to**2) / s_from**2) ** 0.5  # float32, as diffusers
-        sigma.append(float(s_from))
-        up.append(float(sigma_up))
-        down.append(float((s_to**2 - sigma_up**2) ** 0.5))
-    s, s_up, s_down = (_column(v, sample) for v in (sigma, up, down))
-    x = sample.to(torch.float32)
-    x0 = x - s * eps
-    derivative = (x - x0) / s
-    out = x + derivative * (s_down - s)
     from diffusers.utils.torch_utils import randn_tensor
 
+    x = sample.to(torch.float32)
+    x0 = x - mul(c["sigma"], eps)
+    derivative = div(x - x0, c["sigma"])
+    out = x + mul(c["dt"], derivative)
     row = (1, *eps.shape[1:])  # (a pipeline's list of generators: one draw of a row's shape each)
     noise = torch.cat(
         [randn_tensor(row, generator=r.generator, device=eps.device, dtype=eps.dtype) for r in rows]
     )
-    return (out + noise * s_up).to(eps.dtype)
+    return (out + mul(c["up"], noise)).to(eps.dtype)
 
 
-def _flow_euler(rows: Sequence[Row], v: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+def _flow_euler(
+    c: Cols, rows: Sequence[Row], v: torch.Tensor, sample: torch.Tensor
+) -> torch.Tensor:
     """FlowMatchEulerDiscreteScheduler.step (in float32)."""
-    sigma = _column([float(r.schedule.sigmas[r.index]) for r in rows], sample)
-    nxt = _column([float(r.schedule.sigmas[r.index + 1]) for r in rows], sample)
-    x = sample.to(torch.float32)
-    return (x + (nxt - sigma) * v).to(v.dtype)
+    return (sample.to(torch.float32) + mul(c["dt"], v)).to(v.dtype)
 
 
-def _multistep(rows: Sequence[Row], output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
-    positions = [(r.schedule.tables, r.index) for r in rows]
-    return multistep.step(positions, [r.history for r in rows], output, sample)
-
-
-EULERS = ("euler", "euler-a")
-_STEPS = {
-    "ddim": _ddim,
-    "euler": _euler,
-    "euler-a": _euler_ancestral,
-    "flow-euler": _flow_euler,
-    "multistep": _multistep,
-}
+_STEPS = {"ddim": _ddim, "euler": _euler, "euler-a": _euler_ancestral, "flow-euler": _flow_euler}

@@ -27,7 +27,7 @@ import torch
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.models.multistep import to_device
+from vllm_omni_like.models.columns import column, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.base import StageControl
 
@@ -73,6 +73,20 @@ class LoopRow:
     @property
     def cfg(self) -> bool:
         return self.negative is not None
+
+
+@dataclass
+class Plan:
+    """A step's reusables for one set of active rows (made again when the set changes)."""
+
+    active: list[int]
+    group: list[LoopRow]
+    index: torch.Tensor | None  # the active rows among the batch's (None: all)
+    cfg: list[int]  # the positions among them with guidance
+    cfg_index: torch.Tensor | None  # those on the device (None: all, or none)
+    texts: Text | None = None  # the model rows' text (with batched CFG: both branches')
+    negatives: Text | None = None  # two forwards: the unconditional branch's
+    scale: float | torch.Tensor | None = None  # one guidance scale, or a column of them
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,7 @@ class DenoiseLoop:
     ) -> torch.Tensor:
         """Denoise `latents` (one per row) until every live row ended its steps. After each
         step `on_step(latents, progress)` with each stepped request's (step, total)."""
-        step = 0
+        plan = None
         while True:
             live = {r.request_id for r in control.live(batch)}
             active = [
@@ -160,65 +174,87 @@ class DenoiseLoop:
             ]
             if not active:
                 return latents
-            every = len(active) == len(rows)
-            part = latents if every else latents[_index(active, latents.device)]
-            group = [rows[i] for i in active]
-            output = self._predict(group, part, embeds)
-            stepped = rs.step([r.state for r in group], output, part)
-            if every:
+            if plan is None or plan.active != active:  # rows ended or left: a new plan
+                plan = self._plan(rows, active, embeds, latents)
+            part = latents if plan.index is None else latents[plan.index]
+            output = self._predict(plan, part)
+            stepped = rs.step([r.state for r in plan.group], output, part)
+            if plan.index is None:
                 latents = stepped
             else:
                 latents = latents.to(stepped.dtype)
-                latents[_index(active, latents.device)] = stepped
-            step += 1
+                latents[plan.index] = stepped
             progress = {
-                r.request.request_id: (r.state.index, r.state.schedule.iterations) for r in group
+                r.request.request_id: (r.state.index, r.state.schedule.iterations)
+                for r in plan.group
             }
             on_step(latents, progress)
             self.mark("step")
 
-    def _predict(self, group: list[LoopRow], latents: torch.Tensor, embeds: Text) -> torch.Tensor:
-        """The guided prediction of each row: the conditional branch of all, the unconditional
-        of those with guidance, in one forward (two with `batched_cfg` off)."""
-        states = [r.state for r in group]
-        scaled = rs.scale_input(states, latents)
+    def _plan(
+        self, rows: list[LoopRow], active: list[int], embeds: Text, latents: torch.Tensor
+    ) -> Plan:
+        """What the steps over the rows `active` reuse: their indices, which have guidance,
+        the text of their model rows."""
+        group = [rows[i] for i in active]
         cfg = [j for j, r in enumerate(group) if r.cfg]
-        times = torch.stack([s.timestep for s in states])
         text = [r.text for r in group]
         negative = [group[j].negative for j in cfg]
+        every_cfg = len(cfg) == len(group)
         device = latents.device
-        index = _index(cfg, device)
+        plan = Plan(
+            active=active,
+            group=group,
+            index=None if len(active) == len(rows) else _index(active, device),
+            cfg=cfg,
+            cfg_index=None if every_cfg or not cfg else _index(cfg, device),
+        )
         if cfg and self.batched_cfg:
-            inputs = torch.cat([scaled, scaled[index]])
-            texts = take(embeds, _index(text + negative, device))
-            out = self._forward(inputs, torch.cat([times, times[cfg]]), texts)
-            cond, uncond = out[: len(group)], out[len(group) :]
+            plan.texts = take(embeds, _index(text + negative, device))
         else:
-            cond = self._forward(scaled, times, take(embeds, _index(text, device)))
-            uncond = None
-            if cfg:
-                negatives = take(embeds, _index(negative, device))
-                uncond = self._forward(scaled[index], times[cfg], negatives)
-        if not cfg:
-            return cond
+            plan.texts = take(embeds, _index(text, device))
+            plan.negatives = take(embeds, _index(negative, device)) if cfg else None
         scales = [group[j].guidance for j in cfg]
-        if len(cfg) == len(group) and len(set(scales)) == 1:  # one scale: as the pipeline does
-            return self.adapter.guide(cond, uncond, scales[0])
-        column = torch.tensor(scales, dtype=torch.float32).view(-1, *[1] * (cond.dim() - 1))
-        guided = self.adapter.guide(cond[index], uncond, to_device(column, device))
-        if len(cfg) == len(group):
-            return guided
+        if every_cfg and len(set(scales)) == 1:  # one scale: as the pipeline applies it
+            plan.scale = scales[0]
+        elif cfg:
+            plan.scale = column(scales, latents)
+        return plan
+
+    def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
+        """The guided prediction of each row: the conditional branch of all, the unconditional
+        of those with guidance, in one forward (two with `batched_cfg` off)."""
+        states = [r.state for r in plan.group]
+        scaled = rs.scale_input(states, latents)
+        cfg, index = plan.cfg, plan.cfg_index
+        uncond_rows = scaled if index is None else scaled[index]
+        cfg_states = [states[j] for j in cfg]
+        if cfg and self.batched_cfg:
+            inputs = torch.cat([scaled, uncond_rows])
+            out = self._forward(inputs, states + cfg_states, plan.texts)
+            cond, uncond = out[: len(states)], out[len(states) :]
+        else:
+            cond = self._forward(scaled, states, plan.texts)
+            if not cfg:
+                return cond
+            uncond = self._forward(uncond_rows, cfg_states, plan.negatives)
+        if index is None:  # every row has guidance
+            return self.adapter.guide(cond, uncond, plan.scale)
         out = cond.clone()
-        out[index] = guided
+        out[index] = self.adapter.guide(cond[index], uncond, plan.scale)
         return out
 
-    def _forward(self, latents: torch.Tensor, times: torch.Tensor, text: Text) -> Any:
-        """One denoiser call, padded to the compiled bucket of its model rows."""
+    def _forward(self, latents: torch.Tensor, states: list[rs.Row], text: Text) -> Any:
+        """One denoiser call (each model row at its row's timestep), padded to the compiled
+        bucket of its model rows."""
         rows = latents.shape[0]
+        times = rs.timesteps(states, latents.device)
         pad = bucket_for(rows, self.buckets) - rows
         if pad:
             latents, times, text = pad_rows(latents, pad), pad_rows(times, pad), pad_rows(text, pad)
-        return self.adapter.predict(latents, times, text)[:rows]
+            states = states + [states[-1]] * pad
+        at = [float(s.timestep) for s in states]
+        return self.adapter.predict(latents, times, text, at=at)[:rows]
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -17,7 +17,6 @@ from vllm_omni_like.models.adapter import (
     split_unet_batch,
     unet_compile_targets,
 )
-from vllm_omni_like.models.multistep import to_device
 from vllm_omni_like.models.stable_diffusion import FAMILY
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
 
@@ -29,9 +28,11 @@ class StableDiffusionAdapter(Adapter):
     guidance = Guidance.BATCHED  # the pipeline doubles the batch: one UNet forward a step
     image_conditions = ("edit", "inpaint")
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
-        t = to_device(timestep, latents.device)
-        return self.pipe.unet(latents, t, encoder_hidden_states=text, return_dict=False)[0]
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+    ) -> Any:
+        unet = self.pipe.unet
+        return unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
 
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         return self.pipe.encode_prompt([t or "" for t in texts], device, 1, False)[0]

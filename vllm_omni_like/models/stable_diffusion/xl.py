@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Decoder, is_image_vae
-from vllm_omni_like.models.multistep import to_device
 from vllm_omni_like.models.stable_diffusion import XL_FAMILY
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 
@@ -49,12 +48,14 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             kwargs["negative_prompt"] = negatives
         return kwargs
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: Any) -> Any:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+    ) -> Any:
         embeds, pooled = text["embeds"], text["pooled"]
         ids = self._ids(latents, embeds.dtype, pooled).expand(latents.shape[0], -1)
         return self.pipe.unet(
             latents,
-            to_device(timestep, latents.device),
+            timestep,
             encoder_hidden_states=embeds,
             added_cond_kwargs={"text_embeds": pooled, "time_ids": ids},
             return_dict=False,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
-from vllm_omni_like.models.multistep import to_device
+from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.wan import FAMILY
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
@@ -38,27 +38,30 @@ class WanAdapter(Adapter):
     def per_token_timesteps(self) -> bool:
         return bool(self.pipe.config.get("expand_timesteps", False))
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Any:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+    ) -> Any:
         """Rows at a timestep on each side of Wan2.2's boundary run their own expert."""
         experts = self.experts()
         boundary = experts[0].boundary
         if boundary is None:
             return self._call(experts[0].model, latents, timestep, text)
-        high = [i for i, t in enumerate(timestep.tolist()) if t >= boundary]
-        low = [i for i in range(len(timestep)) if i not in set(high)]
+        at = at if at is not None else timestep.tolist()  # (the loop gives them: no wait)
+        high = [i for i, t in enumerate(at) if t >= boundary]
+        low = [i for i in range(len(at)) if i not in set(high)]
         if not low or not high:
             return self._call(experts[0 if high else 1].model, latents, timestep, text)
         out = None
         for picked, expert in ((high, experts[0]), (low, experts[1])):
             index = to_device(torch.tensor(picked), latents.device)
-            part = self._call(expert.model, latents[index], timestep[picked], text[index])
+            part = self._call(expert.model, latents[index], timestep[index], text[index])
             out = part.new_empty((latents.shape[0], *part.shape[1:])) if out is None else out
             out[index] = part
         return out
 
     def _call(self, model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: Any) -> Any:
         rows = latents.shape[0]
-        t = to_device(timestep, latents.device)
+        t = timestep
         if self.per_token_timesteps:  # one timestep per latent token (no image condition)
             p = model.config.patch_size
             tokens = (
