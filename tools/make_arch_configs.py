@@ -23,9 +23,57 @@ import torch
 OUT = os.path.join(os.path.dirname(__file__), "..", "vllm_omni_like", "assets", "archs")
 
 
-def sd15(out: str) -> None:
-    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+# CLIP ViT-L/14 (SD1.5's encoder, SDXL's first) and OpenCLIP ViT-bigG/14 (SDXL's second)
+CLIP_L = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
+CLIP_BIG_G = dict(
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    projection_dim=1280,
+    hidden_act="gelu",
+)
+
+
+def _kl_vae(out: str, **config: object) -> None:
+    """The KL VAE of SD1.5 and SDXL (its sample size and scaling from `config`)."""
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        layers_per_block=2,
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        **config,
+    ).save_config(os.path.join(out, "vae"))
+
+
+def _clip(out: str, folder: str, tokenizer, kind: str, **size: object) -> None:
     from transformers import CLIPTextConfig
+
+    CLIPTextConfig(
+        vocab_size=49408,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[kind],
+        **size,
+    ).save_pretrained(os.path.join(out, folder))
+
+
+def sd15(out: str) -> None:
+    from diffusers import DDIMScheduler, UNet2DConditionModel
 
     from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer
 
@@ -41,31 +89,9 @@ def sd15(out: str) -> None:
             cross_attention_dim=768,
             attention_head_dim=8,
         ).save_config(os.path.join(out, "unet"))
-        AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            layers_per_block=2,
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            sample_size=512,
-        ).save_config(os.path.join(out, "vae"))
+        _kl_vae(out, sample_size=512)
     tokenizer = build_tokenizer(max_length=77)
-    CLIPTextConfig(
-        vocab_size=49408,
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        max_position_embeddings=77,
-        hidden_act="quick_gelu",
-        projection_dim=768,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["CLIPTextModel"],
-    ).save_pretrained(os.path.join(out, "text_encoder"))
+    _clip(out, "text_encoder", tokenizer, "CLIPTextModel", **CLIP_L)
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     DDIMScheduler(**SD_SCHEDULER).save_config(os.path.join(out, "scheduler"))
     _index(
@@ -86,8 +112,7 @@ def sd15(out: str) -> None:
 def sdxl(out: str) -> None:
     """SDXL 1.0 base: UNet 2.57B (text_time conditioning), a VAE that decodes in float32
     (force_upcast), CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 text encoders, Euler."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
 
     from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer
 
@@ -108,36 +133,10 @@ def sdxl(out: str) -> None:
             addition_time_embed_dim=256,
             projection_class_embeddings_input_dim=2816,
         ).save_config(os.path.join(out, "unet"))
-        AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            layers_per_block=2,
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            sample_size=1024,
-            scaling_factor=0.13025,
-            force_upcast=True,
-        ).save_config(os.path.join(out, "vae"))
+        _kl_vae(out, sample_size=1024, scaling_factor=0.13025, force_upcast=True)
     tokenizer = build_tokenizer(max_length=77)
-    for folder, kind, size in (
-        ("text_encoder", "CLIPTextModel", dict(hidden_size=768, intermediate_size=3072,
-         num_hidden_layers=12, num_attention_heads=12, projection_dim=768,
-         hidden_act="quick_gelu")),
-        ("text_encoder_2", "CLIPTextModelWithProjection", dict(hidden_size=1280,
-         intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-         projection_dim=1280, hidden_act="gelu")),
-    ):  # fmt: skip
-        CLIPTextConfig(
-            vocab_size=49408,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            architectures=[kind],
-            **size,
-        ).save_pretrained(os.path.join(out, folder))
+    _clip(out, "text_encoder", tokenizer, "CLIPTextModel", **CLIP_L)
+    _clip(out, "text_encoder_2", tokenizer, "CLIPTextModelWithProjection", **CLIP_BIG_G)
     for folder in ("tokenizer", "tokenizer_2"):
         tokenizer.save_pretrained(os.path.join(out, folder))
     base = {k: v for k, v in SD_SCHEDULER.items() if k not in ("clip_sample", "set_alpha_to_one")}

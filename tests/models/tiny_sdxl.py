@@ -13,7 +13,6 @@ import tempfile
 def tiny_sdxl_path() -> str:
     import torch
     from diffusers import (
-        AutoencoderKL,
         DDIMScheduler,
         EulerDiscreteScheduler,
         StableDiffusionXLPipeline,
@@ -25,7 +24,7 @@ def tiny_sdxl_path() -> str:
         CLIPTextModelWithProjection,
     )
 
-    from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer
+    from vllm_omni_like.models.tiny import SD_SCHEDULER, build_tokenizer, tiny_image_vae
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
@@ -61,18 +60,8 @@ def tiny_sdxl_path() -> str:
         cross_attention_dim=64,  # the two encoders' states side by side
         norm_num_groups=16,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(32, 64, 64),
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        norm_num_groups=16,
-        sample_size=64,
-    )
     pipe = StableDiffusionXLPipeline(
-        vae=vae,
+        vae=tiny_image_vae(),
         text_encoder=CLIPTextModel(text_config()),
         text_encoder_2=CLIPTextModelWithProjection(text_config(projection_dim=32)),
         tokenizer=tokenizer,

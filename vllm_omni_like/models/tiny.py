@@ -188,14 +188,25 @@ def _clip_text_encoder(vocab_size: int, tokenizer):
     )
 
 
+def tiny_image_vae():
+    """The tiny image models' KL VAE: 64x64 images, 16x16x4 latents (random weights)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 64, 64),
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        norm_num_groups=16,
+        sample_size=64,
+    )
+
+
 def image_pipeline():
     """The tiny text-to-image architecture: 64x64 images, 16x16x4 latents (random weights)."""
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     tokenizer = build_tokenizer()
     unet = UNet2DConditionModel(
@@ -210,19 +221,9 @@ def image_pipeline():
         attention_head_dim=8,
         norm_num_groups=16,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(32, 64, 64),
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        norm_num_groups=16,
-        sample_size=64,
-    )
     scheduler = DDIMScheduler(**SD_SCHEDULER)
     return StableDiffusionPipeline(
-        vae=vae,
+        vae=tiny_image_vae(),
         text_encoder=_clip_text_encoder(len(tokenizer), tokenizer),
         tokenizer=tokenizer,
         unet=unet,
