@@ -9,6 +9,8 @@ way `mul` and `div` leave the product in the tensor's dtype, as a 0-dim scalar d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -36,9 +38,16 @@ class Cols:
 
 def column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     if all(v == values[0] for v in values):
-        return torch.tensor(values[0], dtype=torch.float32)
+        return _scalar(values[0])
     shape = (len(values),) + (1,) * (like.dim() - 1)
     return to_device(torch.tensor(values, dtype=torch.float32).view(shape), like.device)
+
+
+@functools.lru_cache(maxsize=8192)
+def _scalar(value: float) -> torch.Tensor:
+    """A float32 0-dim CPU tensor of `value`, made once (a schedule's scalars recur every batch;
+    nothing writes to them)."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def mul(scalar: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
