@@ -26,6 +26,7 @@ LINES = [
     {"prompt": "a blue square", "seed": 2, "output_format": "jpeg"},
     {"custom_id": "bad-size", "prompt": "x", "size": "99999x64"},
     {"custom_id": "unknown-field", "prompt": "x", "colour": "red"},
+    {"custom_id": "bad-scheduler", "prompt": "x", "scheduler": "euler-a"},
     {"custom_id": "fault", "prompt": "x @fail"},
     {
         "custom_id": "v",
@@ -66,7 +67,16 @@ def test_generate_writes_files_and_per_line_results(tmp_path, monkeypatch):
     args = ["generate", "null-omni", "null-video", "--input", str(src), "--output-dir", out]
     assert main(args) == 1  # some lines failed
     res = _results(out)
-    assert set(res) == {"a", "line-2", "bad-size", "unknown-field", "fault", "v", "line-7"}
+    assert set(res) == {
+        "a",
+        "line-2",
+        "bad-size",
+        "unknown-field",
+        "bad-scheduler",
+        "fault",
+        "v",
+        "line-8",
+    }
     ok = res["a"]["response"]
     assert ok["status_code"] == 200 and ok["body"]["output_format"] == "png"
     files = [d["file"] for d in ok["body"]["data"]]
@@ -80,9 +90,14 @@ def test_generate_writes_files_and_per_line_results(tmp_path, monkeypatch):
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "size"
     unknown = res["unknown-field"]["response"]["body"]["error"]
     assert unknown["message"] == "colour: Extra inputs are not permitted"
+    scheduler = res["bad-scheduler"]["response"]  # (a null model runs no named scheduler)
+    assert scheduler["status_code"] == 400 and scheduler["body"]["error"]["param"] == "scheduler"
+    assert scheduler["body"]["error"]["message"] == (
+        "scheduler 'euler-a' is not one null-omni runs; it runs: none: only its own"
+    )
     fault = res["fault"]["response"]
     assert fault["status_code"] == 500 and fault["body"]["error"]["stage"] == "diffusion"
-    assert res["line-7"]["response"]["body"]["error"]["message"].startswith("invalid JSON")
+    assert res["line-8"]["response"]["body"]["error"]["message"].startswith("invalid JSON")
 
     # --resume: successes are kept and not run again; failures run again
     before = os.path.getmtime(files[0])
