@@ -27,7 +27,7 @@ import torch
 from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.models.columns import column, to_device
+from vllm_omni_like.models.columns import column, mul, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.base import StageControl
 
@@ -149,9 +149,8 @@ class DenoiseLoop:
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
         sigma = [r.state.schedule.init_noise_sigma for r in rows]
-        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's: in fp32)
-            column = torch.tensor(sigma, dtype=torch.float32).view(-1, *[1] * (len(shape) - 1))
-            latents = (latents * column.to(self.device)).to(dtype)
+        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's)
+            latents = mul(column(sigma, latents), latents)
         return latents
 
     # ---- the loop ------------------------------------------------------------------------------
