@@ -267,3 +267,21 @@ def test_a_scheduler_outside_the_family_is_refused_by_the_stage(image, video):
     assert exc.value.param == "scheduler"
     assert str(exc.value).startswith("scheduler 'flow-euler' is not one tiny-image runs")
     video.validate(_request(video, scheduler="flow-euler"))  # (taken)
+
+
+def test_an_edit_runs_the_pipelines_call_with_the_scheduler_asked(image):
+    base = np.full((64, 64, 3), 200, dtype=np.uint8)
+
+    def edit(scheduler):
+        params = GenerationParams(seed=5, num_inference_steps=4, strength=0.8, scheduler=scheduler)
+        batch = [StageRequest("e", "a blue square", params, mode="edit", images=[base])]
+        return _run(image, batch)["e"], type(image.edit_pipes["edit"].scheduler).__name__
+
+    assert image.loops["edit"][0] == "pipeline"
+    default, used = edit(None)
+    assert used == "DDIMScheduler"  # the model's own
+    euler, used = edit("euler")
+    assert used == "EulerDiscreteScheduler"
+    assert np.abs(euler.astype(int) - default.astype(int)).max() > 1  # another computation
+    again, used = edit(None)
+    assert used == "DDIMScheduler" and np.array_equal(again, default)  # and back
