@@ -189,14 +189,15 @@ class StagePool:
         return sent
 
     def _in_flight(self, batch_id: int, batch: list[RequestState], now: float) -> InFlight:
-        """The batch as the cost model sees it: units per step, and its steps."""
+        """The batch as the cost model sees it: units per step, and its steps (its longest
+        request's: rows of our own loop run their own step counts)."""
         params = [s.stage_request.params for s in batch]
         return InFlight(
             batch_id,
             batch,
             now,
             units=sum(cost.step_units(p, self.text) for p in params),
-            steps=cost.steps_of(params[0], self.default_steps, self.text),
+            steps=max(cost.steps_of(p, self.default_steps, self.text) for p in params),
         )
 
     def parallel_rate(self) -> float | None:
