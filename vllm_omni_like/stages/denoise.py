@@ -115,6 +115,8 @@ class DenoiseLoop:
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
         self.mark = mark
+        # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
+        self.host_times = len(adapter.experts()) > 1
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(self, batch: list[StageRequest], settings: Settings) -> tuple[list[LoopRow], Any]:
@@ -252,7 +254,7 @@ class DenoiseLoop:
         if pad:
             latents, times, text = pad_rows(latents, pad), pad_rows(times, pad), pad_rows(text, pad)
             states = states + [states[-1]] * pad
-        at = [float(s.timestep) for s in states]
+        at = [float(s.timestep) for s in states] if self.host_times else None
         return self.adapter.predict(latents, times, text, at=at)[:rows]
 
 

@@ -48,7 +48,7 @@ class WanAdapter(Adapter):
             return self._call(experts[0].model, latents, timestep, text)
         at = at if at is not None else timestep.tolist()  # (the loop gives them: no wait)
         high = [i for i, t in enumerate(at) if t >= boundary]
-        low = [i for i in range(len(at)) if i not in set(high)]
+        low = [i for i, t in enumerate(at) if t < boundary]
         if not low or not high:
             return self._call(experts[0 if high else 1].model, latents, timestep, text)
         out = None
