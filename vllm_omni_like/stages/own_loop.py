@@ -56,7 +56,7 @@ class OwnLoop:
                     if r.request_id in progress
                     and control.wants_preview(r, *progress[r.request_id])
                 ]
-                previews = self._own_previews(want, first, latents) if want else None
+                previews = self._preview_images(self.pipe, want, first, latents) if want else None
                 step = max(at for at, _ in progress.values())
                 total = max(of for _, of in progress.values())
                 control.step(batch, step, total, previews, progress)
@@ -83,10 +83,12 @@ class OwnLoop:
         max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
         return self.adapter.encode_text(texts, self.device, max_length)
 
-    def _own_previews(
-        self, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
+    def _preview_images(
+        self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
     ) -> dict[str, Any]:
-        preview = self.adapter.preview(self.pipe)
+        """Partial images: the current latents of each asking request's first row (`first`),
+        decoded as the adapter previews `pipe`'s (both loops)."""
+        preview = self.adapter.preview(pipe)
         if preview is None:
             return {}
         picked = latents[[first[r.request_id] for r in want]]

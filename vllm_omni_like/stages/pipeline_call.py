@@ -16,7 +16,6 @@ from vllm_omni_like.stages import edits
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import truncate_prompt
-from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 
 
 class PipelineCall:
@@ -142,14 +141,11 @@ class PipelineCall:
     ) -> dict[str, Any]:
         """Decode the current latents of the first image of each request that asked."""
         latents = callback_kwargs.get("latents")
-        preview = self.adapter.preview(pipe)
-        if latents is None or preview is None:
+        if latents is None:
             return {}
-        rows, k = {}, 0
+        first, k = {}, 0
         for r in batch:
-            rows[r.request_id] = k
+            first[r.request_id] = k
             k += r.params.n
-        picked = latents[[rows[r.request_id] for r in want]]
         with torch.inference_mode():
-            images = tensor_to_uint8(preview(picked))
-        return {r.request_id: img for r, img in zip(want, images, strict=True)}
+            return self._preview_images(pipe, want, first, latents)
