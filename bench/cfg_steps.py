@@ -13,7 +13,7 @@ import time
 
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import AsyncOmni
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 

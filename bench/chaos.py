@@ -33,8 +33,8 @@ import psutil
 from server_proc import free_port, serve_command, wait_healthy
 
 from vllm_omni_like.config import parse_faults
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.faults import selects
+from vllm_omni_like.wire import StageRequest
 
 STAGES, POINTS = ("llm", "diffusion"), ("execute", "step", "output")
 KIND_P = {"raise": 0.006, "invalid": 0.006, "oom": 0.006, "exit": 0.004, "hang": 0.004}

@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -5,8 +5,8 @@ python examples/offline_batch.py
 
 from vllm_omni_like import EngineConfig, GenerationParams
 from vllm_omni_like.engine import Omni, new_request_id
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
-from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.pipelines.catalog import resolve
 
 if __name__ == "__main__":  # worker processes are spawned: keep the entry point guarded

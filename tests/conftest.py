@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from vllm_omni_like.messages import BatchDone
+from vllm_omni_like.wire import BatchDone
 
 
 def drain_batch(q: queue.Queue, batch_id: int, timeout: float = 30.0) -> list[object]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from vllm_omni_like.errors import FatalStageError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.null import NullStage
+from vllm_omni_like.wire import StageRequest
 
 
 class DeviceErrorStage(NullStage):

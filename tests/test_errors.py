@@ -128,7 +128,8 @@ def test_light_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys; import vllm_omni_like, vllm_omni_like.messages, vllm_omni_like.config, "
+        "import sys; import vllm_omni_like, vllm_omni_like.wire, vllm_omni_like.inputs, "
+        "vllm_omni_like.engine.events, vllm_omni_like.config, "
         "vllm_omni_like.outputs, vllm_omni_like.errors, vllm_omni_like.executor, "
         "vllm_omni_like.stages.null; print('torch' in sys.modules)"
     )

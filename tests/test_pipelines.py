@@ -1,7 +1,7 @@
 import pytest
 
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
 from vllm_omni_like.pipelines.catalog import builtin, from_yaml, resolve

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items, image_request, video_request
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest

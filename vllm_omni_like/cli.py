@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from vllm_omni_like import flags as cfg
+from vllm_omni_like import flags
 from vllm_omni_like.errors import OmniError
 from vllm_omni_like.pipelines.catalog import resolve
 
@@ -20,7 +20,7 @@ DEFAULT_MODELS = ("tiny-omni", "tiny-image", "tiny-video")
 
 
 def _pipelines(args: argparse.Namespace) -> tuple:
-    overrides = cfg.stage_overrides(args)
+    overrides = flags.stage_overrides(args)
     found = []
     for spec in args.model or DEFAULT_MODELS:
         found.extend(resolve(spec, args.llm, **overrides))
@@ -39,12 +39,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"error: --input {args.input}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr
         )
         return 2
-    engine = AsyncOmni(cfg.engine_config(args, pipelines))
+    engine = AsyncOmni(flags.engine_config(args, pipelines))
     engine.start()
     try:
         ran, failed = asyncio.run(
             run_batch(
-                engine, lines, args.output_dir, cfg.limits(args), args.resume, args.concurrency
+                engine, lines, args.output_dir, flags.limits(args), args.resume, args.concurrency
             )
         )
     finally:
@@ -61,8 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vllm_omni_like.api.http_server import build_server
     from vllm_omni_like.engine import AsyncOmni
 
-    settings = cfg.server_settings(args)
-    engine = AsyncOmni(cfg.engine_config(args, _pipelines(args)))
+    settings = flags.server_settings(args)
+    engine = AsyncOmni(flags.engine_config(args, _pipelines(args)))
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:
@@ -82,11 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-omni-like")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    cfg.add_engine_args(serve)
-    cfg.add_server_args(serve)
+    flags.add_engine_args(serve)
+    flags.add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="offline batch over a JSONL file")
-    cfg.add_engine_args(gen)
+    flags.add_engine_args(gen)
     gen.add_argument(
         "--input", required=True, help="JSONL: OpenAI Batch lines or plain objects (required)"
     )

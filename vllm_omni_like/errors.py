@@ -3,9 +3,10 @@ is raised to the HTTP handler; the exceptions only carry that value through `rai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 
 class Kind(NamedTuple):
@@ -98,7 +99,7 @@ class OmniError(Exception):
     kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
     _by_kind: ClassVar[dict[ErrorKind, type[OmniError]]] = {}
 
-    def __init_subclass__(cls, **kwargs) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         OmniError._by_kind.setdefault(cls.kind, cls)
 
@@ -130,7 +131,11 @@ class OmniError(Exception):
     status = property(lambda self: self.info.status)
     retry_after = property(lambda self: self.info.retry_after)
 
-    def __reduce__(self):  # the value crosses processes, the class follows from its kind
+    def __reduce__(
+        self,
+    ) -> tuple[
+        Callable[[ErrorInfo], OmniError], tuple[ErrorInfo]
+    ]:  # the value crosses processes, the class follows from its kind
         return (_rebuild, (self.info,))
 
 

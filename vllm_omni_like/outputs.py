@@ -94,6 +94,13 @@ class OmniRequestOutput:
     error: ErrorInfo | None = None
     stage_outputs: dict[str, StageOutput] = field(default_factory=dict)
 
+    @property
+    def result(self) -> StageOutput:
+        """The output of a request that succeeded (a caller checks `error` first)."""
+        if self.output is None:
+            raise ValueError(f"request {self.request_id} has no output (error: {self.error})")
+        return self.output
+
     @classmethod
     def from_error(
         cls, request_id: str, exc: BaseException, stage_id: str | None
@@ -103,3 +110,7 @@ class OmniRequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+# what the engine hands a request's listener: its progress, then its final output
+RequestEvent = RequestProgress | OmniRequestOutput

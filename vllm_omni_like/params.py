@@ -51,7 +51,7 @@ class GenerationParams:
     step_delay: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def shape_key(self, mode: str) -> tuple:
+    def shape_key(self, mode: str) -> tuple[Any, ...]:
         """Everything that decides tensor shapes or the step loop: equal keys batch together."""
         return (
             mode,

@@ -11,7 +11,7 @@ import signal
 from vllm_omni_like.config import EngineConfig, parse_faults
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.request_state import BatchReport
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve

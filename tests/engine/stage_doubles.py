@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.null import NullStage
+from vllm_omni_like.wire import StageRequest
 
 COMPILE_S = 1.5  # what one compilation of CompilingStage takes (over the cold bound of 1 s)
 DECODE_S = 0.6  # how long DecodeHoldsMemoryStage's decode holds its memory

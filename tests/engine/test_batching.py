@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, req
 from vllm_omni_like.engine.batching import RefillHold, RequestLevel, take_compatible
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import StageRequest
 
 
 @dataclass
@@ -31,7 +31,7 @@ class _Queued:
     enqueued_at: float = 0.0
 
     @property
-    def stage_request(self) -> _Key:
+    def staged(self) -> _Key:
         return _Key(self.key)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from vllm_omni_like.executor.inbound import Inbound
-from vllm_omni_like.messages import BatchDone, Progress, RequestResult, WorkerReady
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.wire import BatchDone, Progress, RequestResult, WorkerReady
 
 
 def _result(batch_id: int, rid: str) -> RequestResult:

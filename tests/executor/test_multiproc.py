@@ -19,7 +19,8 @@ from tests.conftest import drain_batch, wait_for, wait_until
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ErrorKind
 from vllm_omni_like.executor import MultiprocExecutor
-from vllm_omni_like.messages import (
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import (
     BatchDone,
     Denoised,
     ExecuteBatch,
@@ -27,7 +28,6 @@ from vllm_omni_like.messages import (
     RequestResult,
     StageRequest,
 )
-from vllm_omni_like.params import GenerationParams
 
 FAULTS = (
     FaultRule("diffusion", "execute", "raise", match="@fail"),
@@ -195,8 +195,8 @@ def test_worker_exit_fault_is_a_death_with_its_exit_code(executor):
 
 def test_fatal_device_error_makes_the_worker_exit(no_leaked_children):
     sink: queue.Queue = queue.Queue()
-    cfg = StageConfig(name="diffusion", kind="tests.stage_helpers:DeviceErrorStage")
-    ex = MultiprocExecutor(cfg, 0, sink.put)
+    config = StageConfig(name="diffusion", kind="tests.stage_helpers:DeviceErrorStage")
+    ex = MultiprocExecutor(config, 0, sink.put)
     ex.start()
     deaths = []
     ex.add_failure_callback(deaths.append)
@@ -238,7 +238,7 @@ def test_shutdown_is_idempotent_and_leaves_no_process(no_leaked_children):
 
 
 @pytest.mark.parametrize(
-    ("cfg", "faults", "expected"),
+    ("config", "faults", "expected"),
     [
         (
             StageConfig(name="diffusion", kind="diffusion", model="/nonexistent/model"),
@@ -258,8 +258,8 @@ def test_shutdown_is_idempotent_and_leaves_no_process(no_leaked_children):
         ),
     ],
 )
-def test_startup_failures_name_stage_and_cause(cfg, faults, expected, no_leaked_children):
-    ex = MultiprocExecutor(cfg, 0, lambda m: None, faults)
+def test_startup_failures_name_stage_and_cause(config, faults, expected, no_leaked_children):
+    ex = MultiprocExecutor(config, 0, lambda m: None, faults)
     t0 = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
         ex.start()

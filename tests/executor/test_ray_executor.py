@@ -18,14 +18,8 @@ from tests.conftest import drain_batch, wait_until
 from tests.engine.helpers import engine, final, req
 from tests.ray_cluster import MISSING, ours_alive, two_nodes
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.messages import (
-    BatchDone,
-    ExecuteBatch,
-    Progress,
-    RequestResult,
-    StageRequest,
-)
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import BatchDone, ExecuteBatch, Progress, RequestResult, StageRequest
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 

@@ -5,8 +5,8 @@ from multiprocessing import Pipe
 import numpy as np
 
 from vllm_omni_like.executor import transport
-from vllm_omni_like.messages import RequestResult
 from vllm_omni_like.outputs import ImagePayload, StageOutput
+from vllm_omni_like.wire import RequestResult
 
 
 def test_arrays_travel_out_of_band_and_arrive_writable():

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines import catalog
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

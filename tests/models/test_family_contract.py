@@ -17,7 +17,6 @@ import torch
 
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.adapter import Guidance, adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.registry import FAMILIES, family_of
@@ -27,6 +26,7 @@ from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 

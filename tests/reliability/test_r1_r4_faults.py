@@ -17,8 +17,8 @@ from tests.api.conftest import live_server
 from tests.conftest import wait_for, wait_until
 from tests.reliability.leaks import Baseline, check_engine
 from vllm_omni_like.config import parse_faults
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.faults import selects
+from vllm_omni_like.wire import StageRequest
 
 R1_FAULTS = (
     "stage=llm,point=execute,kind=raise,p=0.02,seed=11;"

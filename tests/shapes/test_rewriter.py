@@ -9,9 +9,9 @@ import pytest
 
 from tests.api.conftest import live_server
 from tests.shapes.test_trained_models import _control, _stage
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.tiny_llm import build_llm_tokenizer
 from vllm_omni_like.shapes import world
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.tiny import shipped_path
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
 from vllm_omni_like.shapes import checker, world
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 

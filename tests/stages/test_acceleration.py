@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_like import flags as cfg
+from vllm_omni_like import flags
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.models.wan.adapter import WanAdapter
@@ -28,11 +27,12 @@ from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.wire import StageRequest
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cfg.add_engine_args(parser)
+    flags.add_engine_args(parser)
     return parser.parse_args(list(argv))
 
 
@@ -56,7 +56,7 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
         "--no-batched-cfg",
         "--no-decode-overlap",
     )
-    overrides = cfg.stage_overrides(args)
+    overrides = flags.stage_overrides(args)
     (pipeline,) = catalog.resolve("sd15", **overrides)
     stage = pipeline.stages[0]
     assert (stage.compile, stage.compile_mode) == (True, "max-autotune")
@@ -68,11 +68,11 @@ def test_speed_flags_reach_every_stage_of_the_pipeline():
 
 
 def test_without_speed_flags_nothing_is_overridden():
-    assert cfg.stage_overrides(_args()) == {}
+    assert flags.stage_overrides(_args()) == {}
     stage = StageConfig(name="d", kind="diffusion")
     assert (stage.compile, stage.attention, stage.channels_last) == (False, "sdpa", "auto")
     assert stage.batched_cfg is True and stage.decode_overlap is True
-    assert cfg.stage_overrides(_args("--decode-overlap")) == {"decode_overlap": True}
+    assert flags.stage_overrides(_args("--decode-overlap")) == {"decode_overlap": True}
 
 
 @pytest.mark.parametrize(
@@ -344,26 +344,30 @@ class _Denoiser(torch.nn.Module):
 
 def test_batched_cfg_runs_both_halves_in_one_forward():
     model = _Denoiser()
-    cfg = BatchedCFG(model)
-    assert cfg.scale == 3.0  # attributes of the model show through
+    wrapper = BatchedCFG(model)
+    assert wrapper.scale == 3.0  # attributes of the model show through
     latents, t = torch.randn(2, 4), torch.tensor([5.0, 5.0])
     text, negative = torch.randn(2, 3, 8), torch.zeros(2, 3, 8)
 
     def step():
-        cond = cfg(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)
-        uncond = cfg(
+        cond = wrapper(
+            hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False
+        )
+        uncond = wrapper(
             hidden_states=latents, timestep=t, encoder_hidden_states=negative, return_dict=False
         )
         return cond[0], uncond[0]
 
     plain = step()
     assert model.calls == [2, 2]  # no negative set: the pipeline's two calls as they were
-    cfg.negative = negative
+    wrapper.negative = negative
     batched = step()
     assert model.calls == [2, 2, 4]  # one forward over both halves
     assert all(torch.allclose(a, b) for a, b in zip(plain, batched, strict=True))
-    cfg.negative = None
-    assert cfg(hidden_states=latents, timestep=t, encoder_hidden_states=text)["sample"].shape == (
+    wrapper.negative = None
+    assert wrapper(hidden_states=latents, timestep=t, encoder_hidden_states=text)[
+        "sample"
+    ].shape == (
         2,
         4,
     )

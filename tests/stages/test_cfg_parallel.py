@@ -22,7 +22,6 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.engine import stage_pool
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.executor import MultiprocExecutor, placement
-from vllm_omni_like.messages import BatchDone, ExecuteBatch, RequestResult, StageRequest
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 from vllm_omni_like.models.tiny import image_pipeline
 from vllm_omni_like.outputs import OmniRequestOutput
@@ -32,6 +31,7 @@ from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
+from vllm_omni_like.wire import BatchDone, ExecuteBatch, RequestResult, StageRequest
 
 pytestmark = pytest.mark.slow
 KW = {"cfg_parallel": True, "device": "cpu", "stall_timeout": 1.0, "cold_step_timeout": 30.0}

@@ -109,9 +109,9 @@ def test_a_row_failing_at_any_per_row_point_ends_alone_and_its_peers_finish():
     from vllm_omni_like.config import FaultRule, StageConfig
     from vllm_omni_like.errors import ErrorKind
     from vllm_omni_like.executor import MultiprocExecutor
-    from vllm_omni_like.messages import ExecuteBatch, Progress, RequestResult, StageRequest
     from vllm_omni_like.params import GenerationParams, GuideSpec
     from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
+    from vllm_omni_like.wire import ExecuteBatch, Progress, RequestResult, StageRequest
 
     faults = (
         FaultRule("llm", "template", "invalid", match="@badtpl"),

@@ -12,12 +12,12 @@ import torch
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.denoise import Settings, text_dtype
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 STEPS, SEED, FRAMES = 5, 7, 5

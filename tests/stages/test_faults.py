@@ -2,7 +2,6 @@ import pytest
 
 from vllm_omni_like.config import FaultRule
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages.faults import (
     FaultInjector,
     InjectedFault,
@@ -10,6 +9,7 @@ from vllm_omni_like.stages.faults import (
     hash_fraction,
     selects,
 )
+from vllm_omni_like.wire import StageRequest
 
 
 def _req(i: int, prompt: str = "a cat") -> StageRequest:

@@ -11,13 +11,13 @@ import pytest
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ErrorKind
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams, GuideSpec
 from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
 from vllm_omni_like.shapes.world import caption_grammar, parse_caption
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.llm import LLMStage
+from vllm_omni_like.wire import StageRequest
 
 # schemas that force termination: enums, a const, bounded strings and arrays
 SHAPE = {

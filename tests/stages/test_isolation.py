@@ -6,11 +6,11 @@ import pytest
 from tests.stage_helpers import CountingStage, DeviceErrorStage
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import ErrorKind, FatalStageError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.isolation import run_isolated
+from vllm_omni_like.wire import StageRequest
 
 
 def _stage(cls=CountingStage):

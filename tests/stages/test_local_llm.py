@@ -10,7 +10,7 @@ import pytest
 from tests.engine.helpers import final
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import AsyncOmni
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.models.tiny_llm import build_llm_tokenizer
 from vllm_omni_like.params import GenerationParams

@@ -6,11 +6,11 @@ import pytest
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageAborted, StageControl
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.null import NullStage
+from vllm_omni_like.wire import StageRequest
 
 
 def _stage(output="image"):

@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import drain_batch
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.executor import MultiprocExecutor
-from vllm_omni_like.messages import BatchDone, ExecuteBatch, RequestResult, StageRequest
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import BatchDone, ExecuteBatch, RequestResult, StageRequest
 
 pytestmark = pytest.mark.slow
 FAULTS = (FaultRule("diffusion", "step", "raise", match="@midstep"),)

@@ -14,13 +14,13 @@ import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.media import encode_image
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages import video_stream
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.video_codec import VideoBytes, VideoWriter, decode_video, encode_video
+from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import secrets
 import threading
 import time
 
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.stages.faults import FaultInjector
 
 

@@ -22,8 +22,8 @@ from vllm_omni_like.errors import (
     EngineDeadError,
     UnavailableError,
 )
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
-from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items

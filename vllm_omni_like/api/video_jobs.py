@@ -24,8 +24,8 @@ from vllm_omni_like.errors import (
     ShuttingDownError,
     UnavailableError,
 )
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
-from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.protocol.requests import video_request
 from vllm_omni_like.protocol.schemas import VideoRequest

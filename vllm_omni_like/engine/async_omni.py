@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -12,6 +13,7 @@ from typing import TypeVar
 
 from vllm_omni_like.config import EngineConfig, PipelineConfig
 from vllm_omni_like.engine.orchestrator import Orchestrator
+from vllm_omni_like.engine.request_state import EngineStats
 from vllm_omni_like.engine.stage_pool import ExecutorFactory
 from vllm_omni_like.errors import (
     AbortedError,
@@ -21,9 +23,9 @@ from vllm_omni_like.errors import (
     StorageError,
 )
 from vllm_omni_like.executor import factory_for, release
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.models.limits import ModelLimits, pipeline_limits
-from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.outputs import OmniRequestOutput, RequestEvent, RequestProgress
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +66,7 @@ class AsyncOmni:
         return self.orchestrator.health()
 
     @property
-    def stats(self):
+    def stats(self) -> EngineStats:
         return self.orchestrator.stats
 
     @property
@@ -163,7 +165,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestProgress | OmniRequestOutput] = asyncio.Queue()
         self.finished = False
 
-    def emit(self, event: object) -> None:
+    def emit(self, event: RequestEvent) -> None:
         """Called on the orchestrator thread; a closed loop means nobody listens any more."""
         if not self.progress and isinstance(event, RequestProgress):
             return
@@ -220,7 +222,7 @@ class Omni:
                 f.cancel()
             raise
 
-    def submit(self, request: OmniRequest):
+    def submit(self, request: OmniRequest) -> concurrent.futures.Future[OmniRequestOutput]:
         """One request as a concurrent.futures.Future of its OmniRequestOutput."""
         return asyncio.run_coroutine_threadsafe(self.engine.generate_final(request), self._loop)
 

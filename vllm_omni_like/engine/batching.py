@@ -40,11 +40,11 @@ def take_compatible(
     head = waiting.popleft()
     if head.isolate:
         return [head], waiting
-    key = head.stage_request.batch_key(own_loop)
-    batch, keep = [head], deque()
+    key = head.staged.batch_key(own_loop)
+    batch, keep = [head], deque[RequestState]()
     while waiting and len(batch) < max_batch:
         s = waiting.popleft()
-        if not s.isolate and s.stage_request.batch_key(own_loop) == key:
+        if not s.isolate and s.staged.batch_key(own_loop) == key:
             batch.append(s)
         else:
             keep.append(s)

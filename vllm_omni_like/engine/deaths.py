@@ -16,12 +16,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from vllm_omni_like.engine.replica import Stall
 from vllm_omni_like.engine.request_state import RequestState, after_death
 from vllm_omni_like.engine.stage_pool import StagePool
-from vllm_omni_like.errors import DeathCause
-from vllm_omni_like.messages import ReplicaDied
+from vllm_omni_like.errors import DeathCause, OmniError
+from vllm_omni_like.wire import ReplicaDied
 
 _groups = itertools.count(1)
 
@@ -60,7 +61,7 @@ def settle(
     event: ReplicaDied,
     stall: Stall | None,
     max_retries: int,
-    finish,
+    finish: Callable[[RequestState, OmniError], None],
 ) -> None:
     """Each lost request: ended by `finish(state, error)` or re-queued (a charged one to run
     alone first; one the death is not charged to as it ran)."""

@@ -13,6 +13,16 @@ from collections.abc import Callable
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths, snapshot
 from vllm_omni_like.engine.admission import Admission
+from vllm_omni_like.engine.events import (
+    Abort,
+    CutOff,
+    FromReplica,
+    InboxEvent,
+    ReplicaRestarted,
+    ReplicaRestartFailed,
+    StopOrchestrator,
+    Submit,
+)
 from vllm_omni_like.engine.ledger import Ledger, Unstored
 from vllm_omni_like.engine.replica_start import in_parallel
 from vllm_omni_like.engine.request_state import (
@@ -36,24 +46,10 @@ from vllm_omni_like.errors import (
     UnavailableError,
 )
 from vllm_omni_like.executor import MultiprocExecutor
-from vllm_omni_like.messages import (
-    Abort,
-    BatchDone,
-    Compiling,
-    CutOff,
-    Denoised,
-    FromReplica,
-    OmniRequest,
-    Progress,
-    ReplicaDied,
-    ReplicaRestarted,
-    ReplicaRestartFailed,
-    RequestResult,
-    StopOrchestrator,
-    Submit,
-)
-from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.inputs import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput, RequestEvent, RequestProgress, StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
+from vllm_omni_like.wire import BatchDone, Compiling, Denoised, Progress, ReplicaDied, RequestResult
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +70,7 @@ class Orchestrator:
         self, config: EngineConfig, executor_factory: ExecutorFactory = MultiprocExecutor
     ) -> None:
         self.config = config
-        self.inbox: queue.Queue[object] = queue.Queue()
+        self.inbox: queue.Queue[InboxEvent] = queue.Queue()
         self.pipelines = {p.name: Pipeline(p) for p in config.pipelines}
         self.pools = {
             p.name: [
@@ -130,7 +126,7 @@ class Orchestrator:
         info = self.snapshot.dead
         return EngineDeadError(info.message if info else "the engine is not running")
 
-    def submit(self, request: OmniRequest, emit: Callable[[object], None]) -> None:
+    def submit(self, request: OmniRequest, emit: Callable[[RequestEvent], None]) -> None:
         """Admit a request (or raise at once); its events and final output go to `emit`."""
         if self.errored or self._stopped:
             raise self.dead_error
@@ -205,7 +201,7 @@ class Orchestrator:
             while True:
                 # 1) wait for a message, or the next tick
                 try:
-                    msg: object | None = self.inbox.get(timeout=TICK_S)
+                    msg: InboxEvent | None = self.inbox.get(timeout=TICK_S)
                 except queue.Empty:
                     msg = None
                 # 2) handle it and whatever else is queued
@@ -230,16 +226,16 @@ class Orchestrator:
             logger.exception("orchestrator thread died")
             self._die(EngineDeadError(f"the orchestrator thread died: {type(exc).__name__}: {exc}"))
 
-    def _handle(self, msg: object) -> None:
+    def _handle(self, msg: InboxEvent) -> None:
         match msg:
             case Submit(state=state):
                 self._on_submit(state)
             case Abort(request_id=rid, kind=kind):
-                state = self.requests.get(rid)
-                if state is None and rid not in self.recent_final:
+                aborted = self.requests.get(rid)
+                if aborted is None and rid not in self.recent_final:
                     self.early_aborts[rid] = time.monotonic()  # remembered, not lost
-                elif state is not None:
-                    self._abort(state, kind)
+                elif aborted is not None:
+                    self._abort(aborted, kind)
             case CutOff(message=message):
                 for state in list(self.requests.values()):
                     self._abort(state, ErrorKind.SHUTTING_DOWN, message)
@@ -276,7 +272,7 @@ class Orchestrator:
         """The index of the last stage this request runs."""
         return stages_run(state.request, len(self.pools[state.request.pipeline])) - 1
 
-    def _enter_stage(self, state: RequestState, index: int, previous) -> None:
+    def _enter_stage(self, state: RequestState, index: int, previous: StageOutput | None) -> None:
         pipeline = self.pipelines[state.request.pipeline]
         state.stage_index, state.replica, state.isolate = index, None, False
         state.stage_request = pipeline.stage_request(state.request, index, previous)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
+from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
 
 
@@ -49,6 +50,7 @@ class Stall:
 @dataclass
 class Replica:
     index: int
+    clock: StepClock  # its measured step speed: the running batch's stall bound
     executor: Executor | None = None
     inflight: dict[int, InFlight] = field(default_factory=dict)  # by batch id, oldest first
     max_credits: int = 1  # batches on its critical path at once (running and queued)
@@ -61,12 +63,18 @@ class Replica:
     backoff: int = 0  # index into RESTART_BACKOFF_S; back to 0 after a stable run
     no_room_since: float = 0.0  # restarts have lacked room on the host since then (0: they did not)
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
-    clock: StepClock | None = None  # its measured step speed: the running batch's stall bound
     device: str = "auto"  # where its workers run, as the host names it
     gpu_memory: int = 0  # bytes its worker's CUDA allocator held when it last said
 
     def __post_init__(self) -> None:
         self.credits = self.max_credits
+
+    @property
+    def workers(self) -> Executor:
+        """The executor of a live replica (one being restarted has none)."""
+        if self.executor is None:
+            raise EngineDeadError(f"replica {self.index} has no workers now")
+        return self.executor
 
     @property
     def live(self) -> bool:

@@ -16,8 +16,9 @@ from vllm_omni_like.errors import (
     ErrorKind,
     OmniError,
 )
-from vllm_omni_like.messages import OmniRequest, StageRequest
-from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.inputs import OmniRequest
+from vllm_omni_like.outputs import RequestEvent, StageOutput
+from vllm_omni_like.wire import StageRequest
 
 # how a request can end: success, or the final status of its error's kind
 FINAL_STATUSES = ("success", *dict.fromkeys(kind.value.final for kind in ErrorKind))
@@ -26,11 +27,11 @@ FINAL_STATUSES = ("success", *dict.fromkeys(kind.value.final for kind in ErrorKi
 @dataclass(eq=False)  # one object per request: equality is identity (never compare outputs)
 class RequestState:
     request: OmniRequest
-    emit: Callable[[object], None]
+    emit: Callable[[RequestEvent], None]
     deadline: float
     created: float = field(default_factory=time.monotonic)
     stage_index: int = 0
-    stage_request: StageRequest | None = None
+    stage_request: StageRequest | None = None  # (`staged`: once it entered a stage)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     retries: int = 0  # re-queues after a replica death
     deaths: int = 0  # worker deaths this request was present at
@@ -41,13 +42,20 @@ class RequestState:
     units: tuple[float, ...] = ()  # its work at each stage, as admitted (cost.py)
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
-    first_death: tuple[Any, int] | None = None  # (pool, replica) of the first death it saw
+    first_death: tuple[Any, int | None] | None = None  # (pool, replica) of the first death it saw
     death_group: int | None = None  # the requests lost together with it in that death
     pool: Any = None  # the StagePool of its current stage (set by the orchestrator)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def staged(self) -> StageRequest:
+        """Its request to the stage it is at (set as it enters one)."""
+        if self.stage_request is None:
+            raise RuntimeError(f"request {self.request.request_id} has entered no stage")
+        return self.stage_request
 
 
 def after_death(

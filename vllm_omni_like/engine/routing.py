@@ -27,6 +27,7 @@ def choose(free: Sequence[Replica], units: float, how: str) -> Replica:
 
     def ends(r: Replica) -> float:
         held = r.outstanding()[1] + units
-        return held * r.clock.speed.rate if measured else held
+        rate = r.clock.speed.rate
+        return held * rate if measured and rate is not None else held
 
     return min(free, key=lambda r: (ends(r), r.last_dispatch))

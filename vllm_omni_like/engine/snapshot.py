@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_like import cost
+from vllm_omni_like.engine.replica import Replica
+from vllm_omni_like.engine.stage_pool import StagePool
 from vllm_omni_like.errors import ErrorInfo
 from vllm_omni_like.params import GenerationParams
 
@@ -88,7 +90,7 @@ def drain_seconds(units: Sequence[float], stages: Sequence[StageView]) -> float 
     return max(times) if times else None
 
 
-def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
+def take(pools: Iterable[StagePool], dead: ErrorInfo | None) -> EngineSnapshot:
     """Read the pools (on the orchestrator thread, or before it runs) into a snapshot."""
     views = []
     for pool in pools:
@@ -115,7 +117,7 @@ def take(pools: Iterable, dead: ErrorInfo | None) -> EngineSnapshot:
     return EngineSnapshot(tuple(views), dead)
 
 
-def _replica_view(pool, replica) -> ReplicaView:
+def _replica_view(pool: StagePool, replica: Replica) -> ReplicaView:
     if replica.live:
         state = "ready"
     elif replica.stall is not None:  # past its bound: killed, its restart follows its death
@@ -124,5 +126,5 @@ def _replica_view(pool, replica) -> ReplicaView:
         state = "restarting"
     else:
         state = "dead" if pool.started else "starting"
-    pids = tuple(replica.executor.pids) if replica.live else ()
+    pids = tuple(replica.workers.pids) if replica.live else ()
     return ReplicaView(replica.index, replica.device, state, replica.gpu_memory, pids)

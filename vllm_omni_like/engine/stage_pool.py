@@ -16,6 +16,12 @@ from vllm_omni_like import cost
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.engine import routing
 from vllm_omni_like.engine.batching import make_policy, take_compatible
+from vllm_omni_like.engine.events import (
+    FromReplica,
+    InboxEvent,
+    ReplicaRestarted,
+    ReplicaRestartFailed,
+)
 from vllm_omni_like.engine.replica import InFlight, Replica, Stall
 from vllm_omni_like.engine.replica_start import ReplicaStarter, in_parallel, lacks_room
 from vllm_omni_like.engine.request_state import RequestState
@@ -23,13 +29,8 @@ from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.executor.placement import replica_label
-from vllm_omni_like.messages import (
-    ExecuteBatch,
-    FromReplica,
-    ReplicaRestarted,
-    ReplicaRestartFailed,
-)
 from vllm_omni_like.models.limits import describe_stage
+from vllm_omni_like.wire import ExecuteBatch, FromWorker
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class StagePool:
         pipeline: str,
         index: int,
         config: StageConfig,
-        inbox: queue.Queue,
+        inbox: queue.Queue[InboxEvent],
         faults: tuple[FaultRule, ...],
         max_restarts: int,
         executor_factory: ExecutorFactory = MultiprocExecutor,
@@ -84,7 +85,7 @@ class StagePool:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _make_executor(self, index: int) -> Executor:
-        def sink(msg: object) -> None:
+        def sink(msg: FromWorker) -> None:
             self.inbox.put(FromReplica(self.pipeline, self.index, index, msg))
 
         executor = self.factory(self.config, index, sink, self.faults)
@@ -176,8 +177,8 @@ class StagePool:
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
-                request = ExecuteBatch(flight.batch_id, [s.stage_request for s in batch])
-                replica.executor.execute(request)
+                request = ExecuteBatch(flight.batch_id, [s.staged for s in batch])
+                replica.workers.execute(request)
             except EngineDeadError:  # it died just now; its ReplicaDied is on the way
                 replica.undispatched(flight.batch_id)
                 failed.add(replica.index)
@@ -191,7 +192,7 @@ class StagePool:
     def _in_flight(self, batch_id: int, batch: list[RequestState], now: float) -> InFlight:
         """The batch as the cost model sees it: units per step, and its steps (its longest
         request's: rows of our own loop run their own step counts)."""
-        params = [s.stage_request.params for s in batch]
+        params = [s.staged.params for s in batch]
         return InFlight(
             batch_id,
             batch,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from vllm_omni_like.messages import ExecuteBatch, ReplicaDied
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, ReplicaDied
 
 FailureCallback = Callable[[ReplicaDied], None]
-MessageSink = Callable[[object], None]
+MessageSink = Callable[[FromWorker], None]
 
 
 class Executor(ABC):

@@ -17,7 +17,7 @@ import time
 
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor.base import Executor, FailureCallback, MessageSink
-from vllm_omni_like.messages import (
+from vllm_omni_like.wire import (
     BatchDone,
     Compiling,
     Denoised,

@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
@@ -20,13 +21,7 @@ from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.base import MessageSink
 from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.worker import worker_main
-from vllm_omni_like.messages import (
-    AbortRequests,
-    ExecuteBatch,
-    FollowBatch,
-    ReplicaDied,
-    Shutdown,
-)
+from vllm_omni_like.wire import AbortRequests, ExecuteBatch, FollowBatch, ReplicaDied, Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +97,7 @@ class MultiprocExecutor(InboundExecutor):
         )
         self._monitor.start()
 
-    def _spawn(self, ctx, rank: int) -> None:
+    def _spawn(self, ctx: SpawnContext, rank: int) -> None:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,

@@ -28,13 +28,7 @@ from vllm_omni_like.executor import placement
 from vllm_omni_like.executor.base import MessageSink
 from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.ray_runtime import ray_module, remote_worker
-from vllm_omni_like.messages import (
-    AbortRequests,
-    ExecuteBatch,
-    ReplicaDied,
-    Shutdown,
-    WorkerReady,
-)
+from vllm_omni_like.wire import AbortRequests, ExecuteBatch, ReplicaDied, Shutdown, WorkerReady
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,9 @@ class WorkerActor:
         )
         self.thread.start()
 
-    def _run(self, config: StageConfig, rank: int, device: str, faults: tuple) -> None:
+    def _run(
+        self, config: StageConfig, rank: int, device: str, faults: tuple[FaultRule, ...]
+    ) -> None:
         with contextlib.suppress(SystemExit):  # a load failure: WorkerLoadFailed went out
             run_worker(self.channel, config, rank, device, faults)
 

@@ -26,7 +26,12 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
 from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.placement import gpu_memory_in_use
-from vllm_omni_like.messages import (
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.parallel.ranks import Ranks
+from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.isolation import begin_isolated, finish_parts
+from vllm_omni_like.wire import (
     AbortRequests,
     BatchDone,
     Compiling,
@@ -39,11 +44,6 @@ from vllm_omni_like.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
-from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.parallel.ranks import Ranks
-from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
-from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.isolation import begin_isolated, finish_parts
 
 logger = logging.getLogger("vllm_omni_like.worker")
 

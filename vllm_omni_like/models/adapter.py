@@ -61,7 +61,7 @@ class ChunkSource:
 class Adapter:
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
-    family: ClassVar[Family]
+    family: Family  # (a class's, or the generic adapter's model's own)
     guidance: ClassVar[Guidance]
     image_conditions: ClassVar[tuple[str, ...]] = ()  # "edit", "inpaint", "image" (I2V)
 
@@ -69,7 +69,7 @@ class Adapter:
         self.pipe = pipe
         if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
-        self.own_scheduler = getattr(
+        self.own_scheduler: Any = getattr(
             pipe, "scheduler", None
         )  # the model's, before a stage swaps it
         self._schedulers: dict[str, Any] = {}
@@ -121,7 +121,11 @@ class Adapter:
         return text_dtype
 
     def noise(
-        self, shape: tuple, generators: list[torch.Generator], device: torch.device, dtype: Any
+        self,
+        shape: tuple[int, ...],
+        generators: list[torch.Generator],
+        device: torch.device,
+        dtype: Any,
     ) -> torch.Tensor:
         """Initial noise, each row drawn from its own generator as a pipeline given a list of
         generators draws it."""
@@ -157,11 +161,13 @@ class Adapter:
             return uncond + (scale * diff).to(diff.dtype)
         return uncond + scale * diff
 
-    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         raise NotImplementedError(f"{self.family.name}: no latents of our own")
 
     # ---- the pipeline call ------------------------------------------------------------------
-    def text_kwargs(self, prompts: list[str], negatives: list[str], tokenizer: Any) -> dict:
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
         """The call's text arguments (prompts, negative prompts and their length)."""
         if self.family.output != "video":
             return {"prompt": prompts, "negative_prompt": negatives}
@@ -171,13 +177,14 @@ class Adapter:
         kwargs["max_sequence_length"] = tokenizer.model_max_length if tokenizer else 512
         return kwargs
 
-    def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple:
+    def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
         """(prompt embeddings, negative prompt embeddings) for a batched-CFG call."""
         raise NotImplementedError(f"{self.family.name}: its guidance is not batched here")
 
     def media(self, result: Any) -> torch.Tensor:
         """The pipeline call's pixels: (B, C, H, W) images or (B, F, C, H, W) videos."""
-        return result.frames if self.family.output == "video" else result.images
+        pixels: torch.Tensor = result.frames if self.family.output == "video" else result.images
+        return pixels
 
     # ---- decode, previews, video hooks, edits ----------------------------------------------
     def decoder(self, pipe: Any) -> Decoder | None:
@@ -227,7 +234,8 @@ class Adapter:
 
 def adapter_for(pipe: Any, family: Family) -> Adapter:
     """The adapter of `family` for the loaded pipeline `pipe`."""
-    return family.adapter_class()(pipe, family)
+    adapter: Adapter = family.adapter_class()(pipe, family)
+    return adapter
 
 
 def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
@@ -236,7 +244,8 @@ def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
     each normalisation cost more than the convolutions gain (H200, batch 32 with CFG: UNet
     forward 220 ms NHWC against 185 ms NCHW, VAE decode 516 against 359 ms); compiled, NHWC is
     the faster one (130 against 133 ms)."""
-    unet, vae = getattr(pipe, "unet", None), getattr(pipe, "vae", None)
+    unet: Any = getattr(pipe, "unet", None)
+    vae: Any = getattr(pipe, "vae", None)
     if not (forced or (unet is not None and compiled)):
         return False
     done = False

@@ -27,13 +27,16 @@ from vllm_omni_like.models.columns import Cols
 from vllm_omni_like.models.columns import div as _div
 from vllm_omni_like.models.columns import mul as _mul
 
+# what a solver keeps of a step for the next ones (None: forget it)
+Keep = dict[str, torch.Tensor | None]
+
 
 @dataclass(frozen=True)
 class Tables:
     """Per step of a schedule: its variant (what the step does) and its scalars."""
 
     kind: str  # "dpm" | "unipc" | "pndm"
-    variants: tuple[tuple, ...]
+    variants: tuple[tuple[Any, ...], ...]
     scalars: tuple[dict[str, float], ...]
 
 
@@ -71,17 +74,17 @@ def _lam(s: Any, k: int) -> tuple[Any, Any, Any]:
     return alpha, sigma, torch.log(alpha) - torch.log(sigma)
 
 
-def _dpm_tables(s: Any) -> tuple[list, list]:
-    cfg, n = s.config, len(s.timesteps)
+def _dpm_tables(s: Any) -> tuple[list[Any], list[Any]]:
+    conf, n = s.config, len(s.timesteps)
     variants, scalars = [], []
     for i in range(n):
-        lower_nums = min(i, cfg.solver_order)
+        lower_nums = min(i, conf.solver_order)
         final = i == n - 1 and (
-            cfg.euler_at_final
-            or (cfg.lower_order_final and n < 15)
-            or cfg.final_sigmas_type == "zero"
+            conf.euler_at_final
+            or (conf.lower_order_final and n < 15)
+            or conf.final_sigmas_type == "zero"
         )
-        order = 1 if cfg.solver_order == 1 or lower_nums < 1 or final else 2
+        order = 1 if conf.solver_order == 1 or lower_nums < 1 or final else 2
         alpha_t, sigma_t, lambda_t = _lam(s, i + 1)
         _, sigma_s0, lambda_s0 = _lam(s, i)
         h = lambda_t - lambda_s0
@@ -91,7 +94,7 @@ def _dpm_tables(s: Any) -> tuple[list, list]:
             _, _, lambda_s1 = _lam(s, i - 1)
             r0 = (lambda_s0 - lambda_s1) / h
             row.update(inv_r0=_f(1.0 / r0), c1=_f(0.5 * c0))
-        variants.append((cfg.prediction_type, order))
+        variants.append((conf.prediction_type, order))
         scalars.append(row)
     return variants, scalars
 
@@ -125,25 +128,25 @@ def _unipc_update(s: Any, t: int, s0: int, order: int, prefix: str) -> dict[str,
     return {f"{prefix}_{key}": _f(value) for key, value in out.items()}
 
 
-def _unipc_tables(s: Any) -> tuple[list, list]:
-    cfg, n = s.config, len(s.timesteps)
+def _unipc_tables(s: Any) -> tuple[list[Any], list[Any]]:
+    conf, n = s.config, len(s.timesteps)
     variants, scalars = [], []
-    previous = None  # the order of the last predictor: the corrector's now
+    previous: int | None = None  # the order of the last predictor: the corrector's now
     for i in range(n):
-        this = min(cfg.solver_order, n - i) if cfg.lower_order_final else cfg.solver_order
-        order = min(this, min(i, cfg.solver_order) + 1)
+        this = min(conf.solver_order, n - i) if conf.lower_order_final else conf.solver_order
+        order = min(this, min(i, conf.solver_order) + 1)
         row = {**_convert_scalars(s, i), **_unipc_update(s, i + 1, i, order, "p")}
         corrector = 0
-        if i > 0 and (i - 1) not in cfg.disable_corrector:
-            corrector = previous
+        if i > 0 and (i - 1) not in conf.disable_corrector:
+            corrector = previous or 0
             row.update(_unipc_update(s, i, i - 1, corrector, "c"))
-        variants.append((cfg.prediction_type, corrector, order, i > 0))
+        variants.append((conf.prediction_type, corrector, order, i > 0))
         scalars.append(row)
         previous = order
     return variants, scalars
 
 
-def _pndm_tables(s: Any) -> tuple[list, list]:
+def _pndm_tables(s: Any) -> tuple[list[Any], list[Any]]:
     ratio = s.config.num_train_timesteps // s.num_inference_steps
     variants, scalars, held = [], [], 0
     for i, t in enumerate(s.timesteps):
@@ -168,7 +171,7 @@ def _pndm_tables(s: Any) -> tuple[list, list]:
 
 
 # ---- a batch's step ---------------------------------------------------------------------------
-def _convert(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _convert(c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     prediction = variant[0]
     if prediction == "epsilon":
         return _div(x - _mul(c["conv_sigma"], eps), c["conv_alpha"])
@@ -179,7 +182,7 @@ def _convert(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor) -> tor
     return eps  # "sample"
 
 
-def variant(position: tuple[Tables, int]) -> tuple:
+def variant(position: tuple[Tables, int]) -> tuple[Any, ...]:
     """What the step at `position` does: rows with equal variants step together."""
     tabs, i = position
     return (tabs.kind, *tabs.variants[i])
@@ -210,7 +213,9 @@ def step(
     return out
 
 
-def _dpm(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor, past: Any) -> tuple:
+def _dpm(
+    c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
+) -> tuple[torch.Tensor, Keep]:
     m0 = _convert(c, variant, eps, x)
     sample = x.to(torch.float32)
     if variant[1] == 1:
@@ -230,7 +235,9 @@ def _uni(c: Cols, p: str, order: int, x: torch.Tensor, m0: torch.Tensor, m1: Any
     return x_t_, None
 
 
-def _unipc(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor, past: Any) -> tuple:
+def _unipc(
+    c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
+) -> tuple[torch.Tensor, Keep]:
     _, corrector, order, _ = variant
     model_t = _convert(c, variant, eps, x)
     if corrector:
@@ -247,9 +254,11 @@ def _unipc(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor, past: An
     return x_t_.to(x.dtype), keep
 
 
-def _pndm(c: Cols, variant: tuple, eps: torch.Tensor, x: torch.Tensor, past: Any) -> tuple:
+def _pndm(
+    c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
+) -> tuple[torch.Tensor, Keep]:
     case = variant[0]
-    sample, keep = x, {}
+    sample, keep = x, Keep()
     if case == "first":
         output, keep = eps, {"e1": eps, "cur": x}
     elif case == "second":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from vllm_omni_like.models import stable_diffusion, wan
 from vllm_omni_like.models.family import Config, Family
@@ -18,7 +19,8 @@ def read_config(path: str, *parts: str) -> Config:
     if not os.path.isfile(file):
         return {}
     with open(file) as f:
-        return json.load(f)
+        config: dict[str, Any] = json.load(f)
+    return config
 
 
 def family_for(index: Config, vae: Config | None = None) -> Family:

@@ -40,7 +40,9 @@ class Schedule:
     timesteps: torch.Tensor  # what the denoiser is given at each step (host, float32)
     tables: Tables  # each step's variant and scalars
     init_noise_sigma: float
-    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
+    _on_device: dict[torch.device, torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def iterations(self) -> int:
@@ -173,7 +175,7 @@ def step(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> to
     (epsilon for DDIM and Euler, velocity for flow-match; a multistep scheduler's prediction
     type is its config's), each with its own scalars. In the dtype its scheduler leaves the
     sample in."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, r in enumerate(rows):  # by what their step does
         groups.setdefault(multistep.variant((r.schedule.tables, r.index)), []).append(i)
     if len(groups) == 1:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
-from vllm_omni_like.messages import OmniRequest, StageRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.wire import StageRequest
 
 
 def _writes_text(stage: StageConfig) -> bool:

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
-from vllm_omni_like.messages import OmniRequest
-from vllm_omni_like.outputs import OmniRequestOutput
+from vllm_omni_like.inputs import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput, StageOutput
 from vllm_omni_like.params import GenerationParams, GuideSpec
 from vllm_omni_like.protocol.json_schema import check_schema
 from vllm_omni_like.protocol.schemas import _Strict
@@ -250,7 +250,7 @@ def usage(outputs: list[OmniRequestOutput]) -> dict[str, int]:
     }
 
 
-def llm_output(output: OmniRequestOutput):
+def llm_output(output: OmniRequestOutput) -> StageOutput | None:
     """The LLM stage's output of a request (its first stage), if it got that far."""
     return next(iter(output.stage_outputs.values()), None)
 

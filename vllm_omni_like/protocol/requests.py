@@ -8,8 +8,8 @@ from typing import Any
 from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
-from vllm_omni_like.messages import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.protocol.admission import edit_params, image_params, video_params
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
@@ -93,7 +93,7 @@ def image_items(
 ) -> list[dict[str, Any]]:
     """Encode each image (CPU work: call it in a thread); b64 or raw bytes under 'bytes'."""
     items = []
-    for image in output.output.images:
+    for image in output.result.images:
         data = encode_image(image.pixels, fmt, compression)
         item: dict[str, Any] = {"seed": image.seed}
         if as_b64:

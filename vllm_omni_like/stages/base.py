@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import typed
 from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 
 def preview_steps(total: int, k: int) -> set[int]:

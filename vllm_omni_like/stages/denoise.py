@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.columns import column, mul, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.wire import StageRequest
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
 # (SDXL's embeddings and pooled embeddings)

@@ -15,7 +15,6 @@ import torch
 
 from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.registry import FAMILIES, family_of, loops_for
@@ -27,7 +26,7 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import latent_decode, video_stream
-from vllm_omni_like.stages.base import Deferred, Stage, StageControl
+from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.denoise import DenoiseLoop
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.own_loop import OwnLoop
@@ -43,11 +42,12 @@ from vllm_omni_like.stages.torch_utils import (
     tensor_to_uint8,
 )
 from vllm_omni_like.stages.trace import BatchTracer
+from vllm_omni_like.wire import StageRequest
 
 logger = logging.getLogger(__name__)
 
 
-class DiffusionStage(OwnLoop, PipelineCall, Stage):
+class DiffusionStage(OwnLoop, PipelineCall):
     """Runs text2img / edit (img2img or inpaint, same components) / text2video batches: each
     mode through our own loop (own_loop.py) or the pipeline's call (pipeline_call.py)."""
 
@@ -107,13 +107,13 @@ class DiffusionStage(OwnLoop, PipelineCall, Stage):
         self.default_guidance = guidance if guidance is not None else self.family.default_guidance
         self.default_frames = self.limits.default_frames or 9
         # speed: kernels, memory format, compilation (none of them changes the maths)
-        cfg = self.config
-        self.attention = accel.set_attention(pipe, cfg.attention, self.device, self.name)
+        config = self.config
+        self.attention = accel.set_attention(pipe, config.attention, self.device, self.name)
         self.channels_last = accel.use_channels_last(
-            adapter, cfg.channels_last, self.device, compiled=cfg.compile
+            adapter, config.channels_last, self.device, compiled=config.compile
         )
         self.tuned = accel.tune_kernels(
-            adapter, self.device, fuse_qkv=self.attention == "sdpa", compiled=cfg.compile
+            adapter, self.device, fuse_qkv=self.attention == "sdpa", compiled=config.compile
         )
         pipeline_loop = set(self.family.modes) - self.own
         if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
@@ -127,19 +127,19 @@ class DiffusionStage(OwnLoop, PipelineCall, Stage):
             ", ".join(self.tuned) or "default kernels",
         )
         self.buckets: tuple[int, ...] = ()
-        if cfg.compile:
+        if config.compile:
             backend = opts.compile_backend
-            compiled = accel.compile_models(adapter, cfg.compile_mode, backend)
+            compiled = accel.compile_models(adapter, config.compile_mode, backend)
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
-            configured = cfg.batch_buckets or opts.batch_buckets
-            self.buckets = accel.buckets_for(cfg.max_batch_size, configured)
+            configured = config.batch_buckets or opts.batch_buckets
+            self.buckets = accel.buckets_for(config.max_batch_size, configured)
         # model rows: two per row with guidance; a compiled denoiser's buckets count them
         self.denoise = DenoiseLoop(
             adapter,
             self.device,
             self._embed,
             tuple(2 * b for b in self.buckets),
-            cfg.batched_cfg,
+            config.batched_cfg,
             self.tracer.mark,
         )
         self.leader: cfg_parallel.Leader | None = None
@@ -148,13 +148,13 @@ class DiffusionStage(OwnLoop, PipelineCall, Stage):
         if self.link is not None and self.ranks.rank > 0:  # rank 1 runs its denoiser only
             cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
             self.follower = cfg_parallel.Follower(self.link)
-            if cfg.compile:
+            if config.compile:
                 self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
             return
         if self.link is not None:
             self.leader = cfg_parallel.Leader(self.link, self.tracer.mark)
             self.cfg = adapter.split_cfg(self.leader)
-        elif cfg.batched_cfg and self.family.modes[0] not in self.own:  # (our loop batches)
+        elif config.batched_cfg and self.family.modes[0] not in self.own:  # (our loop batches)
             self.cfg = adapter.batched_cfg()
         self.probe = BatchDimProbe()  # on the model itself: it sees the batch the kernels get
         model = getattr(pipe, adapter.denoiser_name)
@@ -162,17 +162,20 @@ class DiffusionStage(OwnLoop, PipelineCall, Stage):
         self.edit_pipes = adapter.edit_pipelines(self.name)
         # the decode of a deferred batch runs here, beside the next batch's steps
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if cfg.compile:
+        if config.compile:
             self._warm_up()
             self.end_branches(cfg_parallel.WARM_UP)
 
     def _connect_ranks(self) -> Link | None:
         """CFG-parallel: meet the other rank first (it loads meanwhile); the process group's
         timeout is a backstop behind the executor's death and stall detection."""
-        cfg = self.config
-        if not cfg.cfg_parallel:
+        config = self.config
+        if not config.cfg_parallel:
             return None
-        backstop = max(cfg.load_timeout, cfg.compile_timeout, cfg.cold_timeout) + cfg.stall_timeout
+        backstop = (
+            max(config.load_timeout, config.compile_timeout, config.cold_timeout)
+            + config.stall_timeout
+        )
         return Link(self.ranks, self.device, backstop)
 
     def serve_branches(self, batch_id: int) -> None:
@@ -294,9 +297,6 @@ class DiffusionStage(OwnLoop, PipelineCall, Stage):
             )
 
         return Deferred(batch, finish)
-
-    def _rows(self, request: StageRequest) -> int:
-        return 1 if self.is_video else request.params.n
 
     def close(self) -> None:
         if self.link is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.wire import StageRequest
 
 
 def edit_inputs(

@@ -16,9 +16,9 @@ from vllm_omni_like.errors import (
     is_fatal_device_error,
     is_out_of_memory,
 )
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, Stage, StageAborted, StageControl
+from vllm_omni_like.wire import StageRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.adapter import ChunkSource, Decoder
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
+from vllm_omni_like.wire import StageRequest
 
 
 class PendingDecode:

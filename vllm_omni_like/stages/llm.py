@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from vllm_omni_like.errors import InvalidRequestError, is_fatal_device_error
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.outputs import StageOutput, TextDelta
 from vllm_omni_like.params import GuideSpec
@@ -28,6 +27,7 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_device,
     resolve_dtype,
 )
+from vllm_omni_like.wire import StageRequest
 
 
 class LLMStage(Stage):

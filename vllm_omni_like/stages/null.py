@@ -10,10 +10,10 @@ import numpy as np
 
 from vllm_omni_like.cost import step_units
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stage_options import NullOptions
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl
+from vllm_omni_like.wire import StageRequest
 
 MAX_SIDE = 2048
 

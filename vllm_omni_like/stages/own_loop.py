@@ -5,21 +5,19 @@ what it uses (`denoise`, `adapter`, `probe`, `tracer`, the defaults)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.denoise import Settings, Text, text_dtype
+from vllm_omni_like.stages.diffusion_state import DiffusionState
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import truncate_prompt
-from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.wire import StageRequest
 
 
-class OwnLoop:
+class OwnLoop(DiffusionState):
     """Runs a batch through our own loop."""
 
     def _warm_up_own(self, rows: int, width: int, height: int) -> None:
@@ -45,7 +43,7 @@ class OwnLoop:
             shape = self.adapter.latent_shape(len(rows), width, height, frames)
             dtype = self.adapter.latent_dtype(text_dtype(embeds))
             latents = self.denoise.noise(rows, shape, dtype)
-            first = {}
+            first: dict[str, int] = {}
             for i, row in enumerate(rows):
                 first.setdefault(row.request.request_id, i)
 
@@ -78,19 +76,7 @@ class OwnLoop:
         embeddings (None: a negative prompt not given)."""
         if self.embed_shape is not None:
             seq_len, dim = self.embed_shape
-            texts = [t or "" for t in texts]
-            return random_prompt_embeds(texts, seq_len, dim, self.denoiser_dtype, self.device)
+            given = [t or "" for t in texts]
+            return random_prompt_embeds(given, seq_len, dim, self.denoiser_dtype, self.device)
         max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
         return self.adapter.encode_text(texts, self.device, max_length)
-
-    def _preview_images(
-        self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
-    ) -> dict[str, Any]:
-        """Partial images: the current latents of each asking request's first row (`first`),
-        decoded as the adapter previews `pipe`'s (both loops)."""
-        preview = self.adapter.preview(pipe)
-        if preview is None:
-            return {}
-        picked = latents[[first[r.request_id] for r in want]]
-        images = tensor_to_uint8(preview(picked))
-        return {r.request_id: img for r, img in zip(want, images, strict=True)}

@@ -10,15 +10,16 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.messages import StageRequest
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages import edits
 from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion_state import DiffusionState
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.prompt_length import truncate_prompt
+from vllm_omni_like.wire import StageRequest
 
 
-class PipelineCall:
+class PipelineCall(DiffusionState):
     """Runs a batch through the pipeline's `__call__`."""
 
     def _warm_up_call(self, rows: int, width: int, height: int) -> None:

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.messages import StageRequest
+from vllm_omni_like.wire import StageRequest
 
 logger = logging.getLogger(__name__)
 

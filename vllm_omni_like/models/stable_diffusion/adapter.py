@@ -37,7 +37,7 @@ class StableDiffusionAdapter(Adapter):
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         return self.pipe.encode_prompt([t or "" for t in texts], device, 1, False)[0]
 
-    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         factor = self.pipe.vae_scale_factor
         return (rows, self.pipe.unet.config.in_channels, height // factor, width // factor)
 
@@ -51,7 +51,8 @@ class StableDiffusionAdapter(Adapter):
         def decode(latents: torch.Tensor) -> torch.Tensor:
             vae = pipe.vae
             images = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
-            return pipe.image_processor.postprocess(images, output_type="pt")
+            pixels: torch.Tensor = pipe.image_processor.postprocess(images, output_type="pt")
+            return pixels
 
         return decode
 
@@ -91,7 +92,10 @@ def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     # the pipeline passes its prompt embeddings' dtype, which its latents were made in
     image, nsfw = pipe.run_safety_checker(image, image.device, latents.dtype)
     denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
-    return pipe.image_processor.postprocess(image, output_type="pt", do_denormalize=denormalize)
+    pixels: torch.Tensor = pipe.image_processor.postprocess(
+        image, output_type="pt", do_denormalize=denormalize
+    )
+    return pixels
 
 
 ADAPTER = StableDiffusionAdapter

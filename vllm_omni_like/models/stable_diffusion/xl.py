@@ -22,8 +22,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
 
     def __init__(self, pipe: Any, family: Any = None) -> None:
         super().__init__(pipe, family)
-        self._time_ids: dict[tuple, torch.Tensor] = {}
-        vae = getattr(pipe, "vae", None)
+        self._time_ids: dict[tuple[Any, ...], torch.Tensor] = {}
+        vae: Any = getattr(pipe, "vae", None)
         upcast = vae is not None and vae.dtype == torch.float16 and vae.config.force_upcast
         self._vae32 = copy.deepcopy(vae).to(torch.float32) if upcast else None
 
@@ -42,7 +42,9 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             embeds[absent], pooled[absent] = 0.0, 0.0
         return {"embeds": embeds, "pooled": pooled}
 
-    def text_kwargs(self, prompts: list[str], negatives: list[str], tokenizer: Any) -> dict:
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"prompt": prompts}
         if any(negatives):  # (none given: the pipeline's own, zeros)
             kwargs["negative_prompt"] = negatives
@@ -98,7 +100,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         image = vae.decode(latents, return_dict=False)[0]
         if getattr(pipe, "watermark", None) is not None:
             image = pipe.watermark.apply_watermark(image)
-        return pipe.image_processor.postprocess(image, output_type="pt")
+        pixels: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
+        return pixels
 
 
 ADAPTER = StableDiffusionXLAdapter

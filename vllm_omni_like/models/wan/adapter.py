@@ -103,20 +103,21 @@ class WanAdapter(Adapter):
             }
         return config
 
-    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple:
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         pipe = self.pipe
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         channels = pipe.transformer.config.in_channels
         return (rows, channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
 
-    def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple:
-        return self.pipe.encode_prompt(
+    def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
+        embeds: tuple[Any, ...] = self.pipe.encode_prompt(
             prompt=kwargs.pop("prompt"),
             negative_prompt=kwargs.pop("negative_prompt", None),
             do_classifier_free_guidance=True,
             max_sequence_length=kwargs.get("max_sequence_length", 512),
             device=device,
         )
+        return embeds
 
     def decoder(self, pipe: Any) -> Decoder | None:
         return lambda latents: _decode(pipe, latents)
@@ -167,7 +168,8 @@ def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
         latents.device, latents.dtype
     )
     video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
-    return pipe.video_processor.postprocess_video(video, output_type="pt")
+    frames: torch.Tensor = pipe.video_processor.postprocess_video(video, output_type="pt")
+    return frames
 
 
 def _chunk_pixels(out: torch.Tensor, patch_size: int | None) -> torch.Tensor:

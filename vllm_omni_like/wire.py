@@ -1,11 +1,14 @@
-"""Every message that crosses a thread or process boundary. Data only; receivers `match` on type."""
+"""What crosses a process boundary: the parent's orders to a stage's workers and the workers'
+reports, pickled over the workers' pipes (multiproc) or Ray's object store. Data only: no live
+object (a lock, a thread, an executor) rides here; receivers `match` on type. The executor's
+report of a lost worker (`ReplicaDied`) travels the same sink as the workers' reports."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_like.errors import ErrorInfo, ErrorKind
+from vllm_omni_like.errors import ErrorInfo
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 
@@ -25,7 +28,7 @@ class StageRequest:
     # a prompt written by an earlier stage is truncated to the encoder, not refused
     truncate_prompt: bool = False
     client_id: str | None = None  # the client's x-request-id (logs, fault selection)
-    files_only: bool = False  # see OmniRequest.files_only
+    files_only: bool = False  # see inputs.OmniRequest.files_only
 
     def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
@@ -135,7 +138,7 @@ class BatchDone:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-# ---- executor -> its owner (on the reader / monitor threads) -----------------------------------
+# ---- the executor -> its owner (its reader / monitor threads) ----------------------------
 
 
 @dataclass
@@ -148,78 +151,15 @@ class ReplicaDied:
     in_flight: list[str] = field(default_factory=list)
 
 
-# ---- into the orchestrator's inbox ---------------------------------------------------------------
-
-
-@dataclass
-class OmniRequest:
-    """One request to the engine, as the API or the offline command builds it."""
-
-    request_id: str
-    prompt: str
-    pipeline: str
-    params: GenerationParams = field(default_factory=GenerationParams)
-    images: list[Any] = field(default_factory=list)
-    mask: Any | None = None
-    timeout: float | None = None  # seconds; the engine's default when None
-    # the client's own id (x-request-id), carried for logs; the engine keys on request_id
-    client_id: str | None = None
-    # the caller writes the output to a file: the engine records its success once the caller
-    # reports the write done (`AsyncOmni.store`), a failed write as an error
-    stores_output: bool = False
-    # run stages 0..last_stage only (a chat completion stops after the LLM stage); None: all
-    last_stage: int | None = None
-    # the consumer keeps the encoded files only (a video job, the offline command): a video
-    # whose MP4 and thumbnail the stage encoded comes without its frames, which stay in the
-    # worker (33 frames of 832x480 are 40 MB to carry between processes)
-    files_only: bool = False
-
-
-@dataclass
-class FromReplica:
-    """A worker message (or a ReplicaDied), tagged with where it came from."""
-
-    pipeline: str
-    stage: int
-    replica: int
-    msg: object
-
-
-@dataclass
-class Submit:
-    state: Any  # engine.request_state.RequestState
-
-
-@dataclass
-class Abort:
-    request_id: str
-    kind: ErrorKind = ErrorKind.ABORTED  # one of errors.ABORT_KINDS
-
-
-@dataclass
-class ReplicaRestarted:
-    pipeline: str
-    stage: int
-    replica: int
-    executor: Any
-
-
-@dataclass
-class ReplicaRestartFailed:
-    pipeline: str
-    stage: int
-    replica: int
-    error: ErrorInfo
-    lacked_room: bool = False  # descriptors or memory ran out: not the model's fault
-
-
-@dataclass
-class CutOff:
-    """The drain timeout passed: every request still in the engine ends now (503)."""
-
-    message: str
-
-
-@dataclass
-class StopOrchestrator:
-    pass
+# the parent's orders to a worker, and what comes back on the executor's sink
+ToWorker = ExecuteBatch | FollowBatch | AbortRequests | Shutdown
+FromWorker = (
+    WorkerReady
+    | WorkerLoadFailed
+    | Progress
+    | Compiling
+    | Denoised
+    | RequestResult
+    | BatchDone
+    | ReplicaDied
+)
