@@ -1,5 +1,5 @@
 """The layers import only downwards: api -> protocol -> engine -> executor -> stages ->
-pipelines -> models -> parallel -> messages/outputs -> config/errors; the offline batch command
+pipelines -> models -> parallel -> wire/inputs/outputs -> config/errors; the offline batch command
 never imports the HTTP layer; no model class is named outside models/."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ORDER = [
     "models",
     "parallel",
 ]
-BOTTOM = {"messages", "outputs", "config", "errors", "params", "stage_options", "cost"}
+BOTTOM = {"wire", "inputs", "outputs", "config", "errors", "params", "stage_options", "cost"}
 
 
 def _layer(module: str) -> str | None:

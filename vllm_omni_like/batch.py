@@ -20,6 +20,7 @@ from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
 from vllm_omni_like.inputs import OmniRequest
+from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items, image_request, video_request
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
@@ -128,11 +129,13 @@ class BatchRunner:
             return _result(line, exc.status, _error_body(exc, request_id), request_id)
         except Exception as exc:  # a line that breaks our code fails alone, not the run
             logger.exception("line %d (%s) failed", line.number, line.custom_id)
-            err = OmniError(f"internal error: {type(exc).__name__}: {exc}")
-            return _result(line, err.status, _error_body(err, request_id), request_id)
+            broken = OmniError(f"internal error: {type(exc).__name__}: {exc}")
+            return _result(line, broken.status, _error_body(broken, request_id), request_id)
 
     def _request(self, line: Line, request_id: str) -> OmniRequest:
         """The line's request; the command writes its files (its success counts once they are)."""
+        if line.body is None:  # (a line that failed to parse never runs)
+            raise ValueError(f"line {line.number} has no request")
         if line.kind == "video":
             return video_request(self.engine, VideoRequest(**line.body), self.limits, request_id)
         body = ImageRequest(**line.body)
@@ -140,10 +143,11 @@ class BatchRunner:
             raise InvalidRequestError("stream is not supported offline", param="stream")
         return image_request(self.engine, body, self.limits, request_id, stores_output=True)
 
-    def _write(self, line: Line, output) -> dict[str, Any]:
+    def _write(self, line: Line, output: OmniRequestOutput) -> dict[str, Any]:
         stem = os.path.join(self.out_dir, line.stem)
-        if output.output.video is not None:
-            path, video = stem + ".mp4", output.output.video
+        video = output.result.video
+        if video is not None:
+            path = stem + ".mp4"
             if video.mp4 is not None:  # encoded by the stage while it decoded
                 with open(path, "wb") as f:
                     f.write(video.mp4)
@@ -152,10 +156,10 @@ class BatchRunner:
             return {
                 "created": int(time.time()),
                 "file": path,
-                "seed": output.output.video.seed,
+                "seed": video.seed,
                 "revised_prompt": output.revised_prompt,
             }
-        body = ImageRequest(**line.body)
+        body = ImageRequest(**(line.body or {}))
         items = image_items(output, body.output_format, body.output_compression, as_b64=False)
         data = []
         for i, item in enumerate(items):

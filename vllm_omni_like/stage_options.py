@@ -89,8 +89,8 @@ def _coerce(stage: str, name: str, hint: Any, value: Any) -> Any:
                 return kind(value)
     except (TypeError, ValueError):
         pass
-    kind = text.replace(" | None", "").replace("<class '", "").replace("'>", "")
-    raise InvalidRequestError(f"stage {stage!r}: option {name}={value!r} is not a valid {kind}")
+    named = text.replace(" | None", "").replace("<class '", "").replace("'>", "")
+    raise InvalidRequestError(f"stage {stage!r}: option {name}={value!r} is not a valid {named}")
 
 
 def parse_options(kind: str, stage: str, given: Any) -> Any:

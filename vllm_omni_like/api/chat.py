@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from vllm_omni_like.protocol.chat import (
     ChatRequest,
     chat_requests,
     envelope_head,
-    llm_output,
+    llm_result,
     usage,
 )
 from vllm_omni_like.protocol.envelope import envelope
@@ -39,11 +39,11 @@ def _logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
 def _content(output: OmniRequestOutput, wants_image: bool) -> Any:
     """The message content: the LLM's text; with the image modality, a list of parts (the
     text, then each image as a PNG data URL, as vllm-omni answers)."""
-    text = llm_output(output).text or ""
+    text = llm_result(output).text or ""
     if not wants_image:
         return text
     parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    for image in output.output.images:
+    for image in output.result.images:
         data = base64.b64encode(encode_image(image.pixels)).decode()
         parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}})
     return parts
@@ -52,7 +52,7 @@ def _content(output: OmniRequestOutput, wants_image: bool) -> Any:
 def _response(body: ChatRequest, model: str, rid: str, outputs: list[OmniRequestOutput]) -> dict:
     choices = []
     for i, out in enumerate(outputs):
-        llm = llm_output(out)
+        llm = llm_result(out)
         choices.append(
             {
                 "index": i,
@@ -95,7 +95,9 @@ async def chat_completions(request: Request, body: ChatRequest):
     return JSONResponse(await asyncio.to_thread(_response, body, model, rid, outputs))
 
 
-async def _merged(streams: list[RequestStream], keepalive: float) -> AsyncIterator[tuple]:
+async def _merged(
+    streams: list[RequestStream], keepalive: float
+) -> AsyncGenerator[tuple[Any, ...], None]:
     """(choice index, event) from every stream as they come; (None, None) after `keepalive`
     seconds of silence."""
     queue: asyncio.Queue[tuple] = asyncio.Queue()
@@ -171,7 +173,7 @@ async def _stream(
                 yield "data: [DONE]\n\n"
                 return
             finals.append(event)
-            llm = llm_output(event)
+            llm = llm_result(event)
             rest = (llm.text or "")[len(sent[i]) :]  # (nothing, unless a delta was missed)
             yield chunk(i, {"content": rest} if rest else {}, llm.finish_reason or "stop")
         if with_usage:

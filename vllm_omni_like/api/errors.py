@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,7 +50,8 @@ def error_response(
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
     """pydantic's 422 becomes a 400 naming the field path (or, for a body that is not JSON,
     what is wrong and where)."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    errors = exc.errors()
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         where = first.get("loc", ())[-1] if first.get("loc") else None
         what = (first.get("ctx") or {}).get("error") or "not valid JSON"

@@ -24,7 +24,9 @@ from vllm_omni_like.protocol.envelope import envelope
 try:  # uvicorn's faster parser where installed, else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol
 except ImportError:  # pragma: no cover - depends on the environment
-    from uvicorn.protocols.http.h11_impl import H11Protocol as _BaseProtocol
+    from uvicorn.protocols.http.h11_impl import (  # type: ignore[assignment]  # same interface
+        H11Protocol as _BaseProtocol,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,15 @@ def _raw_response(info: Any, request_id: str) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-class DeadlineProtocol(_BaseProtocol):  # type: ignore[misc, valid-type]
+class DeadlineProtocol(_BaseProtocol):
     """A request's headers must arrive within `header_timeout` of its first byte (or of the
     connection opening), and its body within `body_timeout` of the headers; a client that is
     slower gets a 408 and the connection closes. uvicorn has neither deadline of its own."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    config: OmniConfig  # (the server's: `http=DeadlineProtocol` is set by OmniConfig only)
+
+    # uvicorn declares a BaseTransport; the event loop hands a Transport (it reads and writes)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # a Transport
         self._timer: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "headers" | "body" while a deadline runs
         self._seen: Any = None  # the request cycle whose headers were last seen complete
@@ -189,18 +194,14 @@ class OmniServer(uvicorn.Server):
             f"the server shut down before the request finished (--drain-timeout "
             f"{self.drain_timeout:g}s)"
         )
-        reading = [c for c in self.server_state.connections if _reading(c)]
+        reading = [c for c in self.server_state.connections if isinstance(c, DeadlineProtocol)]
+        reading = [c for c in reading if c._phase is not None]  # nothing of the app answers
         if reading or self.app.state.server.engine.started:
             logger.warning("drain timeout: ending what is still running with 503 shutting_down")
         error = ShuttingDownError(message)
         for connection in reading:  # still sending its request: answered here
             connection.answer_and_close(error)
         self.app.state.server.cut_off(message)
-
-
-def _reading(connection: Any) -> bool:
-    """Still sending its request (headers or body): nothing of the app can answer it."""
-    return isinstance(connection, DeadlineProtocol) and connection._phase is not None
 
 
 def build_server(app: FastAPI, settings: ServerSettings, log_level: str = "info") -> OmniServer:

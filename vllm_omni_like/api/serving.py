@@ -115,9 +115,12 @@ async def run_to_outputs(
 
     streams = open_all(server, request, omnis, progress=False)
     gone = asyncio.create_task(until_disconnect(request))
-    work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    work: asyncio.Future[list[OmniRequestOutput]] = asyncio.ensure_future(
+        asyncio.gather(*(final(s) for s in streams))
+    )
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {work, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             raise AbortedError("the client disconnected")
         return work.result()
@@ -150,7 +153,7 @@ def image_response(
         for item in items:
             name = server.files.put(item.pop("bytes"), body.output_format, omni)
             item["url"] = f"{base_url}v1/files/{name}"
-    first = output.output.images[0].pixels
+    first = output.result.images[0].pixels
     return {
         "created": int(time.time()),
         "data": items,
@@ -207,7 +210,7 @@ async def stream_images(
                 items = await asyncio.to_thread(
                     image_items, event, body.output_format, body.output_compression
                 )
-                h, w = event.output.images[0].pixels.shape[:2]
+                h, w = event.result.images[0].pixels.shape[:2]
                 for item in items:
                     yield sse(
                         f"{prefix}.completed",

@@ -139,13 +139,16 @@ class VideoService:
         req = video_request(self.engine, body, self.settings.limits, "probe")  # validates
         p = req.params
         # the job runs exactly what the object reports: the model's size, frames and fps
-        resolved = {"size": f"{p.width}x{p.height}", "num_frames": p.num_frames, "fps": p.fps}
+        frames, fps, size = p.num_frames, p.fps, f"{p.width}x{p.height}"
+        if frames is None or fps is None:  # (admission sets both)
+            raise ValueError("a video request without its frames or fps")
+        resolved = {"size": size, "num_frames": frames, "fps": fps}
         row = await asyncio.to_thread(
             self.store.create,
             f"video_{secrets.token_hex(16)}",
             req.pipeline,
-            f"{p.num_frames / p.fps:g}",
-            resolved["size"],
+            f"{frames / fps:g}",
+            size,
             body.prompt,
             {**body.model_dump(exclude_none=True), **resolved},
             idempotency_key,
@@ -285,7 +288,9 @@ class VideoService:
     def _write_files(
         self, row: dict[str, Any], output: OmniRequestOutput, omni: OmniRequest
     ) -> None:
-        video_id, video = row["id"], output.output.video
+        video_id, video = row["id"], output.result.video
+        if video is None:
+            raise ValueError(f"video {row['id']}: the stage made no video")
         path = self.store.media_path(video_id, "mp4")
         thumb = self.store.media_path(video_id, "png")
         try:

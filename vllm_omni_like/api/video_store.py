@@ -85,7 +85,7 @@ class VideoStore:
             self.db.close()
         self._lock_file.close()
 
-    def _rows(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         with self._lock:
             cur = self.db.execute(sql, args)
             return [dict(zip(COLUMNS, row, strict=True)) for row in cur.fetchall()]
@@ -135,16 +135,19 @@ class VideoStore:
                     idempotency_key,
                 ),
             )
-        return self.get(video_id)
+        row = self.get(video_id)
+        if row is None:  # (only a store deleted under us: its file removed by hand)
+            raise RuntimeError(f"video {video_id} vanished from the store as it was made")
+        return row
 
     def get(self, video_id: str) -> dict[str, Any] | None:
         rows = self._rows(f"SELECT {', '.join(COLUMNS)} FROM videos WHERE id = ?", (video_id,))
         return rows[0] if rows else None
 
-    def list(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+    def page(self, after: str | None, limit: int, order: str) -> tuple[list[dict[str, Any]], bool]:
         cols = ", ".join(COLUMNS)
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where, args = "", ()
+        where, args = "", tuple[Any, ...]()
         if after:
             anchor = self.get(after)
             if anchor is not None:

@@ -6,7 +6,7 @@ import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from vllm_omni_like.api.errors import error_response
 from vllm_omni_like.api.images import validated
@@ -86,7 +86,7 @@ async def list_videos(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
     store = _service(request).store
-    rows, more = await asyncio.to_thread(store.list, after, limit, order)
+    rows, more = await asyncio.to_thread(store.page, after, limit, order)
     data = [video_object(r) for r in rows]
     return {
         "object": "list",
@@ -112,7 +112,7 @@ async def delete(request: Request, video_id: str) -> dict:
 @router.get("/v1/videos/{video_id}/content")
 async def content(
     request: Request, video_id: str, variant: Literal["video", "thumbnail"] = "video"
-) -> FileResponse:
+) -> Response:
     row = await _row(request, video_id)
     if row["status"] == "failed":
         info = ErrorInfo(ErrorKind.VIDEO_FAILED, f"video {video_id} failed: {row['error_message']}")

@@ -161,7 +161,7 @@ class EngineStats:
         with self._lock:
             self.rejected[status] += 1
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "requests_total": self.requests_total,

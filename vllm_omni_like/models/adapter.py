@@ -15,7 +15,7 @@ with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it do
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -123,7 +123,7 @@ class Adapter:
     def noise(
         self,
         shape: tuple[int, ...],
-        generators: list[torch.Generator],
+        generators: Sequence[torch.Generator | None],
         device: torch.device,
         dtype: Any,
     ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 from vllm_omni_like.config import cache_dir
 from vllm_omni_like.models.tiny_llm import build_llm
@@ -140,7 +141,7 @@ def vocabulary() -> list[str]:
     return list(seen)
 
 
-def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
+def build_tokenizer(max_length: int = MAX_TEXT_TOKENS) -> Any:
     """A word-level tokenizer made with the `tokenizers` library (lower-cased, unknown -> <unk>).
 
     The text encoders of the tiny diffusion models get `<s> text </s>` (the rewriter has its own
@@ -170,7 +171,7 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS):
     )
 
 
-def _clip_text_encoder(vocab_size: int, tokenizer):
+def _clip_text_encoder(vocab_size: int, tokenizer: Any) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     return CLIPTextModel(
@@ -188,7 +189,7 @@ def _clip_text_encoder(vocab_size: int, tokenizer):
     )
 
 
-def tiny_image_vae():
+def tiny_image_vae() -> Any:
     """The tiny image models' KL VAE: 64x64 images, 16x16x4 latents (random weights)."""
     from diffusers import AutoencoderKL
 
@@ -204,7 +205,7 @@ def tiny_image_vae():
     )
 
 
-def image_pipeline():
+def image_pipeline() -> Any:
     """The tiny text-to-image architecture: 64x64 images, 16x16x4 latents (random weights)."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
@@ -241,7 +242,7 @@ def _build_image(out: str) -> None:
     image_pipeline().save_pretrained(out)
 
 
-def video_pipeline():
+def video_pipeline() -> Any:
     """The tiny text-to-video architecture (Wan): 9x64x64 clips -> 8x5x16x16 latents."""
     from diffusers import (
         AutoencoderKLWan,

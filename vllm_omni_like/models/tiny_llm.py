@@ -9,6 +9,7 @@ hole in its input. Cased, no normaliser: casing is the model's to learn.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from vllm_omni_like.shapes.world import OUTSIDE
 
@@ -16,7 +17,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<sep>"]
 MAX_POSITIONS = 160
 
 
-def build_llm_tokenizer(corpus: Iterable[str], vocab_size: int = 1024):
+def build_llm_tokenizer(corpus: Iterable[str], vocab_size: int = 1024) -> Any:
     """A byte-level BPE tokenizer trained on `corpus` (deterministic for a given corpus)."""
     from tokenizers import (
         AddedToken,
@@ -55,7 +56,7 @@ def build_llm_tokenizer(corpus: Iterable[str], vocab_size: int = 1024):
     )
 
 
-def llm_model(tokenizer, hidden: int = 192, layers: int = 4):
+def llm_model(tokenizer: Any, hidden: int = 192, layers: int = 4) -> Any:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

@@ -29,7 +29,9 @@ class DenoiserWrapper(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype if self.model_dtype is None else self.model_dtype
+        dtype = self.model.dtype if self.model_dtype is None else self.model_dtype
+        assert isinstance(dtype, torch.dtype)
+        return dtype
 
     def __getattr__(self, name: str) -> Any:
         try:

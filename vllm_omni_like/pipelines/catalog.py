@@ -111,7 +111,7 @@ def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> Pipeli
             f"{path!r} is not a diffusers directory (no model_index.json)", code="model_not_found"
         )
     output = family_of(path).output
-    stages = (_diffusion(path, **stage_kw),)
+    stages: tuple[StageConfig, ...] = (_diffusion(path, **stage_kw),)
     if llm:
         stages = (_llm(llm, **stage_kw), *stages)
     name = os.path.basename(os.path.normpath(path))

@@ -255,6 +255,14 @@ def llm_output(output: OmniRequestOutput) -> StageOutput | None:
     return next(iter(output.stage_outputs.values()), None)
 
 
+def llm_result(output: OmniRequestOutput) -> StageOutput:
+    """The LLM stage's output of a request that succeeded."""
+    llm = llm_output(output)
+    if llm is None:
+        raise ValueError(f"request {output.request_id} has no LLM output")
+    return llm
+
+
 def completion_id(request_id: str) -> str:
     return f"chatcmpl-{request_id}"
 

@@ -44,17 +44,23 @@ def take(text: Text, index: torch.Tensor) -> Text:
     return text[index]
 
 
-def pad_rows(value: Text, pad: int) -> Text:
+def pad_tensor(value: torch.Tensor, pad: int) -> torch.Tensor:
     """`pad` more rows, copies of the last."""
-    if isinstance(value, dict):
-        return {k: pad_rows(v, pad) for k, v in value.items()}
     return torch.cat([value, value[-1:].expand(pad, *value.shape[1:])])
 
 
+def pad_rows(value: Text, pad: int) -> Text:
+    if isinstance(value, dict):
+        return {k: pad_tensor(v, pad) for k, v in value.items()}
+    return pad_tensor(value, pad)
+
+
 def cat_rows(a: Text, b: Text) -> Text:
-    if isinstance(a, dict):
+    if isinstance(a, dict) and isinstance(b, dict):
         return {k: torch.cat([a[k], b[k]]) for k in a}
-    return torch.cat([a, b])
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.cat([a, b])
+    raise TypeError("text conditionings of two kinds")
 
 
 def text_dtype(text: Text) -> torch.dtype:
@@ -84,9 +90,9 @@ class Plan:
     index: torch.Tensor | None  # the active rows among the batch's (None: all)
     cfg: list[int]  # the positions among them with guidance
     cfg_index: torch.Tensor | None  # those on the device (None: all, or none)
-    texts: Text | None = None  # the model rows' text (with batched CFG: both branches')
-    negatives: Text | None = None  # two forwards: the unconditional branch's
-    scale: float | torch.Tensor | None = None  # one guidance scale, or a column of them
+    texts: Text  # the model rows' text (with batched CFG: both branches')
+    negatives: Text | None  # two forwards: the unconditional branch's
+    scale: float | torch.Tensor  # one guidance scale, or a column of them (1: no guidance)
 
 
 @dataclass(frozen=True)
@@ -200,27 +206,31 @@ class DenoiseLoop:
         group = [rows[i] for i in active]
         cfg = [j for j, r in enumerate(group) if r.cfg]
         text = [r.text for r in group]
-        negative = [group[j].negative for j in cfg]
+        negative = [n for j in cfg if (n := group[j].negative) is not None]
         every_cfg = len(cfg) == len(group)
         device = latents.device
-        plan = Plan(
+        negatives = None
+        if cfg and self.batched_cfg:
+            texts = take(embeds, _index(text + negative, device))
+        else:
+            texts = take(embeds, _index(text, device))
+            negatives = take(embeds, _index(negative, device)) if cfg else None
+        scales = [group[j].guidance for j in cfg]
+        scale: float | torch.Tensor = 1.0
+        if every_cfg and len(set(scales)) == 1:  # one scale: as the pipeline applies it
+            scale = scales[0]
+        elif cfg:
+            scale = column(scales, latents)
+        return Plan(
             active=active,
             group=group,
             index=None if len(active) == len(rows) else _index(active, device),
             cfg=cfg,
             cfg_index=None if every_cfg or not cfg else _index(cfg, device),
+            texts=texts,
+            negatives=negatives,
+            scale=scale,
         )
-        if cfg and self.batched_cfg:
-            plan.texts = take(embeds, _index(text + negative, device))
-        else:
-            plan.texts = take(embeds, _index(text, device))
-            plan.negatives = take(embeds, _index(negative, device)) if cfg else None
-        scales = [group[j].guidance for j in cfg]
-        if every_cfg and len(set(scales)) == 1:  # one scale: as the pipeline applies it
-            plan.scale = scales[0]
-        elif cfg:
-            plan.scale = column(scales, latents)
-        return plan
 
     def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
         """The guided prediction of each row: the conditional branch of all, the unconditional
@@ -238,6 +248,7 @@ class DenoiseLoop:
             cond = self._forward(scaled, states, plan.texts)
             if not cfg:
                 return cond
+            assert plan.negatives is not None  # (a plan with guidance, two forwards)
             uncond = self._forward(uncond_rows, cfg_states, plan.negatives)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, plan.scale)
@@ -252,7 +263,8 @@ class DenoiseLoop:
         times = rs.timesteps(states, latents.device)
         pad = bucket_for(rows, self.buckets) - rows
         if pad:
-            latents, times, text = pad_rows(latents, pad), pad_rows(times, pad), pad_rows(text, pad)
+            latents, times = pad_tensor(latents, pad), pad_tensor(times, pad)
+            text = pad_rows(text, pad)
             states = states + [states[-1]] * pad
         at = [float(s.timestep) for s in states] if self.host_times else None
         return self.adapter.predict(latents, times, text, at=at)[:rows]

@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GuideSpec
 
+if TYPE_CHECKING:  # (llguidance is imported where a grammar is first needed)
+    from llguidance._lib import JsonCompileOptions
+
 CACHED_GRAMMARS = 64
 # JSON as json.dumps writes it: no free whitespace (a model cannot pad its output forever, and
 # the bytes are what a client expects); keywords llguidance does not implement are an error
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GuideError(RuntimeError):

@@ -34,6 +34,9 @@ def _combine(coefficients: torch.Tensor, tensors: list[torch.Tensor]) -> torch.T
 class HostUniPC(UniPCMultistepScheduler):
     """`UniPCMultistepScheduler` whose per-step coefficients are computed on the host."""
 
+    model_outputs: list[Any]  # (the parent's state, which the coefficients read)
+    sigmas: torch.Tensor
+
     def _coefficients(self, update: Callable[[torch.Tensor, torch.Tensor], Any], order: int):
         """The coefficients of `update(sample, this_model_output)` (a parent's update), in the
         order sample, the last `order` model outputs, this model output: the update run on unit
@@ -89,7 +92,7 @@ class HostUniPC(UniPCMultistepScheduler):
 def host_scheduler(pipe: Any) -> bool:
     """Give the pipeline a `HostUniPC` if it runs diffusers' UniPC (same config); whether it
     did."""
-    scheduler = getattr(pipe, "scheduler", None)
+    scheduler: Any = getattr(pipe, "scheduler", None)
     if type(scheduler) is not UniPCMultistepScheduler:
         return False
     pipe.scheduler = HostUniPC.from_config(scheduler.config)

@@ -67,7 +67,7 @@ def _bisect(
     if not live:
         return []
     try:
-        return run(live)
+        return [*run(live)]
     except StageAborted:
         return []
     except FatalStageError:  # raised as such (a CFG-parallel rank's link broke): the worker's

@@ -44,7 +44,7 @@ class PendingDecode:
         self.latents = latents
         self.stream = stream
         self.buckets = buckets  # a compiled decoder runs only these batch sizes: pad up
-        self.ready = None
+        self.ready: torch.cuda.Event | None = None
         if stream is not None:
             self.ready = torch.cuda.Event()
             self.ready.record()  # on the main stream, after the last step's kernels
@@ -69,7 +69,7 @@ class PendingDecode:
 
     @contextlib.contextmanager
     def _on_side_stream(self) -> Iterator[None]:
-        if self.stream is None:
+        if self.stream is None or self.ready is None:
             yield
             return
         self.stream.wait_event(self.ready)
