@@ -3,14 +3,18 @@
 python examples/offline_batch.py
 """
 
-from vllm_omni_like import EngineConfig, GenerationParams
-from vllm_omni_like.engine import Omni, new_request_id
-from vllm_omni_like.inputs import OmniRequest
-from vllm_omni_like.media import encode_image
-from vllm_omni_like.pipelines.catalog import resolve
+from vllm_omni_like import (
+    EngineConfig,
+    GenerationParams,
+    Omni,
+    OmniRequest,
+    encode_image,
+    new_request_id,
+    resolve_pipeline,
+)
 
 if __name__ == "__main__":  # worker processes are spawned: keep the entry point guarded
-    config = EngineConfig(pipelines=tuple(resolve("tiny-omni")))
+    config = EngineConfig(pipelines=tuple(resolve_pipeline("tiny-omni")))
     prompts = ["red circle", "blue square at the top left", "green triangle"]
     with Omni(config) as omni:
         outputs = omni.generate(
@@ -23,5 +27,5 @@ if __name__ == "__main__":  # worker processes are spawned: keep the entry point
             continue
         path = f"offline-{i}.png"
         with open(path, "wb") as f:
-            f.write(encode_image(out.output.images[0].pixels))
+            f.write(encode_image(out.result.images[0].pixels))
         print(f"{prompts[i]!r} -> {path} (revised prompt: {out.revised_prompt!r})")

@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import AsyncOmni
-from vllm_omni_like.messages import OmniRequest
+from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.shapes import checker, world

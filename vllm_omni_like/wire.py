@@ -30,7 +30,7 @@ class StageRequest:
     client_id: str | None = None  # the client's x-request-id (logs, fault selection)
     files_only: bool = False  # see inputs.OmniRequest.files_only
 
-    def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple:
+    def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple[Any, ...]:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
         its own steps, guidance, scheduler and seed: only the shapes count."""
         if self.mode in own_loop:
@@ -143,7 +143,9 @@ class BatchDone:
 
 @dataclass
 class ReplicaDied:
-    """The executor of `replica` lost a worker; its in-flight requests were already failed."""
+    """The executor of `replica` lost a worker: the replica is dead (its other workers killed,
+    new work refused) and `in_flight` lists the requests lost with it, for which no result will
+    come; the orchestrator fails or re-queues each (engine/deaths.py)."""
 
     stage: str
     replica: int
