@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 from vllm_omni_like.errors import FatalStageError
-from vllm_omni_like.stages.base import Deferred, StageControl
-from vllm_omni_like.stages.null import NullStage
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
+from vllm_omni_like.stages.null import NullStage, _digest, _prompt_delay
 from vllm_omni_like.wire import StageRequest
 
 
@@ -46,3 +49,79 @@ class FinisherCrashStage(NullStage):
             return part.finish(requests)
 
         return Deferred(part.requests, finish)
+
+
+class TokenRows(RowStepper):
+    """Token-like rows: each request wants `num_inference_steps` tokens (a token a step, each
+    derived from its seed, prompt and position), joins at any step and leaves when it has them
+    all; '@delay=S' sleeps S seconds a step. The running-set contract is not diffusion-only."""
+
+    def __init__(self, stage: TokenStepStage) -> None:
+        self.stage = stage
+        self.rows: dict[str, tuple[StageRequest, list[str]]] = {}
+
+    @property
+    def requests(self) -> list[StageRequest]:
+        return [request for request, _ in self.rows.values()]
+
+    def accepts(self, request: StageRequest) -> bool:
+        return True  # one shape group: text
+
+    def join(self, batch: list[StageRequest], control: StageControl) -> None:
+        for r in batch:
+            self.rows[r.request_id] = (r, [])
+
+    def _wants(self, request: StageRequest) -> int:
+        return request.params.num_inference_steps or self.stage.default_steps
+
+    def step(self, control: StageControl, only: set[str] | None = None) -> bool:
+        live = [r for r in control.live(self.requests) if only is None or r.request_id in only]
+        stepping = [r for r in live if len(self.rows[r.request_id][1]) < self._wants(r)]
+        if not stepping:
+            return False
+        delay = max(_prompt_delay(r.prompt) for r in stepping)
+        if delay:
+            time.sleep(delay)
+        control.faults.fire("step", stepping)  # before anything is committed
+        for r in stepping:
+            tokens = self.rows[r.request_id][1]
+            tokens.append(f"t{_digest(r.params.seed, r.prompt, len(tokens)) % 1000}")
+        progress = {
+            r.request_id: (len(self.rows[r.request_id][1]), self._wants(r)) for r in stepping
+        }
+        step = max(at for at, _ in progress.values())
+        total = max(of for _, of in progress.values())
+        control.step(stepping, step, total, None, progress, fire=False)
+        return True
+
+    def leave(self, control: StageControl) -> Deferred | None:
+        live = {r.request_id for r in control.live(self.requests)}
+        for rid in [rid for rid in self.rows if rid not in live]:
+            del self.rows[rid]  # aborted: dropped
+        ended = [r for r, tokens in self.rows.values() if len(tokens) >= self._wants(r)]
+        if not ended:
+            return None
+        outputs = {}
+        for r in ended:
+            _, tokens = self.rows.pop(r.request_id)
+            outputs[r.request_id] = StageOutput(
+                r.request_id, self.stage.name, text=" ".join(tokens)
+            )
+        return Deferred(ended, lambda requests: [outputs[r.request_id] for r in requests])
+
+    def drop(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self.rows.pop(rid, None)
+
+
+class TokenStepStage(NullStage):
+    """A text stage (option output=text) whose rows, of every mode, run as a running set
+    (`TokenRows`); an image or video one runs whole batches as a NullStage."""
+
+    MODES = ("text", "text2img", "edit", "text2video")
+
+    def stepped_modes(self) -> tuple[str, ...]:
+        return self.MODES if self.output_kind == "text" else ()
+
+    def stepper(self, mode: str) -> RowStepper | None:
+        return TokenRows(self) if mode in self.stepped_modes() else None

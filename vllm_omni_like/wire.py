@@ -78,6 +78,8 @@ class WorkerReady:
     device: str  # as the worker names it (cuda:0 where it sees only its own GPU)
     visible_devices: str | None = None  # its CUDA_VISIBLE_DEVICES
     gpu_memory: int = 0  # bytes its CUDA allocator holds once loaded
+    # the modes whose rows join and leave its running set at step boundaries (Stage.stepper)
+    stepped: tuple[str, ...] = ()
 
 
 @dataclass
@@ -99,6 +101,8 @@ class Progress:
     total: int
     previews: dict[str, Any] = field(default_factory=dict)  # request id -> HxWx3 uint8
     progress: dict[str, tuple[int, int]] | None = None
+    # a running set: the other groups (their ExecuteBatch ids) that stepped with `batch_id`'s
+    joined: list[int] = field(default_factory=list)
 
 
 @dataclass

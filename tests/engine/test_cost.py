@@ -104,9 +104,9 @@ def test_credits_queue_batches_and_the_next_starts_when_the_one_before_is_denois
     assert r.credits == 0 and not r.can_take
     assert r.critical.batch_id == 1 and r.clock.units == 10.0 and r.clock.last_step == 1.0
     assert r.outstanding() == (2, 10.0 * 4 + 20.0 * 4)
-    r.progress(1, 3, 4, now=2.0)  # one step left of batch 1
+    r.progress([1], 3, 4, now=2.0)  # one step left of batch 1
     assert r.outstanding() == (2, 10.0 + 80.0)
-    r.progress(2, 1, 4, now=2.1)  # a queued batch's report does not move the clock
+    r.progress([2], 1, 4, now=2.1)  # a queued batch's report does not move the clock
     assert r.clock.last_step == 2.0
     r.denoised(1, now=3.0)  # batch 2 runs from now: the stall bound counts from here
     assert r.critical.batch_id == 2 and r.clock.units == 20.0 and r.clock.last_step == 3.0

@@ -304,7 +304,8 @@ class Orchestrator:
             case Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
             case Progress(batch_id=bid, request_ids=ids, step=step, total=total) as report:
-                pool.on_progress(replica, bid, step, total, time.monotonic())
+                groups = [bid, *report.joined]
+                pool.on_progress(replica, groups, step, total, time.monotonic(), report.progress)
                 own = report.progress or {}
                 for rid in ids:
                     state = self.requests.get(rid)

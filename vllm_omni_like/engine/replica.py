@@ -32,6 +32,8 @@ class InFlight:
     steps_done: int = 0
     started: float | None = None  # when it reached the head of the critical path
     denoised: float | None = None  # when it left the critical path (its credit came back)
+    joined: bool = False  # it joined the replica's running set (it spent no credit)
+    key: tuple[object, ...] = ()  # its shape group (StageRequest.batch_key)
 
     @property
     def units_left(self) -> float:
@@ -104,6 +106,18 @@ class Replica:
         """Its (new) executor, loaded and running."""
         self.executor, self.started_at, self.gpu_memory = executor, now, executor.gpu_memory
 
+    @property
+    def stepping(self) -> list[InFlight]:
+        """The groups its running set steps now (started, still on the critical path)."""
+        return [f for f in self.inflight.values() if f.denoised is None and f.started is not None]
+
+    def joinable(self, key: tuple[object, ...], requests: int, budget: int) -> int:
+        """How many requests of shape group `key` may join its running set now (0: none)."""
+        groups = self.stepping
+        if not (self.live and groups) or any(f.key != key for f in groups) or self.holds_suspect:
+            return 0
+        return max(0, budget - sum(len(f.requests) for f in groups))
+
     def outstanding(self) -> tuple[int, float]:
         """Requests and units of work on its critical path (running and queued)."""
         ahead = [f for f in self.inflight.values() if f.denoised is None]
@@ -113,23 +127,42 @@ class Replica:
         return any(state in f.requests for f in self.inflight.values())
 
     def dispatched(self, batch: InFlight) -> None:
-        self.credits -= 1
         self.inflight[batch.batch_id] = batch
         self.last_dispatch = batch.dispatched
+        if batch.joined:  # it steps with the set from the next step: its work joins the clock's
+            batch.started = batch.dispatched
+            self.clock.units = sum(f.units for f in self.stepping)
+            return
+        self.credits -= 1
         self._start_next(batch.dispatched)
 
     def undispatched(self, batch_id: int) -> None:
         """The dispatch did not reach the worker (it died just then)."""
-        if self.inflight.pop(batch_id, None) is not None:
+        batch = self.inflight.pop(batch_id, None)
+        if batch is not None and not batch.joined:
             self.credits += 1
 
-    def progress(self, batch_id: int, step: int, total: int, now: float) -> None:
-        """A step of one of its batches was reported (the running one calibrates the clock)."""
-        batch = self.inflight.get(batch_id)
-        if batch is None:
-            return
-        batch.steps_done, batch.steps = step, total
-        if batch is self.critical:
+    def progress(
+        self,
+        batch_ids: list[int],
+        step: int,
+        total: int,
+        now: float,
+        rows: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """A step of its running batch (or set: the groups `batch_ids`) was reported: each
+        group's steps (its requests' own, `rows`, where they differ), and the clock."""
+        stepped = False
+        for batch_id in batch_ids:
+            batch = self.inflight.get(batch_id)
+            if batch is None:
+                continue
+            own = (
+                [rows[s.request_id] for s in batch.requests if s.request_id in rows] if rows else []
+            )
+            batch.steps_done, batch.steps = max(own) if own else (step, total)
+            stepped = stepped or (batch.denoised is None and batch.started is not None)
+        if stepped:
             self.clock.step(now)
 
     def denoised(self, batch_id: int, now: float) -> InFlight | None:
@@ -137,16 +170,28 @@ class Replica:
         if batch is None or batch.denoised is not None:
             return None
         batch.denoised = now
-        self.credits += 1
+        self._left_set(batch)
         self._start_next(now)
         return batch
 
     def done(self, batch_id: int, now: float) -> InFlight | None:
         batch = self.inflight.pop(batch_id, None)
         if batch is not None and batch.denoised is None:
-            self.credits += 1
+            self._left_set(batch)
             self._start_next(now)
         return batch
+
+    def _left_set(self, batch: InFlight) -> None:
+        """`batch` left the critical path. The credit its dispatch spent is the running set's:
+        it comes back when the set drains, a group that joined holding it until then."""
+        self.clock.units = sum(f.units for f in self.stepping)
+        if batch.joined:
+            return
+        heir = next((f for f in self.stepping if f.joined), None)
+        if heir is not None:
+            heir.joined = False
+        else:
+            self.credits += 1
 
     def lost(self) -> None:
         """Its executor died: nothing is in flight any more."""
@@ -159,4 +204,4 @@ class Replica:
         batch = self.critical
         if batch is not None and batch.started is None:
             batch.started = now
-            self.clock.begin(batch.units, now)
+            self.clock.begin(sum(f.units for f in self.stepping), now)

@@ -77,6 +77,8 @@ class StagePool:
         # modes whose rows each carry their own steps, guidance, scheduler and seed
         loops = self.family["loops"] if self.family else {}
         self.own_loop = frozenset(mode for mode, loop in loops.items() if loop == "own")
+        # the modes whose rows join a running set: what the workers said they step
+        self.stepped: frozenset[str] = frozenset()
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False
@@ -97,6 +99,7 @@ class StagePool:
         started, errors = self.starter.start_all([r.index for r in self.replicas])
         for index, executor in started.items():
             self.replicas[index].attach(executor, time.monotonic())
+            self._learn(executor)
             self.starter.handed_over(executor)
         if errors:
             self.shutdown()
@@ -139,6 +142,12 @@ class StagePool:
         else:
             self.waiting.append(state)
 
+    def _learn(self, executor: Executor) -> None:
+        """What a started replica's workers step as a running set: those modes' rows batch by
+        shape only (each row its own steps) and may join a set of their shape group."""
+        self.stepped = frozenset(executor.stepped)
+        self.own_loop = self.own_loop | self.stepped
+
     def remove(self, state: RequestState) -> bool:
         # by identity, without deque.remove: its ValueError for a request that is not queued
         # (most of them, at their end) formats the request's repr, outputs and all
@@ -165,15 +174,20 @@ class StagePool:
                 and not (suspect and r.inflight)
                 and not self.policy.hold(r.index, self.waiting, now)
             ]
-            if not free:
-                break
-            batch, self.waiting = take_compatible(
-                self.waiting, self.config.max_batch_size, self.own_loop
-            )
-            flight = self._in_flight(next_batch_id(), batch, now)
-            replica = routing.choose(free, flight.units_left, self.config.routing)
+            if free:
+                batch, self.waiting = take_compatible(
+                    self.waiting, self.config.max_batch_size, self.own_loop
+                )
+                flight = self._in_flight(next_batch_id(), batch, now)
+                replica = routing.choose(free, flight.units_left, self.config.routing)
+                self.policy.took(replica.index)
+            else:  # no replica is free: the head's rows may join a running set of their group
+                joining = self._join(next_batch_id, now, failed)
+                if joining is None:
+                    break
+                replica, flight = joining
+                batch = flight.requests
             replica.dispatched(flight)
-            self.policy.took(replica.index)
             for s in batch:
                 s.replica, s.stage_started = replica.index, now
             try:
@@ -189,6 +203,31 @@ class StagePool:
             sent.append(batch)
         return sent
 
+    def _join(
+        self, next_batch_id: Callable[[], int], now: float, failed: set[int]
+    ) -> tuple[Replica, InFlight] | None:
+        """The queue's head and the requests behind it that share its shape group, as a group
+        that joins the running set of a replica stepping that group (the one with most room),
+        up to the set's budget (`--max-batch-size` requests); None if none may (FIFO: a head
+        of another group waits for a set to drain)."""
+        head = self.waiting[0]
+        if head.isolate or head.staged.mode not in self.stepped:
+            return None
+        key = head.staged.batch_key(self.own_loop)
+        budget = self.config.max_batch_size
+        rooms = [
+            (r.joinable(key, len(self.waiting), budget), r)
+            for r in self.replicas
+            if r.index not in failed
+        ]
+        room, replica = max(rooms, key=lambda pair: pair[0], default=(0, None))
+        if not room or replica is None:
+            return None
+        batch, self.waiting = take_compatible(self.waiting, room, self.own_loop)
+        flight = self._in_flight(next_batch_id(), batch, now)
+        flight.joined = True
+        return replica, flight
+
     def _in_flight(self, batch_id: int, batch: list[RequestState], now: float) -> InFlight:
         """The batch as the cost model sees it: units per step, and its steps (its longest
         request's: rows of our own loop run their own step counts)."""
@@ -199,6 +238,7 @@ class StagePool:
             now,
             units=sum(cost.step_units(p, self.text) for p in params),
             steps=max(cost.steps_of(p, self.default_steps, self.text) for p in params),
+            key=batch[0].staged.batch_key(self.own_loop),
         )
 
     def parallel_rate(self) -> float | None:
@@ -229,10 +269,17 @@ class StagePool:
             replica.executor.abort([state.request_id])
 
     def on_progress(
-        self, replica_index: int, batch_id: int, step: int, total: int, now: float
+        self,
+        replica_index: int,
+        batch_ids: list[int],
+        step: int,
+        total: int,
+        now: float,
+        rows: dict[str, tuple[int, int]] | None = None,
     ) -> None:
-        """A step of a batch was reported: the replica's step clock calibrates on it."""
-        self.replicas[replica_index].progress(batch_id, step, total, now)
+        """A step of a batch (a running set: its groups `batch_ids`) was reported: the
+        replica's step clock calibrates on it."""
+        self.replicas[replica_index].progress(batch_ids, step, total, now, rows)
 
     def on_compiling(self, replica_index: int, rank: int, active: bool, now: float) -> None:
         """A rank of the replica began or ended a compilation (its own allowance)."""
@@ -298,6 +345,7 @@ class StagePool:
         self.starter.handed_over(executor)
         replica = self.replicas[replica_index]
         replica.attach(executor, time.monotonic())
+        self._learn(executor)
         replica.restarting, replica.no_room_since, replica.restart_error = False, 0, None
         if self._stopping.is_set():
             executor.shutdown()
@@ -350,7 +398,11 @@ class StagePool:
             return None
         quiet = now - r.clock.last_step
         bound, why = r.clock.bound(self._peer_rate(r))
-        return _stall(running, quiet, bound, why) if quiet > bound else None
+        if quiet <= bound:
+            return None
+        stall = _stall(running, quiet, bound, why)  # a running set's step is all its groups'
+        together = frozenset(s.request_id for f in r.stepping for s in f.requests)
+        return Stall(stall.batch_id, stall.request_ids | together, stall.reason)
 
     def _peer_rate(self, replica: Replica) -> float | None:
         """The speed another replica of this stage measured on the same kind of device."""

@@ -22,6 +22,7 @@ class Executor(ABC):
 
     gpu_memory: int = 0  # bytes its workers' CUDA allocators held when they last said
     visible_devices: str | None = None  # its workers' CUDA_VISIBLE_DEVICES
+    stepped: tuple[str, ...] = ()  # modes whose rows join its running set (WorkerReady)
 
     @abstractmethod
     def start(self) -> None:

@@ -26,6 +26,7 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
 from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.placement import gpu_memory_in_use
+from vllm_omni_like.executor.running_set import Group, RunningSet
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
@@ -41,6 +42,7 @@ from vllm_omni_like.wire import (
     Progress,
     RequestResult,
     Shutdown,
+    StageRequest,
     WorkerLoadFailed,
     WorkerReady,
 )
@@ -91,6 +93,7 @@ class _Worker:
         self.reports = self.rank == 0
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.batch_id = -1
+        self.joined: list[int] = []  # the other groups of the running set that step with it
         self.sent: dict[int, set[str]] = {}  # per batch: requests whose output went out
         self.control = StageControl(FaultInjector(faults, config.name), self._progress)
         self.stage: Stage | None = None
@@ -123,7 +126,7 @@ class _Worker:
         progress: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         if self.reports:
-            self.send(Progress(self.batch_id, ids, step, total, previews, progress))
+            self.send(Progress(self.batch_id, ids, step, total, previews, progress, self.joined))
 
     # 1) load ------------------------------------------------------------------------------------
     def load(self) -> bool:
@@ -137,7 +140,12 @@ class _Worker:
             self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
             return False
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, gpu_memory_in_use()))
+        self.rows = RunningSet(
+            self.stage, self.control, self._deliver, self._group_left, self._validate
+        )
+        stepped = self.stage.stepped_modes()
+        memory = gpu_memory_in_use()
+        self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped))
         return True
 
     # 2) receive: aborts apply at once, even while a batch runs ----------------------------------
@@ -155,28 +163,78 @@ class _Worker:
 
     # 3) run batches -------------------------------------------------------------------------------
     def run_forever(self) -> None:
+        """Every message that arrived (each group joins at this step boundary), then one step
+        of the running set; with no set running, wait for the next message."""
         while True:
-            match self.inbox.get():
-                case ExecuteBatch() as batch:
-                    self.run_batch(batch)
-                case FollowBatch(batch_id=batch_id):
-                    self._guard(self._serve, batch_id)
-                case Shutdown():
-                    self.finisher_free.acquire()  # let the batch being finished go out first
+            msg = self._queued() if self.rows.running else self.inbox.get()
+            while msg is not None:
+                if not self._handle(msg):
                     return
+                msg = self._queued()
+            if self.rows.running:
+                self._step_set()
 
-    def run_batch(self, batch: ExecuteBatch) -> None:
+    def _handle(self, msg: Any) -> bool:
+        """False: stop (after the set's rows and the batch being finished are out)."""
+        match msg:
+            case ExecuteBatch() as batch:
+                self._accept(batch)
+            case FollowBatch(batch_id=batch_id):
+                self._guard(self._serve, batch_id)
+            case Shutdown():
+                while self.rows.running:
+                    self._step_set()
+                self.finisher_free.acquire()
+                return False
+        return True
+
+    def _queued(self) -> Any:
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _accept(self, batch: ExecuteBatch) -> None:
+        """A group joins the running set (or waits for it to drain), or runs whole."""
+        if self.rows.takes(batch):
+            self.batch_id, self.joined = batch.batch_id, []
+            self._guard(self.rows.add, batch)
+        else:
+            self.run_batch(batch)
+
+    def _step_set(self) -> None:
+        ids = self.rows.batch_ids
+        self.batch_id, self.joined = ids[0], ids[1:]
+        self._guard(self.rows.step)
+        while not self.rows.running and (batch := self.rows.next_waiting()) is not None:
+            self._accept(batch)
+
+    def _validate(self, batch: ExecuteBatch) -> list[StageRequest]:
+        """The batch's requests the stage takes; the others are answered now."""
         assert self.stage is not None
-        job = _Job(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
-        self.batch_id = batch.batch_id
-        self.control.max_model_batch = 0
         valid = []
         for req in batch.requests:
             try:
                 self.stage.validate(req)
                 valid.append(req)
             except InvalidRequestError as exc:
-                self._result(job.batch_id, StageOutput.from_error(req.request_id, exc, self.name))
+                out = StageOutput.from_error(req.request_id, exc, self.name)
+                self._result(batch.batch_id, out)
+        return valid
+
+    def _group_left(self, group: Group) -> None:
+        """A group of the running set whose requests all left: its rest to the finisher."""
+        job = _Job(group.batch_id, group.ids, group.started, parts=group.parts)
+        job.model_batch = self.control.max_model_batch
+        job.phases["denoise"] = time.monotonic() - job.started
+        self._hand_over(job)
+
+    def run_batch(self, batch: ExecuteBatch) -> None:
+        assert self.stage is not None
+        job = _Job(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
+        self.batch_id, self.joined = batch.batch_id, []
+        self.control.max_model_batch = 0
+        valid = self._validate(batch)
         report = functools.partial(self._deliver, job.batch_id)
         self.control.report = report  # a row that ends early goes out at once
         try:
@@ -186,7 +244,11 @@ class _Worker:
             self._guard(self._end_branches, job.batch_id)
         job.model_batch = self.control.max_model_batch
         job.phases["denoise"] = time.monotonic() - job.started
-        # one batch at a time is finished: wait for the one before
+        self._hand_over(job)
+
+    def _hand_over(self, job: _Job) -> None:
+        """The job's rest (its decode) on the finisher, beside what runs next (here, without
+        decode overlap); one job at a time is finished: wait for the one before."""
         self.finisher_free.acquire()
         if not self.config.decode_overlap:  # its rest here, before the next batch begins
             self._finish_job(job)

@@ -97,11 +97,14 @@ class StageControl:
         total: int,
         previews: dict[str, Any] | None = None,
         progress: dict[str, tuple[int, int]] | None = None,
+        fire: bool = True,
     ) -> None:
         """Call after each denoising/decoding step; raises StageAborted once nobody needs it.
         `progress`: the (step, total) of each request that stepped, where they differ (rows
-        with their own step counts); the others of `batch` did not step."""
-        self.faults.fire("step", batch)
+        with their own step counts); the others of `batch` did not step. `fire=False`: the
+        step's faults fired already (a running set fires them before it commits the step)."""
+        if fire:
+            self.faults.fire("step", batch)
         with self._lock:  # the abort check and the count together: no abort slips between them
             live = self._live(batch)
             for r in live:
@@ -142,6 +145,42 @@ class Deferred:
         return cls(batch, lambda requests: [by_id[r.request_id] for r in requests])
 
 
+class RowStepper(ABC):
+    """A stage's running set of rows: the worker's side of the running-set contract.
+
+    Groups of requests `join` at a step boundary (rows of one shape group: `accepts`), `step`
+    advances every live row one step (a subset with `only`: bisection) and reports progress, and
+    `leave` takes out the requests whose rows all ended (their rest deferred, as `begin`'s) and
+    drops the aborted ones. A `join` or `step` that raises changes nothing, so the worker can
+    re-run halves to find the culprit; the step's faults fire before it is committed.
+    """
+
+    @property
+    @abstractmethod
+    def requests(self) -> list[StageRequest]:
+        """The requests in the set (joined, not yet left)."""
+
+    @abstractmethod
+    def accepts(self, request: StageRequest) -> bool:
+        """Whether `request` may join the set now (its shape group's; any, when empty)."""
+
+    @abstractmethod
+    def join(self, batch: list[StageRequest], control: StageControl) -> None:
+        """Add `batch`'s rows (all or none)."""
+
+    @abstractmethod
+    def step(self, control: StageControl, only: set[str] | None = None) -> bool:
+        """One step of the live rows (of the requests `only`); False when none stepped."""
+
+    @abstractmethod
+    def leave(self, control: StageControl) -> Deferred | None:
+        """The requests that ended, out of the set; aborted ones dropped."""
+
+    @abstractmethod
+    def drop(self, request_ids: set[str]) -> None:
+        """Take these requests' rows out of the set (they failed)."""
+
+
 class Stage(ABC):
     """A model that runs batches of requests inside a worker process."""
 
@@ -168,6 +207,15 @@ class Stage(ABC):
         denoising loop); the rest (its decode) is `finish` of the returned part, which the
         worker runs beside the next batch. A stage with nothing to defer returns
         `Deferred.done(batch, outputs)`."""
+
+    def stepper(self, mode: str) -> RowStepper | None:
+        """A running set for requests of `mode` whose rows join and leave at step boundaries;
+        None (the default): the mode's requests run as whole batches (`begin`)."""
+        return None
+
+    def stepped_modes(self) -> tuple[str, ...]:
+        """The modes `stepper` runs as a running set (the worker tells the engine at start)."""
+        return ()
 
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         """The whole batch at once: `begin`, then `finish` of the requests still live."""

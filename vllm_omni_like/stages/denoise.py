@@ -171,32 +171,28 @@ class DenoiseLoop:
         batch: list[StageRequest],
         on_step: Callable[[torch.Tensor, dict[str, tuple[int, int]]], None],
     ) -> torch.Tensor:
-        """Denoise `latents` (one per row) until every live row ended its steps. After each
-        step `on_step(latents, progress)` with each stepped request's (step, total)."""
-        plan = None
+        """Denoise `latents` (one per row) until every live row ended its steps, as a running
+        set that nothing joins (stages/denoise_set.py). After each step `on_step(latents,
+        progress)` with each stepped request's (step, total)."""
+        from vllm_omni_like.stages.denoise_set import DenoiseSet
+
+        rowset = DenoiseSet(self)
+        rowset.join(rows, embeds, latents)
         while True:
             live = {r.request_id for r in control.live(batch)}
-            active = [
-                i for i, r in enumerate(rows) if not r.state.done and r.request.request_id in live
-            ]
-            if not active:
-                return latents
-            if plan is None or plan.active != active:  # rows ended or left: a new plan
-                plan = self._plan(rows, active, embeds, latents)
-            part = latents if plan.index is None else latents[plan.index]
-            output = self._predict(plan, part)
-            stepped = rs.step([r.state for r in plan.group], output, part)
-            if plan.index is None:
-                latents = stepped
-            else:
-                latents = latents.to(stepped.dtype)
-                latents[plan.index] = stepped
-            progress = {
-                r.request.request_id: (r.state.index, r.state.schedule.iterations)
-                for r in plan.group
-            }
-            on_step(latents, progress)
+            active = {r.request.request_id for r in rowset.rows if not r.state.done}
+            if not rowset.step(live):
+                assert rowset.latents is not None
+                return rowset.latents
+            assert rowset.latents is not None
+            on_step(rowset.latents, rowset.progress(live & active))
             self.mark("step")
+
+    def step(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
+        """One step of the rows of `plan` (their `latents`): the guided prediction, then each
+        row's scheduler update. Advances the rows' schedule positions."""
+        output = self._predict(plan, latents)
+        return rs.step([r.state for r in plan.group], output, latents)
 
     def _plan(
         self, rows: list[LoopRow], active: list[int], embeds: Text, latents: torch.Tensor

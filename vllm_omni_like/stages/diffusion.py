@@ -19,17 +19,16 @@ from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.registry import FAMILIES, family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
-from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import latent_decode, video_stream
-from vllm_omni_like.stages.base import Deferred, StageControl
+from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
 from vllm_omni_like.stages.denoise import DenoiseLoop
 from vllm_omni_like.stages.host_scheduler import host_scheduler
 from vllm_omni_like.stages.own_loop import OwnLoop
+from vllm_omni_like.stages.own_set import OwnLoopSet
 from vllm_omni_like.stages.pipeline_call import PipelineCall
 from vllm_omni_like.stages.prompt_length import check_prompt_length
 from vllm_omni_like.stages.torch_utils import (
@@ -39,7 +38,6 @@ from vllm_omni_like.stages.torch_utils import (
     quiet_loading,
     resolve_device,
     resolve_dtype,
-    tensor_to_uint8,
 )
 from vllm_omni_like.stages.trace import BatchTracer
 from vllm_omni_like.wire import StageRequest
@@ -257,46 +255,22 @@ class DiffusionStage(OwnLoop, PipelineCall):
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
         if batch[0].mode in self.own:
-            pipe, decoder = self.pipe, self.adapter.decoder(self.pipe)
             media, seeds, frames = self._denoise_own(batch, control)
-        else:
-            pipe, kwargs, rows, seeds = self._prepare(batch, control)
-            decoder = self.adapter.decoder(pipe)
-            if decoder is not None:
-                kwargs["output_type"] = "latent"
-            media = self.adapter.media(self._denoise(pipe, kwargs, control))
-            frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
-        rows = len(seeds)
-        if decoder is None:  # a pipeline we cannot decode for: it did, in the call
-            with torch.inference_mode():
-                pixels = tensor_to_uint8(media[:rows])
-            decode = lambda picked, fps, frames: (  # noqa: E731
-                pixels[picked],
-                [video_stream.Encoded() for _ in picked],
-            )
-        else:
-            chunks = self.adapter.chunk_source() if self.is_video else None
-            decode = latent_decode.PendingDecode(
-                decoder, media, self.side_stream, self.buckets, chunks
-            )
-        first_row, k = {}, 0
-        for r in batch:
-            first_row[r.request_id] = k
-            k += self._rows(r)
+            return self.defer(batch, media, seeds, frames, self.adapter.decoder(self.pipe))
+        pipe, kwargs, _, seeds = self._prepare(batch, control)
+        decoder = self.adapter.decoder(pipe)
+        if decoder is not None:
+            kwargs["output_type"] = "latent"
+        media = self.adapter.media(self._denoise(pipe, kwargs, control))
+        frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
+        return self.defer(batch, media, seeds, frames, decoder)
 
-        def finish(requests: list[StageRequest]) -> list[StageOutput]:
-            picked = [
-                i
-                for r in requests
-                for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
-            ]
-            fps = [r.params.fps or 8 for r in requests] if self.is_video else None
-            pixels, encoded = decode(picked, fps, frames)
-            return latent_decode.split_outputs(
-                self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
-            )
+    def stepped_modes(self) -> tuple[str, ...]:
+        return tuple(sorted(self.own)) if self.link is None else ()
 
-        return Deferred(batch, finish)
+    def stepper(self, mode: str) -> RowStepper | None:
+        """Our own loop's modes run as a running set (own_set.py); the pipeline's call cannot."""
+        return OwnLoopSet(self) if mode in self.own and self.link is None else None
 
     def close(self) -> None:
         if self.link is not None:

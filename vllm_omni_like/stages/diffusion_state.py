@@ -11,11 +11,14 @@ import torch
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.limits import ModelLimits
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
-from vllm_omni_like.stages.base import Stage
+from vllm_omni_like.stages import latent_decode, video_stream
+from vllm_omni_like.stages.base import Deferred, Stage
 from vllm_omni_like.stages.denoise import DenoiseLoop
+from vllm_omni_like.stages.prompt_length import truncate_prompt
 from vllm_omni_like.stages.torch_utils import BatchDimProbe, tensor_to_uint8
 from vllm_omni_like.stages.trace import BatchTracer
 from vllm_omni_like.wire import StageRequest
@@ -61,6 +64,11 @@ class DiffusionState(Stage):
     def _rows(self, request: StageRequest) -> int:
         return 1 if self.is_video else request.params.n
 
+    def _prompt(self, request: StageRequest) -> str:
+        if request.truncate_prompt and self.tokenizer is not None:
+            return truncate_prompt(self.tokenizer, request.prompt, self.name)
+        return request.prompt
+
     def _preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
     ) -> dict[str, Any]:
@@ -72,3 +80,44 @@ class DiffusionState(Stage):
         picked = latents[[first[r.request_id] for r in want]]
         images = tensor_to_uint8(preview(picked))
         return {r.request_id: img for r, img in zip(want, images, strict=True)}
+
+    def defer(
+        self,
+        batch: list[StageRequest],
+        media: torch.Tensor,
+        seeds: list[int],
+        frames: int,
+        decoder: Any,
+    ) -> Deferred:
+        """`batch`'s rows (`media`: latents, or a pipeline's pixels), their decode deferred."""
+        rows = len(seeds)
+        if decoder is None:  # a pipeline we cannot decode for: it did, in the call
+            with torch.inference_mode():
+                pixels = tensor_to_uint8(media[:rows])
+            decode = lambda picked, fps, frames: (  # noqa: E731
+                pixels[picked],
+                [video_stream.Encoded() for _ in picked],
+            )
+        else:
+            chunks = self.adapter.chunk_source() if self.is_video else None
+            decode = latent_decode.PendingDecode(
+                decoder, media, self.side_stream, self.buckets, chunks
+            )
+        first_row, k = {}, 0
+        for r in batch:
+            first_row[r.request_id] = k
+            k += self._rows(r)
+
+        def finish(requests: list[StageRequest]) -> list[StageOutput]:
+            picked = [
+                i
+                for r in requests
+                for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
+            ]
+            fps = [r.params.fps or 8 for r in requests] if self.is_video else None
+            pixels, encoded = decode(picked, fps, frames)
+            return latent_decode.split_outputs(
+                self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
+            )
+
+        return Deferred(batch, finish)

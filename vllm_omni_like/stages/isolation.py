@@ -126,6 +126,24 @@ def _retried_after_reclaim(
     return once_more
 
 
+def bisect_isolated(
+    stage: str,
+    batch: list[StageRequest],
+    control: StageControl,
+    run: Callable[[list[StageRequest]], list[StageOutput]],
+    report: Report,
+) -> list[StageOutput]:
+    """`run` over `batch`, halves re-run on failure until only the culprits fail (each
+    reported); an out-of-memory error while a batch is finished beside it is retried once."""
+    return [
+        out
+        for out in _bisect(
+            stage, batch, control, _retried_after_reclaim(stage, control, run), report
+        )
+        if isinstance(out, StageOutput)
+    ]
+
+
 def begin_isolated(
     stage: Stage, batch: list[StageRequest], control: StageControl, report: Report = None
 ) -> list[Deferred | StageOutput]:

@@ -9,11 +9,10 @@ import torch
 
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.denoise import Settings, Text, text_dtype
+from vllm_omni_like.stages.denoise import Text
 from vllm_omni_like.stages.diffusion_state import DiffusionState
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
-from vllm_omni_like.stages.prompt_length import truncate_prompt
 from vllm_omni_like.wire import StageRequest
 
 
@@ -32,44 +31,23 @@ class OwnLoop(DiffusionState):
     def _denoise_own(
         self, batch: list[StageRequest], control: StageControl
     ) -> tuple[torch.Tensor, list[int], int]:
-        """The batch's latents, each row's seed, and a video's frames (0 for images)."""
-        p = batch[0].params
-        settings = Settings(self.default_steps, self.default_guidance, self._rows, self._prompt)
-        frames = (p.num_frames or self.default_frames) if self.is_video else 1
-        width, height = p.width or self.default_width, p.height or self.default_height
+        """The batch's latents, each row's seed, and a video's frames (0 for images): a running
+        set that nothing joins (own_set.py), stepped until every live row ended."""
+        from vllm_omni_like.stages.own_set import OwnLoopSet
+
+        rowset = OwnLoopSet(self)
         self.probe.reset()
-        with self.tracer.batch(), torch.inference_mode():
-            rows, embeds = self.denoise.rows(batch, settings)
-            shape = self.adapter.latent_shape(len(rows), width, height, frames)
-            dtype = self.adapter.latent_dtype(text_dtype(embeds))
-            latents = self.denoise.noise(rows, shape, dtype)
-            first: dict[str, int] = {}
-            for i, row in enumerate(rows):
-                first.setdefault(row.request.request_id, i)
-
-            def on_step(latents: torch.Tensor, progress: dict[str, tuple[int, int]]) -> None:
-                want = [
-                    r
-                    for r in batch
-                    if r.request_id in progress
-                    and control.wants_preview(r, *progress[r.request_id])
-                ]
-                previews = self._preview_images(self.pipe, want, first, latents) if want else None
-                step = max(at for at, _ in progress.values())
-                total = max(of for _, of in progress.values())
-                control.step(batch, step, total, previews, progress)
-
-            latents = self.denoise.run(rows, embeds, latents, control, batch, on_step)
+        with self.tracer.batch():
+            rowset.join(batch, control)
+            while rowset.step(control):
+                pass
             if self.device.type == "cuda":  # the loop ends when its steps do
                 torch.cuda.current_stream(self.device).synchronize()
             self.tracer.mark("synced")
         control.saw_model_batch(self.probe.max_seen)
-        return latents, [r.seed for r in rows], frames if self.is_video else 0
-
-    def _prompt(self, request: StageRequest) -> str:
-        if request.truncate_prompt and self.tokenizer is not None:
-            return truncate_prompt(self.tokenizer, request.prompt, self.name)
-        return request.prompt
+        rows = rowset.set.rows
+        assert rowset.set.latents is not None
+        return rowset.set.latents, [r.seed for r in rows], rowset.frames
 
     def _embed(self, texts: list[str | None]) -> Text:
         """The batch's text conditioning: the text encoders', or a dummy's seeded random

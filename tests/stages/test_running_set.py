@@ -1,0 +1,153 @@
+"""The running set in a worker (executor/running_set.py over the diffusion stage's
+`OwnLoopSet`), in-process on the CPU with the tiny image model: groups join at a step boundary,
+a request's image is the same alone or joined into a busy set at step k, an aborted request
+leaves at the next step with its peers untouched, and a step that raises is bisected so only
+its culprit fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_omni_like.config import FaultRule, StageConfig
+from vllm_omni_like.errors import ErrorKind
+from vllm_omni_like.executor.running_set import Group, RunningSet
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.isolation import finish_parts
+from vllm_omni_like.wire import ExecuteBatch, StageRequest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stage():
+    s = DiffusionStage(
+        StageConfig(name="diffusion", kind="diffusion", model="tiny-image", dtype="float32")
+    )
+    s.load("cpu")
+    yield s
+    s.close()
+
+
+def _req(rid: str, seed: int, steps: int, prompt: str = "a red circle", **params):
+    params = GenerationParams(seed=seed, num_inference_steps=steps, **params)
+    return StageRequest(rid, prompt, params, mode="text2img")
+
+
+class _Harness:
+    """A RunningSet as the worker drives it, its outputs collected (decoded) per request."""
+
+    def __init__(self, stage: DiffusionStage, faults: tuple[FaultRule, ...] = ()) -> None:
+        self.stage = stage
+        self.control = StageControl(FaultInjector(faults, "diffusion"))
+        self.outputs: dict[str, StageOutput] = {}
+        self.groups: list[int] = []  # in the order they left
+        self.rows = RunningSet(stage, self.control, self._deliver, self._left, self._valid)
+
+    def _deliver(self, batch_id: int, out: StageOutput) -> None:
+        self.outputs[out.request_id] = out
+
+    def _left(self, group: Group) -> None:
+        self.groups.append(group.batch_id)
+        for out in finish_parts(self.stage, group.parts, self.control):
+            self.outputs[out.request_id] = out
+
+    def _valid(self, batch: ExecuteBatch) -> list[StageRequest]:
+        return list(batch.requests)
+
+    def add(self, batch_id: int, *requests: StageRequest) -> None:
+        assert self.rows.takes(ExecuteBatch(batch_id, list(requests)))
+        self.rows.add(ExecuteBatch(batch_id, list(requests)))
+
+    def steps(self, n: int | None = None) -> None:
+        """`n` steps, or until the set drained."""
+        done = 0
+        while self.rows.running and (n is None or done < n):
+            self.rows.step()
+            done += 1
+
+    def pixels(self, rid: str) -> np.ndarray:
+        out = self.outputs[rid]
+        assert out.error is None, out.error
+        return out.images[0].pixels.astype(np.int16)
+
+
+def _alone(stage: DiffusionStage, request: StageRequest) -> np.ndarray:
+    h = _Harness(stage)
+    h.add(1, request)
+    h.steps()
+    return h.pixels(request.request_id)
+
+
+def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alone(stage):
+    a = _req("a", seed=3, steps=8)
+    b = _req("b", seed=11, steps=5, prompt="a blue square", guidance_scale=1.0)
+    c = _req("c", seed=5, steps=6, scheduler="euler-a")
+    alone = {r.request_id: _alone(stage, r) for r in (a, b, c)}
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(3)  # a runs alone for 3 steps
+    assert h.rows.running and h.rows.batch_ids == [1]
+    h.add(2, b, c)  # b and c join at this step boundary
+    assert h.rows.batch_ids == [1, 2]
+    h.steps()
+    assert not h.rows.running and sorted(h.groups) == [1, 2]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
+def test_a_group_of_another_shape_waits_for_the_set_to_drain(stage):
+    h = _Harness(stage)
+    h.add(1, _req("a", seed=1, steps=4))
+    other = ExecuteBatch(2, [_req("b", seed=2, steps=2, width=48, height=48)])
+    h.rows.add(other)  # another shape group: it waits
+    assert h.rows.batch_ids == [1] and list(h.rows.waiting) == [other]
+    assert h.rows.next_waiting() is None  # not while the set runs
+    h.steps()
+    assert h.rows.next_waiting() is other  # the set drained: its turn
+
+
+def test_an_aborted_request_leaves_at_the_next_step_and_its_peers_are_untouched(stage):
+    a, b = _req("a", seed=3, steps=6), _req("b", seed=4, steps=6)
+    alone = _alone(stage, b)
+    h = _Harness(stage)
+    h.add(1, a, b)
+    h.steps(2)
+    h.control.abort(["a"])
+    h.steps(1)
+    assert [r.request_id for r in h.rows.stepper.requests] == ["b"]  # a left at once
+    assert h.control.steps_after_abort(["a"]) == {"a": 0}  # it never stepped after the abort
+    h.steps()
+    assert "a" not in h.outputs and np.abs(h.pixels("b") - alone).max() <= 1
+
+
+def test_a_step_that_raises_fails_only_its_culprit_and_the_peers_finish_as_alone(stage):
+    rule = FaultRule("diffusion", "step", "raise", match="@poison")
+    a, b = _req("a", seed=3, steps=5), _req("b", seed=4, steps=5)
+    bad = _req("bad", seed=5, steps=5, prompt="a circle @poison")
+    alone = {r.request_id: _alone(stage, r) for r in (a, b)}
+    h = _Harness(stage, (rule,))
+    h.add(1, a, bad, b)
+    h.steps()
+    assert h.outputs["bad"].error is not None
+    assert h.outputs["bad"].error.kind is ErrorKind.GENERATE
+    assert "injected" in h.outputs["bad"].error.message
+    for rid, image in alone.items():  # bisected from the same inputs: nothing else changed
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+    assert h.groups == [1]  # the group left once all of it had (the culprit included)
+
+
+def test_a_join_that_raises_fails_its_culprit_and_the_rest_of_its_group_joins(stage):
+    rule = FaultRule("diffusion", "execute", "raise", match="@nojoin")
+    h = _Harness(stage, (rule,))
+    h.add(1, _req("a", seed=1, steps=4))
+    h.steps(1)
+    h.add(2, _req("b", seed=2, steps=3), _req("x", seed=3, steps=3, prompt="x @nojoin"))
+    assert h.outputs["x"].error is not None  # at once, before any step
+    assert sorted(r.request_id for r in h.rows.stepper.requests) == ["a", "b"]
+    h.steps()
+    assert h.outputs["a"].error is None and h.outputs["b"].error is None

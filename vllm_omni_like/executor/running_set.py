@@ -1,0 +1,150 @@
+"""The worker's running set: the rows of a stage that steps them (`Stage.stepper`), fed by the
+engine one group at a time (an `ExecuteBatch`: the rows it adds), stepped together, each
+request leaving as its rows end.
+
+- A group joins at the next step boundary if the set takes its shape group (`accepts`); else
+  it waits, in order, until the set has drained (FIFO by group; so do whole-batch groups, which
+  run alone as before).
+- Every step advances every live row. A step that raises is bisected over the set's requests
+  (`stages/isolation.py`): halves step on their own from the same inputs (a step that raises
+  commits nothing), so only the culprit fails and leaves; its peers go on. A join that raises
+  is bisected the same way (its `execute` faults fire there).
+- An aborted request's rows leave at the next step boundary; its peers are untouched.
+- A request that ends leaves at once, its rest (the decode) deferred; when every request of a
+  group has left, the group leaves the critical path (`Denoised`) and its rest goes to the
+  finisher thread, which sends its results and its `BatchDone`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_omni_like.outputs import StageOutput
+from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl
+from vllm_omni_like.stages.isolation import bisect_isolated
+from vllm_omni_like.wire import ExecuteBatch, StageRequest
+
+
+@dataclass
+class Group:
+    """One ExecuteBatch's requests in the set: those still in it, and the rest of those that
+    left (their decode), handed to the finisher once none is left."""
+
+    batch_id: int
+    ids: list[str]
+    started: float
+    left: set[str] = field(default_factory=set)  # still to leave
+    parts: list[Deferred | StageOutput] = field(default_factory=list)
+
+
+class RunningSet:
+    def __init__(
+        self,
+        stage: Stage,
+        control: StageControl,
+        deliver: Callable[[int, StageOutput], None],
+        group_left: Callable[[Group], None],
+        validate: Callable[[ExecuteBatch], list[StageRequest]],
+    ) -> None:
+        self.stage = stage
+        self.control = control
+        self.deliver = deliver  # (batch id, output): a culprit's error, out at once
+        self.group_left = group_left  # a group all of whose requests left
+        self.validate = validate  # the group's valid requests (the others answered)
+        self.stepper: RowStepper | None = None
+        self.groups: dict[int, Group] = {}  # in the set, oldest first
+        self.group_of: dict[str, int] = {}  # request id -> its group's batch id
+        self.waiting: deque[ExecuteBatch] = deque()  # groups that cannot join yet, in order
+
+    @property
+    def running(self) -> bool:
+        return self.stepper is not None and bool(self.groups)
+
+    @property
+    def batch_ids(self) -> list[int]:
+        return list(self.groups)
+
+    def takes(self, batch: ExecuteBatch) -> bool:
+        """Whether `batch` goes to the set (to join it, or to wait for it to drain); the worker
+        runs the others whole, as before."""
+        if self.running:
+            return True
+        return bool(batch.requests) and self.stage.stepper(batch.requests[0].mode) is not None
+
+    def add(self, batch: ExecuteBatch) -> None:
+        """Join now if the set takes it, else wait for the set to drain."""
+        if self.running and not self._joins(batch):
+            self.waiting.append(batch)
+            return
+        self._join(batch)
+
+    def _joins(self, batch: ExecuteBatch) -> bool:
+        assert self.stepper is not None
+        same_kind = self.stage.stepper(batch.requests[0].mode) is not None
+        return same_kind and all(self.stepper.accepts(r) for r in batch.requests)
+
+    def _join(self, batch: ExecuteBatch) -> None:
+        if not self.running:
+            self.stepper = self.stage.stepper(batch.requests[0].mode)
+            self.control.max_model_batch = 0
+        assert self.stepper is not None
+        stepper = self.stepper
+        group = Group(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
+        self.groups[batch.batch_id] = group
+        for rid in group.ids:
+            self.group_of[rid] = batch.batch_id
+        valid = self.validate(batch)
+        group.left = {r.request_id for r in valid}
+
+        def join(live: list[StageRequest]) -> list[StageOutput]:
+            self.control.faults.fire("execute", live)
+            stepper.join(live, self.control)
+            return []
+
+        bisect_isolated(self.stage.name, valid, self.control, join, self._culprit)
+        self._settle()
+
+    def step(self) -> None:
+        """One step of the set, then whatever ended leaves."""
+        assert self.stepper is not None
+        stepper = self.stepper
+
+        def step(live: list[StageRequest]) -> list[StageOutput]:
+            stepper.step(self.control, {r.request_id for r in live})
+            return []
+
+        bisect_isolated(self.stage.name, stepper.requests, self.control, step, self._culprit)
+        part = stepper.leave(self.control)
+        if part is not None:
+            for r in part.requests:
+                group = self.groups[self.group_of[r.request_id]]
+                group.parts.append(Deferred([r], part.finish))
+        self._settle()
+
+    def next_waiting(self) -> ExecuteBatch | None:
+        """The first group that waited, once the set has drained."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting.popleft()
+
+    def _culprit(self, out: StageOutput) -> None:
+        """A request whose join or step raised alone: its error goes out, it leaves the set."""
+        assert self.stepper is not None
+        self.stepper.drop({out.request_id})
+        self.deliver(self.group_of[out.request_id], out)
+
+    def _settle(self) -> None:
+        """Groups none of whose requests is in the set any more leave it, oldest first."""
+        assert self.stepper is not None
+        inside = {r.request_id for r in self.stepper.requests}
+        for batch_id in list(self.groups):
+            group = self.groups[batch_id]
+            group.left &= inside
+            if not group.left:
+                del self.groups[batch_id]
+                for rid in group.ids:
+                    self.group_of.pop(rid, None)
+                self.group_left(group)

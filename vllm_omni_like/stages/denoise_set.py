@@ -1,0 +1,175 @@
+"""Our own loop's rows as a running set: groups of rows join at a step boundary, every row steps
+with its own schedule, and a request leaves when its rows have ended (or it was aborted).
+
+A step is computed, then its step-point faults fire, then it is committed: a step that raises
+leaves the set as it was before it (each row's schedule position and multistep history are put
+back), so the worker can bisect it (`step(only=...)` steps a subset). What a row computes
+depends on its own inputs only, so a request's latents are the same whether it ran alone or
+joined a busy set at step k (tests/stages/test_running_set.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_omni_like.stages.denoise import DenoiseLoop, LoopRow, Plan, Text, cat_rows, take
+from vllm_omni_like.wire import StageRequest
+
+
+@dataclass
+class Left:
+    """Requests whose rows all ended: their rows' latents (in row order) and seeds."""
+
+    requests: list[StageRequest]
+    latents: torch.Tensor
+    seeds: list[int]
+
+
+def _text_rows(text: Text) -> int:
+    return int(next(iter(text.values())).shape[0] if isinstance(text, dict) else text.shape[0])
+
+
+class DenoiseSet:
+    def __init__(self, loop: DenoiseLoop) -> None:
+        self.loop = loop
+        self.rows: list[LoopRow] = []
+        self.text: Text | None = None
+        self.latents: torch.Tensor | None = None
+        self._plan: Plan | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+    @property
+    def requests(self) -> list[StageRequest]:
+        """The requests in the set, in the order they joined (each once)."""
+        seen: dict[str, StageRequest] = {}
+        for row in self.rows:
+            seen.setdefault(row.request.request_id, row.request)
+        return list(seen.values())
+
+    def join(self, rows: list[LoopRow], text: Text, latents: torch.Tensor) -> None:
+        """Add a group's rows (`loop.rows` and `loop.noise` made them) at the step boundary."""
+        if self.text is not None and self.latents is not None:
+            base = _text_rows(self.text)
+            for row in rows:  # its text rows follow the set's
+                row.text += base
+                row.negative = None if row.negative is None else row.negative + base
+            self.text = cat_rows(self.text, text)
+            self.latents = torch.cat([self.latents, latents.to(self.latents.dtype)])
+        else:
+            self.text, self.latents = text, latents
+        self.rows += rows
+        self._plan = None
+
+    def step(
+        self,
+        live: set[str],
+        check: Callable[[list[StageRequest]], None] | None = None,
+        only: set[str] | None = None,
+    ) -> bool:
+        """One step of every live row that has steps left (of those in `only`, if given);
+        `check(requests)` runs between computing the step and committing it (the step's
+        faults), and a step that raises is not committed. False: no row stepped."""
+        assert self.latents is not None and self.text is not None
+        active = [
+            i
+            for i, r in enumerate(self.rows)
+            if not r.state.done
+            and r.request.request_id in live
+            and (only is None or r.request.request_id in only)
+        ]
+        if not active:
+            return False
+        plan = self._plan
+        if plan is None or plan.active != active:
+            plan = self.loop._plan(self.rows, active, self.text, self.latents)
+        saved = [(r.state.index, dict(r.state.history)) for r in plan.group]
+        try:
+            part = self.latents if plan.index is None else self.latents[plan.index]
+            stepped = self.loop.step(plan, part)
+            if check is not None:
+                check(_distinct(r.request for r in plan.group))
+        except BaseException:
+            for r, (index, history) in zip(plan.group, saved, strict=True):
+                r.state.index, r.state.history = index, history
+            raise
+        if plan.index is None:
+            self.latents = stepped
+        else:
+            self.latents = self.latents.to(stepped.dtype)
+            self.latents[plan.index] = stepped
+        self._plan = plan
+        return True
+
+    def progress(self, live: set[str]) -> dict[str, tuple[int, int]]:
+        """Each live request's (step, total) (its rows share their schedule)."""
+        return {
+            r.request.request_id: (r.state.index, r.state.schedule.iterations)
+            for r in self.rows
+            if r.request.request_id in live
+        }
+
+    def first_rows(self) -> dict[str, int]:
+        """Each request's first row in the set."""
+        first: dict[str, int] = {}
+        for i, row in enumerate(self.rows):
+            first.setdefault(row.request.request_id, i)
+        return first
+
+    def leave(self, live: set[str]) -> Left | None:
+        """Take out the rows of requests that ended (returned, with their latents) or are no
+        longer live (dropped)."""
+        ended = {
+            rid
+            for rid in live
+            if any(r.request.request_id == rid for r in self.rows)
+            and all(r.state.done for r in self.rows if r.request.request_id == rid)
+        }
+        keep = [i for i, r in enumerate(self.rows) if r.request.request_id in live - ended]
+        out = [i for i, r in enumerate(self.rows) if r.request.request_id in ended]
+        if len(keep) == len(self.rows):
+            return None
+        assert self.latents is not None and self.text is not None
+        left = None
+        if out:
+            index = torch.tensor(out, device=self.latents.device)
+            requests = _distinct(self.rows[i].request for i in out)
+            left = Left(requests, self.latents[index], [self.rows[i].seed for i in out])
+        self._keep(keep)
+        return left
+
+    def remove(self, request_ids: set[str]) -> None:
+        """Take these requests' rows out (their latents dropped)."""
+        keep = [i for i, r in enumerate(self.rows) if r.request.request_id not in request_ids]
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only the rows `keep`, their text compacted (the set's text never outgrows it)."""
+        assert self.latents is not None and self.text is not None
+        rows = [self.rows[i] for i in keep]
+        self._plan = None
+        if not rows:
+            self.rows, self.text, self.latents = [], None, None
+            return
+        used = sorted({r.text for r in rows} | {r.negative for r in rows if r.negative is not None})
+        where = {old: new for new, old in enumerate(used)}
+        for row in rows:
+            row.text = where[row.text]
+            row.negative = None if row.negative is None else where[row.negative]
+        device = self.latents.device
+        self.text = take(self.text, torch.tensor(used, device=device))
+        self.latents = self.latents[torch.tensor(keep, device=device)]
+        self.rows = rows
+
+
+def _distinct(requests: Iterable[StageRequest]) -> list[StageRequest]:
+    seen: dict[str, StageRequest] = {}
+    for r in requests:
+        seen.setdefault(r.request_id, r)
+    return list(seen.values())
