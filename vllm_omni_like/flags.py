@@ -136,7 +136,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
     )
-    _stage_flag(g, "max_batch_size", "requests per batch", type=int)
+    _stage_flag(g, "max_batch_size", "requests per batch (a running set: in it at once)", type=int)
     _stage_flag(
         g,
         "batch_policy",

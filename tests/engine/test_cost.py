@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ from vllm_omni_like.engine.snapshot import StageView, drain_seconds
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import QueueFullError
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import Progress
 
 
 def test_units_are_pixels_frames_images_and_the_guidance_branch():
@@ -104,9 +106,9 @@ def test_credits_queue_batches_and_the_next_starts_when_the_one_before_is_denois
     assert r.credits == 0 and not r.can_take
     assert r.critical.batch_id == 1 and r.clock.units == 10.0 and r.clock.last_step == 1.0
     assert r.outstanding() == (2, 10.0 * 4 + 20.0 * 4)
-    r.progress([1], 3, 4, now=2.0)  # one step left of batch 1
+    r.progress(Progress(1, [], 3, 4), now=2.0)  # one step left of batch 1
     assert r.outstanding() == (2, 10.0 + 80.0)
-    r.progress([2], 1, 4, now=2.1)  # a queued batch's report does not move the clock
+    r.progress(Progress(2, [], 1, 4), now=2.1)  # a queued batch's report does not move the clock
     assert r.clock.last_step == 2.0
     r.denoised(1, now=3.0)  # batch 2 runs from now: the stall bound counts from here
     assert r.critical.batch_id == 2 and r.clock.units == 20.0 and r.clock.last_step == 3.0
@@ -207,3 +209,31 @@ def test_the_engine_admits_seconds_of_work_not_a_number_of_requests():
     # a 128x128 request is ~66 ms of work here, a 256x256 one ~0.26 s
     assert 8 <= small <= 25 and 2 <= big <= 7 and small >= 2.5 * big, (small, big)
     assert refused.retry_after >= 1 and "--max-queue-seconds 1" in refused.message
+
+
+def test_a_running_sets_clock_counts_its_groups_and_its_credit_passes_to_a_joined_group():
+    r = _replica(0, credits=1)
+    r.dispatched(_batch(1, 10.0, now=1.0))  # the set's first group: it spends the credit
+    assert r.credits == 0 and r.clock.units == 10.0
+    first = InFlight(2, [object()], 1.5, units=5.0, steps=4, joined=True, key=())
+    r.dispatched(first)  # joins: no credit, its work joins the step's
+    assert r.credits == 0 and r.clock.units == 15.0 and first.started == 1.5
+    assert r.clock.last_step == 1.0  # a join does not restart the stall clock
+    r.progress(Progress(1, [], 2, 4, joined=[2]), now=2.0)  # one report for both groups
+    assert r.inflight[1].steps_done == 2 and r.inflight[2].steps_done == 2
+    r.denoised(1, now=3.0)  # the first group leaves; the set goes on with the joined one
+    assert r.credits == 0 and r.clock.units == 5.0 and not first.joined  # it holds the credit
+    r.denoised(2, now=4.0)  # the set drained: its credit comes back
+    assert r.credits == 1 and r.clock.units == 5.0  # (its last step's work: the expected step)
+
+
+def test_only_a_group_of_the_running_sets_shape_group_may_join_and_up_to_its_budget():
+    r = _replica(0, credits=1)
+    queued = [SimpleNamespace(isolate=False), SimpleNamespace(isolate=False)]
+    r.dispatched(InFlight(1, queued, 1.0, units=2.0, key=("a",)))
+    assert r.joinable(("a",), 1.0, budget=4) == 2  # two requests in the set, room for two more
+    assert r.joinable(("a",), 1.5, budget=4) == 2  # 2 + 2 x 1.5 <= 4 x 1.5
+    assert r.joinable(("a",), 0.6, budget=4) == 0  # its work is over 4 requests' of 0.6 already
+    assert r.joinable(("b",), 1.0, budget=4) == 0  # another shape group waits for it to drain
+    idle = _replica(1)
+    assert idle.joinable(("a",), 1.0, budget=4) == 0  # no set to join (it takes a new batch)

@@ -86,3 +86,17 @@ def test_a_row_whose_step_fails_fails_alone_and_its_peers_finish_as_alone():
         assert bad.error is not None and bad.error.kind is ErrorKind.GENERATE
         assert "injected raise fault at step" in bad.error.message
         assert _text(a) == alone and len(_text(b).split()) == 4
+
+
+def test_a_rows_deadline_ends_it_alone_in_the_set():
+    with engine(stage_kind=TOKENS) as eng:
+
+        async def run():
+            return await asyncio.gather(
+                final(eng, req("peer", SLOW, steps=12)),
+                final(eng, req("late", SLOW, steps=40, timeout=0.3)),  # 2 s of steps
+            )
+
+        peer, late = asyncio.run(run())
+        assert late.error is not None and late.error.kind is ErrorKind.TIMEOUT
+        assert len(_text(peer).split()) == 12

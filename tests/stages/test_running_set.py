@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import ErrorKind
@@ -43,10 +44,15 @@ class _Harness:
 
     def __init__(self, stage: DiffusionStage, faults: tuple[FaultRule, ...] = ()) -> None:
         self.stage = stage
-        self.control = StageControl(FaultInjector(faults, "diffusion"))
+        self.control = StageControl(FaultInjector(faults, "diffusion"), self._progress)
+        self.previews: dict[str, list[tuple[int, int]]] = {}  # request -> (its step, total)
         self.outputs: dict[str, StageOutput] = {}
         self.groups: list[int] = []  # in the order they left
         self.rows = RunningSet(stage, self.control, self._deliver, self._left, self._valid)
+
+    def _progress(self, ids, step, total, previews, progress) -> None:
+        for rid in previews:
+            self.previews.setdefault(rid, []).append(progress[rid])
 
     def _deliver(self, batch_id: int, out: StageOutput) -> None:
         self.outputs[out.request_id] = out
@@ -151,3 +157,30 @@ def test_a_join_that_raises_fails_its_culprit_and_the_rest_of_its_group_joins(st
     assert sorted(r.request_id for r in h.rows.stepper.requests) == ["a", "b"]
     h.steps()
     assert h.outputs["a"].error is None and h.outputs["b"].error is None
+
+
+def test_a_row_whose_latents_turn_nan_fails_alone_at_its_decode(stage):
+    a, b = _req("a", seed=3, steps=4), _req("b", seed=4, steps=4)
+    alone = _alone(stage, b)
+    h = _Harness(stage)
+    h.add(1, a, b)
+    h.steps(2)
+    rows = h.rows.stepper.set  # a's row goes bad (an overflow in the model, say)
+    first = rows.first_rows()["a"]
+    with torch.inference_mode():
+        rows.latents[first] = float("nan")
+    h.steps()
+    error = h.outputs["a"].error
+    assert error is not None and error.kind is ErrorKind.GENERATE
+    assert "not finite (NaN or inf)" in error.message
+    assert np.abs(h.pixels("b") - alone).max() <= 1  # its peer decoded as alone
+
+
+def test_a_request_that_joins_later_gets_its_partial_images_at_its_own_steps(stage):
+    h = _Harness(stage)
+    h.add(1, _req("a", seed=1, steps=8))
+    h.steps(3)
+    h.add(2, _req("b", seed=2, steps=4, partial_images=1))  # 1 preview: after its step 2 of 4
+    h.steps()
+    assert h.previews == {"b": [(2, 4)]}  # while the set was at a's step 5
+    assert h.outputs["b"].error is None

@@ -303,9 +303,8 @@ class Orchestrator:
                 pool.denoised(replica, bid)
             case Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
-            case Progress(batch_id=bid, request_ids=ids, step=step, total=total) as report:
-                groups = [bid, *report.joined]
-                pool.on_progress(replica, groups, step, total, time.monotonic(), report.progress)
+            case Progress(request_ids=ids, step=step, total=total) as report:
+                pool.on_progress(replica, report, time.monotonic())
                 own = report.progress or {}
                 for rid in ids:
                     state = self.requests.get(rid)

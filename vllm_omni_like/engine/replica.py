@@ -20,6 +20,7 @@ from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
+from vllm_omni_like.wire import Progress
 
 
 @dataclass
@@ -111,12 +112,17 @@ class Replica:
         """The groups its running set steps now (started, still on the critical path)."""
         return [f for f in self.inflight.values() if f.denoised is None and f.started is not None]
 
-    def joinable(self, key: tuple[object, ...], requests: int, budget: int) -> int:
-        """How many requests of shape group `key` may join its running set now (0: none)."""
+    def joinable(self, key: tuple[object, ...], units: float, budget: int) -> int:
+        """How many requests of shape group `key`, of `units` of work a step each, may join
+        its running set now (0: none): the set holds at most `budget` requests (its row budget)
+        and at most the work of `budget` such requests a step (its memory budget: a request
+        of n images is n rows)."""
         groups = self.stepping
         if not (self.live and groups) or any(f.key != key for f in groups) or self.holds_suspect:
             return 0
-        return max(0, budget - sum(len(f.requests) for f in groups))
+        rows = budget - sum(len(f.requests) for f in groups)
+        work = budget * units - sum(f.units for f in groups)
+        return max(0, min(rows, int(work // units) if units > 0 else rows))
 
     def outstanding(self) -> tuple[int, float]:
         """Requests and units of work on its critical path (running and queued)."""
@@ -142,18 +148,12 @@ class Replica:
         if batch is not None and not batch.joined:
             self.credits += 1
 
-    def progress(
-        self,
-        batch_ids: list[int],
-        step: int,
-        total: int,
-        now: float,
-        rows: dict[str, tuple[int, int]] | None = None,
-    ) -> None:
-        """A step of its running batch (or set: the groups `batch_ids`) was reported: each
-        group's steps (its requests' own, `rows`, where they differ), and the clock."""
+    def progress(self, report: Progress, now: float) -> None:
+        """A step of its running batch (or set: the report's groups) was reported: each
+        group's steps (its requests' own where they differ), and the clock."""
+        step, total, rows = report.step, report.total, report.progress
         stepped = False
-        for batch_id in batch_ids:
+        for batch_id in [report.batch_id, *report.joined]:
             batch = self.inflight.get(batch_id)
             if batch is None:
                 continue
@@ -183,8 +183,10 @@ class Replica:
 
     def _left_set(self, batch: InFlight) -> None:
         """`batch` left the critical path. The credit its dispatch spent is the running set's:
-        it comes back when the set drains, a group that joined holding it until then."""
-        self.clock.units = sum(f.units for f in self.stepping)
+        it comes back when the set drains, a group that joined holding it until then. The
+        clock keeps the last step's work once the set has drained (its expected step)."""
+        if self.stepping:
+            self.clock.units = sum(f.units for f in self.stepping)
         if batch.joined:
             return
         heir = next((f for f in self.stepping if f.joined), None)

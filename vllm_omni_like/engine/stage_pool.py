@@ -30,7 +30,7 @@ from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.executor.placement import replica_label
 from vllm_omni_like.models.limits import describe_stage
-from vllm_omni_like.wire import ExecuteBatch, FromWorker
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +215,9 @@ class StagePool:
             return None
         key = head.staged.batch_key(self.own_loop)
         budget = self.config.max_batch_size
+        units = cost.step_units(head.staged.params, self.text)
         rooms = [
-            (r.joinable(key, len(self.waiting), budget), r)
+            (r.joinable(key, units, budget), r)
             for r in self.replicas
             if r.index not in failed
         ]
@@ -268,18 +269,10 @@ class StagePool:
         if replica.executor is not None and replica.holds(state):
             replica.executor.abort([state.request_id])
 
-    def on_progress(
-        self,
-        replica_index: int,
-        batch_ids: list[int],
-        step: int,
-        total: int,
-        now: float,
-        rows: dict[str, tuple[int, int]] | None = None,
-    ) -> None:
-        """A step of a batch (a running set: its groups `batch_ids`) was reported: the
-        replica's step clock calibrates on it."""
-        self.replicas[replica_index].progress(batch_ids, step, total, now, rows)
+    def on_progress(self, replica_index: int, report: Progress, now: float) -> None:
+        """A step of a batch (a running set: its groups) was reported: the replica's step
+        clock calibrates on it."""
+        self.replicas[replica_index].progress(report, now)
 
     def on_compiling(self, replica_index: int, rank: int, active: bool, now: float) -> None:
         """A rank of the replica began or ended a compilation (its own allowance)."""

@@ -57,6 +57,8 @@ class PendingDecode:
         decodes (else empty `Encoded`s)."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
+            if not bool(torch.isfinite(rows).all()):  # (its bisection fails only that row)
+                raise FloatingPointError("the denoised latents are not finite (NaN or inf)")
             pad = bucket_for(len(picked), self.buckets) - len(picked)  # no buckets: 0
             if pad:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
