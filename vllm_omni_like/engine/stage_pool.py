@@ -217,9 +217,7 @@ class StagePool:
         budget = self.config.max_batch_size
         units = cost.step_units(head.staged.params, self.text)
         rooms = [
-            (r.joinable(key, units, budget), r)
-            for r in self.replicas
-            if r.index not in failed
+            (r.joinable(key, units, budget), r) for r in self.replicas if r.index not in failed
         ]
         room, replica = max(rooms, key=lambda pair: pair[0], default=(0, None))
         if not room or replica is None:
