@@ -6,6 +6,8 @@ its culprit fails."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from vllm_omni_like.errors import ErrorKind
 from vllm_omni_like.executor.running_set import Group, RunningSet
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.isolation import finish_parts
@@ -48,7 +50,8 @@ class _Harness:
         self.previews: dict[str, list[tuple[int, int]]] = {}  # request -> (its step, total)
         self.outputs: dict[str, StageOutput] = {}
         self.groups: list[int] = []  # in the order they left
-        self.rows = RunningSet(stage, self.control, self._deliver, self._left, self._valid)
+        self.rows = RunningSet(stage, self.control, self._deliver, self._handed, self._valid)
+        self.decodes: list[list[str]] = []  # the requests of each decode, in order
 
     def _progress(self, ids, step, total, previews, progress) -> None:
         for rid in previews:
@@ -57,10 +60,13 @@ class _Harness:
     def _deliver(self, batch_id: int, out: StageOutput) -> None:
         self.outputs[out.request_id] = out
 
-    def _left(self, group: Group) -> None:
-        self.groups.append(group.batch_id)
-        for out in finish_parts(self.stage, group.parts, self.control):
-            self.outputs[out.request_id] = out
+    def _handed(self, part: Deferred | None, ended: list[Group], owners: dict[str, int]) -> None:
+        self.groups += [group.batch_id for group in ended]
+        if part is not None:
+            assert set(owners) == {r.request_id for r in part.requests}
+            self.decodes.append([r.request_id for r in part.requests])
+            for out in finish_parts(self.stage, [part], self.control):
+                self.outputs[out.request_id] = out
 
     def _valid(self, batch: ExecuteBatch) -> list[StageRequest]:
         return list(batch.requests)
@@ -184,3 +190,30 @@ def test_a_request_that_joins_later_gets_its_partial_images_at_its_own_steps(sta
     h.steps()
     assert h.previews == {"b": [(2, 4)]}  # while the set was at a's step 5
     assert h.outputs["b"].error is None
+
+
+def test_a_set_from_its_first_join_to_its_drain_is_one_batch_of_the_timeline(stage, tmp_path):
+    tracer = stage.tracer
+    tracer.directory, tracer.batches = str(tmp_path), set()  # timelines only, no profiler
+    try:
+        h = _Harness(stage)
+        h.add(1, _req("a", seed=1, steps=4))
+        h.steps(2)
+        h.add(2, _req("b", seed=2, steps=3))
+        h.steps()
+        lines = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text().splitlines()
+    finally:
+        tracer.directory = ""
+    assert len(lines) == 1
+    labels = json.loads(lines[0])["labels"]
+    # a's 4 steps, b's 3 from a's step 3: 5 steps of the set
+    assert labels == ["begin"] + ["step"] * 5 + ["synced"]
+
+
+def test_the_requests_that_end_at_one_step_decode_together(stage):
+    h = _Harness(stage)
+    h.add(1, _req("a", seed=1, steps=3), _req("b", seed=2, steps=3))
+    h.add(2, _req("c", seed=3, steps=3), _req("d", seed=4, steps=5))
+    h.steps()
+    assert h.decodes == [["a", "b", "c"], ["d"]]  # one decode a step, across groups
+    assert h.groups == [1, 2]  # group 1 ended with the first, group 2 with d

@@ -10,9 +10,9 @@ request leaving as its rows end.
   commits nothing), so only the culprit fails and leaves; its peers go on. A join that raises
   is bisected the same way (its `execute` faults fire there).
 - An aborted request's rows leave at the next step boundary; its peers are untouched.
-- A request that ends leaves at once, its rest (the decode) deferred; when every request of a
-  group has left, the group leaves the critical path (`Denoised`) and its rest goes to the
-  finisher thread, which sends its results and its `BatchDone`.
+- The requests that end at a step leave at once, their rest (the decode) one job for the
+  finisher thread, which sends their results; a group none of whose requests is left leaves
+  the critical path (`Denoised`) with that job, and its `BatchDone` follows its last results.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ from vllm_omni_like.wire import ExecuteBatch, StageRequest
 
 @dataclass
 class Group:
-    """One ExecuteBatch's requests in the set: those still in it, and the rest of those that
-    left (their decode), handed to the finisher once none is left."""
+    """One ExecuteBatch's requests in the set."""
 
     batch_id: int
     ids: list[str]
     started: float
     left: set[str] = field(default_factory=set)  # still to leave
-    parts: list[Deferred | StageOutput] = field(default_factory=list)
+
+
+# what left at one step boundary: the requests that ended (their rest), the groups that ended,
+# and the group of each request that ended
+HandOver = Callable[[Deferred | None, list[Group], dict[str, int]], None]
 
 
 class RunningSet:
@@ -46,13 +49,13 @@ class RunningSet:
         stage: Stage,
         control: StageControl,
         deliver: Callable[[int, StageOutput], None],
-        group_left: Callable[[Group], None],
+        hand_over: HandOver,
         validate: Callable[[ExecuteBatch], list[StageRequest]],
     ) -> None:
         self.stage = stage
         self.control = control
         self.deliver = deliver  # (batch id, output): a culprit's error, out at once
-        self.group_left = group_left  # a group all of whose requests left
+        self.hand_over = hand_over
         self.validate = validate  # the group's valid requests (the others answered)
         self.stepper: RowStepper | None = None
         self.groups: dict[int, Group] = {}  # in the set, oldest first
@@ -105,7 +108,7 @@ class RunningSet:
             return []
 
         bisect_isolated(self.stage.name, valid, self.control, join, self._culprit)
-        self._settle()
+        self._settle(None)
 
     def step(self) -> None:
         """One step of the set, then whatever ended leaves."""
@@ -117,12 +120,7 @@ class RunningSet:
             return []
 
         bisect_isolated(self.stage.name, stepper.requests, self.control, step, self._culprit)
-        part = stepper.leave(self.control)
-        if part is not None:
-            for r in part.requests:
-                group = self.groups[self.group_of[r.request_id]]
-                group.parts.append(Deferred([r], part.finish))
-        self._settle()
+        self._settle(stepper.leave(self.control))
 
     def next_waiting(self) -> ExecuteBatch | None:
         """The first group that waited, once the set has drained."""
@@ -136,10 +134,17 @@ class RunningSet:
         self.stepper.drop({out.request_id})
         self.deliver(self.group_of[out.request_id], out)
 
-    def _settle(self) -> None:
-        """Groups none of whose requests is in the set any more leave it, oldest first."""
+    def _settle(self, part: Deferred | None) -> None:
+        """Hand over what left: the requests of `part` (ended at this step) and the groups
+        none of whose requests is in the set any more, oldest first."""
         assert self.stepper is not None
+        owners = (
+            {}
+            if part is None
+            else {r.request_id: self.group_of[r.request_id] for r in part.requests}
+        )
         inside = {r.request_id for r in self.stepper.requests}
+        ended = []
         for batch_id in list(self.groups):
             group = self.groups[batch_id]
             group.left &= inside
@@ -147,4 +152,6 @@ class RunningSet:
                 del self.groups[batch_id]
                 for rid in group.ids:
                     self.group_of.pop(rid, None)
-                self.group_left(group)
+                ended.append(group)
+        if part is not None or ended:
+            self.hand_over(part, ended, owners)

@@ -72,6 +72,19 @@ class _Job:
     model_batch: int = 0
     parts: list[Deferred | StageOutput] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    # a running set's: the group (batch id) of each request it finishes, and the groups it
+    # ends (their Denoised and BatchDone); None for a whole batch (`batch_id` is its group)
+    owners: dict[str, int] = field(default_factory=dict)
+    groups: list[Group] | None = None
+
+    def owner(self, request_id: str) -> int:
+        return self.owners.get(request_id, self.batch_id)
+
+    def ends(self) -> list[tuple[int, list[str], float]]:
+        """(batch id, request ids, start) of each group whose last requests it finishes."""
+        if self.groups is None:
+            return [(self.batch_id, self.ids, self.started)]
+        return [(g.batch_id, g.ids, g.started) for g in self.groups]
 
 
 class _Worker:
@@ -141,7 +154,7 @@ class _Worker:
             return False
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.rows = RunningSet(
-            self.stage, self.control, self._deliver, self._group_left, self._validate
+            self.stage, self.control, self._deliver, self._set_left, self._validate
         )
         stepped = self.stage.stepped_modes()
         memory = gpu_memory_in_use()
@@ -222,11 +235,15 @@ class _Worker:
                 self._result(batch.batch_id, out)
         return valid
 
-    def _group_left(self, group: Group) -> None:
-        """A group of the running set whose requests all left: its rest to the finisher."""
-        job = _Job(group.batch_id, group.ids, group.started, parts=group.parts)
+    def _set_left(self, part: Deferred | None, ended: list[Group], owners: dict[str, int]) -> None:
+        """What left the running set at one step boundary: the requests that ended (their rest,
+        one decode) and the groups none of whose requests is left (they leave the critical
+        path now; their BatchDone follows their last results) - to the finisher, as one job."""
+        now = time.monotonic()
+        job = _Job(-1, list(owners), now, parts=[part] if part is not None else [])
+        job.owners, job.groups = owners, ended
         job.model_batch = self.control.max_model_batch
-        job.phases["denoise"] = time.monotonic() - job.started
+        job.phases["denoise"] = max((now - g.started for g in ended), default=0.0)
         self._hand_over(job)
 
     def run_batch(self, batch: ExecuteBatch) -> None:
@@ -256,7 +273,8 @@ class _Worker:
             return
         # say this one may be followed: its rest (the decode) runs beside the next batch
         if self.reports:
-            self.send(Denoised(job.batch_id))
+            for batch_id, _, _ in job.ends():
+                self.send(Denoised(batch_id))
         self.finisher_busy.set()
         self.finishing.put(job)
 
@@ -301,7 +319,10 @@ class _Worker:
 
     def _finish_job(self, job: _Job) -> None:
         assert self.stage is not None
-        report = functools.partial(self._deliver, job.batch_id)
+
+        def report(out: StageOutput) -> None:
+            self._deliver(job.owner(out.request_id), out)
+
         started = time.monotonic()
         outputs = self._guard(finish_parts, self.stage, job.parts, self.control, report)
         job.phases["finish"] = time.monotonic() - started
@@ -327,26 +348,21 @@ class _Worker:
             self._result(batch_id, out)
 
     def _complete(self, job: _Job, outputs: list[StageOutput]) -> None:
-        """The batch's results (not the aborted ones), then its BatchDone."""
+        """The job's results (not the aborted ones), then the BatchDone of each group it ends."""
         for out in outputs:
-            self._deliver(job.batch_id, out)
-        if self.reports:
-            elapsed = time.monotonic() - job.started
-            steps = {rid: self.control.steps_run.get(rid, 0) for rid in job.ids}
-            after = self.control.steps_after_abort(job.ids)
-            done = BatchDone(
-                job.batch_id,
-                len(job.ids),
-                job.model_batch,
-                elapsed,
-                steps,
-                after,
-                gpu_memory_in_use(),
-                job.phases,
-            )
-            self.send(done)
-        self.sent.pop(job.batch_id, None)
-        self.control.forget(job.ids)
+            self._deliver(job.owner(out.request_id), out)
+        for batch_id, ids, started in job.ends():
+            if self.reports:
+                steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
+                after = self.control.steps_after_abort(ids)
+                elapsed = time.monotonic() - started
+                memory = gpu_memory_in_use()
+                done = BatchDone(
+                    batch_id, len(ids), job.model_batch, elapsed, steps, after, memory, job.phases
+                )
+                self.send(done)
+            self.sent.pop(batch_id, None)
+            self.control.forget(ids)
 
     def _result(self, batch_id: int, out: StageOutput) -> None:
         if self.reports:

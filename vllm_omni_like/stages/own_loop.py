@@ -36,14 +36,14 @@ class OwnLoop(DiffusionState):
         from vllm_omni_like.stages.own_set import OwnLoopSet
 
         rowset = OwnLoopSet(self)
-        self.probe.reset()
-        with self.tracer.batch():
-            rowset.join(batch, control)
+        try:
+            rowset.join(batch, control)  # (its first join opens the timeline's batch)
             while rowset.step(control):
                 pass
-            if self.device.type == "cuda":  # the loop ends when its steps do
-                torch.cuda.current_stream(self.device).synchronize()
-            self.tracer.mark("synced")
+        except BaseException as failure:
+            rowset.drained(failure)
+            raise
+        rowset.drained()  # the loop ends when its steps do; the timeline is written
         control.saw_model_batch(self.probe.max_seen)
         rows = rowset.set.rows
         assert rowset.set.latents is not None

@@ -6,6 +6,7 @@ whole batch's is. A whole batch through our own loop is a set that nothing joins
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ class OwnLoopSet(RowStepper):
         self.set = DenoiseSet(stage.denoise)
         self.key: tuple[Any, ...] | None = None  # the shape group of the rows in the set
         self.frames = 0
+        # from the first join until the set drains: one batch of the stage's timeline
+        self._traced: contextlib.ExitStack | None = None
 
     @property
     def requests(self) -> list[StageRequest]:
@@ -45,6 +48,9 @@ class OwnLoopSet(RowStepper):
             self.key = batch[0].batch_key(frozenset(stage.own))
             self.frames = frames if stage.is_video else 0
             stage.probe.reset()
+            if self._traced is None:
+                self._traced = contextlib.ExitStack()
+                self._traced.enter_context(stage.tracer.batch())
         self.set.join(rows, embeds, latents)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
@@ -65,9 +71,10 @@ class OwnLoopSet(RowStepper):
                 for r in requests
                 if r.request_id in progress and control.wants_preview(r, *progress[r.request_id])
             ]
-            stage = self.stage
-            latents, first = self.set.latents, self.set.first_rows()
-            previews = stage._preview_images(stage.pipe, want, first, latents) if want else None
+            stage, previews = self.stage, None
+            if want:
+                first = self.set.first_rows()
+                previews = stage._preview_images(stage.pipe, want, first, self.set.latents)
         step = max(at for at, _ in progress.values())
         total = max(of for _, of in progress.values())
         stepped = [r for r in requests if r.request_id in progress]
@@ -79,15 +86,33 @@ class OwnLoopSet(RowStepper):
     def leave(self, control: StageControl) -> Deferred | None:
         live = {r.request_id for r in control.live(self.set.requests)}
         left = self.set.leave(live)
+        part = None
+        if left is not None:
+            stage = self.stage
+            decoder = stage.adapter.decoder(stage.pipe)
+            part = stage.defer(left.requests, left.latents, left.seeds, self.frames, decoder)
         if self.set.empty:
-            self.key = None
-        if left is None:
-            return None
+            self.drained()
+        return part
+
+    def drained(self, failure: BaseException | None = None) -> None:
+        """The set is empty: its steps end when the device's do (the denoise phase is device
+        time, as a whole batch's), and its timeline is written - not after a `failure` (its
+        device may be gone)."""
+        self.key = None
+        traced, self._traced = self._traced, None
+        if traced is None:
+            return
+        if failure is not None:
+            traced.__exit__(type(failure), failure, failure.__traceback__)
+            return
         stage = self.stage
-        decoder = stage.adapter.decoder(stage.pipe)
-        return stage.defer(left.requests, left.latents, left.seeds, self.frames, decoder)
+        if stage.device.type == "cuda":
+            torch.cuda.current_stream(stage.device).synchronize()
+        stage.tracer.mark("synced")
+        traced.close()
 
     def drop(self, request_ids: set[str]) -> None:
         self.set.remove(request_ids)
         if self.set.empty:
-            self.key = None
+            self.drained()
