@@ -123,12 +123,18 @@ def test_a_group_of_another_shape_waits_for_the_set_to_drain(stage):
     assert h.rows.next_waiting() is other  # the set drained: its turn
 
 
-def test_an_aborted_request_leaves_at_the_next_step_and_its_peers_are_untouched(stage):
-    a, b = _req("a", seed=3, steps=6), _req("b", seed=4, steps=6)
+def _two_steps_in(stage: DiffusionStage, steps: int) -> tuple[_Harness, np.ndarray]:
+    """Requests a and b in one set, two steps in; and b's image made alone."""
+    a, b = _req("a", seed=3, steps=steps), _req("b", seed=4, steps=steps)
     alone = _alone(stage, b)
     h = _Harness(stage)
     h.add(1, a, b)
     h.steps(2)
+    return h, alone
+
+
+def test_an_aborted_request_leaves_at_the_next_step_and_its_peers_are_untouched(stage):
+    h, alone = _two_steps_in(stage, 6)
     h.control.abort(["a"])
     h.steps(1)
     assert [r.request_id for r in h.rows.stepper.requests] == ["b"]  # a left at once
@@ -166,11 +172,7 @@ def test_a_join_that_raises_fails_its_culprit_and_the_rest_of_its_group_joins(st
 
 
 def test_a_row_whose_latents_turn_nan_fails_alone_at_its_decode(stage):
-    a, b = _req("a", seed=3, steps=4), _req("b", seed=4, steps=4)
-    alone = _alone(stage, b)
-    h = _Harness(stage)
-    h.add(1, a, b)
-    h.steps(2)
+    h, alone = _two_steps_in(stage, 4)
     rows = h.rows.stepper.set  # a's row goes bad (an overflow in the model, say)
     first = rows.first_rows()["a"]
     with torch.inference_mode():

@@ -38,6 +38,32 @@ class Group:
     left: set[str] = field(default_factory=set)  # still to leave
 
 
+@dataclass
+class Job:
+    """One batch in this worker (or what left a running set at one step): begun on the main
+    thread, maybe finished on the finisher."""
+
+    batch_id: int
+    ids: list[str]
+    started: float
+    model_batch: int = 0
+    parts: list[Deferred | StageOutput] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    # a running set's: the group (batch id) of each request it finishes, and the groups it
+    # ends (their Denoised and BatchDone); None for a whole batch (`batch_id` is its group)
+    owners: dict[str, int] = field(default_factory=dict)
+    groups: list[Group] | None = None
+
+    def owner(self, request_id: str) -> int:
+        return self.owners.get(request_id, self.batch_id)
+
+    def ends(self) -> list[tuple[int, list[str], float]]:
+        """(batch id, request ids, start) of each group whose last requests it finishes."""
+        if self.groups is None:
+            return [(self.batch_id, self.ids, self.started)]
+        return [(g.batch_id, g.ids, g.started) for g in self.groups]
+
+
 # what left at one step boundary: the requests that ended (their rest), the groups that ended,
 # and the group of each request that ended
 HandOver = Callable[[Deferred | None, list[Group], dict[str, int]], None]

@@ -18,7 +18,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -26,7 +25,7 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
 from vllm_omni_like.executor import placement, transport
 from vllm_omni_like.executor.placement import gpu_memory_in_use
-from vllm_omni_like.executor.running_set import Group, RunningSet
+from vllm_omni_like.executor.running_set import Group, Job, RunningSet
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stages.base import Deferred, Stage, StageControl, create_stage
@@ -62,31 +61,6 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(PARENT_POLL_S)
 
 
-@dataclass
-class _Job:
-    """One batch in this worker: begun on the main thread, maybe finished on the finisher."""
-
-    batch_id: int
-    ids: list[str]
-    started: float
-    model_batch: int = 0
-    parts: list[Deferred | StageOutput] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)
-    # a running set's: the group (batch id) of each request it finishes, and the groups it
-    # ends (their Denoised and BatchDone); None for a whole batch (`batch_id` is its group)
-    owners: dict[str, int] = field(default_factory=dict)
-    groups: list[Group] | None = None
-
-    def owner(self, request_id: str) -> int:
-        return self.owners.get(request_id, self.batch_id)
-
-    def ends(self) -> list[tuple[int, list[str], float]]:
-        """(batch id, request ids, start) of each group whose last requests it finishes."""
-        if self.groups is None:
-            return [(self.batch_id, self.ids, self.started)]
-        return [(g.batch_id, g.ids, g.started) for g in self.groups]
-
-
 class _Worker:
     def __init__(
         self,
@@ -112,7 +86,7 @@ class _Worker:
         self.stage: Stage | None = None
         self.name = config.name
         # batches whose rest runs on the finisher thread; at most one at a time
-        self.finishing: queue.Queue[_Job] = queue.Queue()
+        self.finishing: queue.Queue[Job] = queue.Queue()
         self.finisher_free = threading.Semaphore(1)
         self.finisher_busy = threading.Event()  # it finishes a batch now (holding its memory)
         self.control.reclaim = self._reclaim
@@ -240,7 +214,7 @@ class _Worker:
         one decode) and the groups none of whose requests is left (they leave the critical
         path now; their BatchDone follows their last results) - to the finisher, as one job."""
         now = time.monotonic()
-        job = _Job(-1, list(owners), now, parts=[part] if part is not None else [])
+        job = Job(-1, list(owners), now, parts=[part] if part is not None else [])
         job.owners, job.groups = owners, ended
         job.model_batch = self.control.max_model_batch
         job.phases["denoise"] = max((now - g.started for g in ended), default=0.0)
@@ -248,7 +222,7 @@ class _Worker:
 
     def run_batch(self, batch: ExecuteBatch) -> None:
         assert self.stage is not None
-        job = _Job(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
+        job = Job(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
         self.batch_id, self.joined = batch.batch_id, []
         self.control.max_model_batch = 0
         valid = self._validate(batch)
@@ -263,7 +237,7 @@ class _Worker:
         job.phases["denoise"] = time.monotonic() - job.started
         self._hand_over(job)
 
-    def _hand_over(self, job: _Job) -> None:
+    def _hand_over(self, job: Job) -> None:
         """The job's rest (its decode) on the finisher, beside what runs next (here, without
         decode overlap); one job at a time is finished: wait for the one before."""
         self.finisher_free.acquire()
@@ -317,7 +291,7 @@ class _Worker:
             self.finisher_busy.clear()
             self.finisher_free.release()
 
-    def _finish_job(self, job: _Job) -> None:
+    def _finish_job(self, job: Job) -> None:
         assert self.stage is not None
 
         def report(out: StageOutput) -> None:
@@ -347,7 +321,7 @@ class _Worker:
             sent.add(out.request_id)
             self._result(batch_id, out)
 
-    def _complete(self, job: _Job, outputs: list[StageOutput]) -> None:
+    def _complete(self, job: Job, outputs: list[StageOutput]) -> None:
         """The job's results (not the aborted ones), then the BatchDone of each group it ends."""
         for out in outputs:
             self._deliver(job.owner(out.request_id), out)
