@@ -15,6 +15,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.denoise import Settings, text_dtype
+from vllm_omni_like.stages.denoise_set import DenoiseSet
 from vllm_omni_like.stages.diffusion import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
@@ -73,9 +74,11 @@ def _our_latents(stage: DiffusionStage, request: StageRequest) -> list[torch.Ten
         shape = stage.adapter.latent_shape(1, stage.default_width, stage.default_height, frames)
         dtype = stage.adapter.latent_dtype(text_dtype(embeds))
         latents = stage.denoise.noise(rows, shape, dtype)
-        stage.denoise.run(
-            rows, embeds, latents, _control(), [request], lambda x, _: seen.append(x.clone())
-        )
+        rowset = DenoiseSet(stage.denoise)  # a set nothing joins: a whole batch
+        rowset.join(rows, embeds, latents)
+        while rowset.step({request.request_id}):
+            assert rowset.latents is not None
+            seen.append(rowset.latents.clone())
     return seen
 
 

@@ -28,7 +28,6 @@ from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.columns import column, mul, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
-from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.wire import StageRequest
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
@@ -113,14 +112,12 @@ class DenoiseLoop:
         embed: Embed,
         buckets: tuple[int, ...] = (),
         batched_cfg: bool = True,
-        mark: Callable[[str], None] = lambda label: None,
     ) -> None:
         self.adapter = adapter
         self.device = device
         self.embed = embed
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
-        self.mark = mark
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
         self.host_times = len(adapter.experts()) > 1
 
@@ -162,32 +159,6 @@ class DenoiseLoop:
         return latents
 
     # ---- the loop ------------------------------------------------------------------------------
-    def run(
-        self,
-        rows: list[LoopRow],
-        embeds: Text,
-        latents: torch.Tensor,
-        control: StageControl,
-        batch: list[StageRequest],
-        on_step: Callable[[torch.Tensor, dict[str, tuple[int, int]]], None],
-    ) -> torch.Tensor:
-        """Denoise `latents` (one per row) until every live row ended its steps, as a running
-        set that nothing joins (stages/denoise_set.py). After each step `on_step(latents,
-        progress)` with each stepped request's (step, total)."""
-        from vllm_omni_like.stages.denoise_set import DenoiseSet
-
-        rowset = DenoiseSet(self)
-        rowset.join(rows, embeds, latents)
-        while True:
-            live = {r.request_id for r in control.live(batch)}
-            active = {r.request.request_id for r in rowset.rows if not r.state.done}
-            if not rowset.step(live):
-                assert rowset.latents is not None
-                return rowset.latents
-            assert rowset.latents is not None
-            on_step(rowset.latents, rowset.progress(live & active))
-            self.mark("step")
-
     def step(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
         """One step of the rows of `plan` (their `latents`): the guided prediction, then each
         row's scheduler update. Advances the rows' schedule positions."""
@@ -207,10 +178,10 @@ class DenoiseLoop:
         device = latents.device
         negatives = None
         if cfg and self.batched_cfg:
-            texts = take(embeds, _index(text + negative, device))
+            texts = take(embeds, row_index(text + negative, device))
         else:
-            texts = take(embeds, _index(text, device))
-            negatives = take(embeds, _index(negative, device)) if cfg else None
+            texts = take(embeds, row_index(text, device))
+            negatives = take(embeds, row_index(negative, device)) if cfg else None
         scales = [group[j].guidance for j in cfg]
         scale: float | torch.Tensor = 1.0
         if every_cfg and len(set(scales)) == 1:  # one scale: as the pipeline applies it
@@ -220,9 +191,9 @@ class DenoiseLoop:
         return Plan(
             active=active,
             group=group,
-            index=None if len(active) == len(rows) else _index(active, device),
+            index=None if len(active) == len(rows) else row_index(active, device),
             cfg=cfg,
-            cfg_index=None if every_cfg or not cfg else _index(cfg, device),
+            cfg_index=None if every_cfg or not cfg else row_index(cfg, device),
             texts=texts,
             negatives=negatives,
             scale=scale,
@@ -266,5 +237,6 @@ class DenoiseLoop:
         return self.adapter.predict(latents, times, text, at=at)[:rows]
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row positions as an index tensor on `device` (a pinned, non-blocking copy)."""
     return to_device(torch.tensor(rows, dtype=torch.long), device)

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_omni_like.stages.denoise import DenoiseLoop, LoopRow, Plan, Text, cat_rows, take
+from vllm_omni_like.stages.denoise import (
+    DenoiseLoop,
+    LoopRow,
+    Plan,
+    Text,
+    cat_rows,
+    row_index,
+    take,
+)
 from vllm_omni_like.wire import StageRequest
 
 
@@ -47,10 +55,7 @@ class DenoiseSet:
     @property
     def requests(self) -> list[StageRequest]:
         """The requests in the set, in the order they joined (each once)."""
-        seen: dict[str, StageRequest] = {}
-        for row in self.rows:
-            seen.setdefault(row.request.request_id, row.request)
-        return list(seen.values())
+        return _distinct(row.request for row in self.rows)
 
     def join(self, rows: list[LoopRow], text: Text, latents: torch.Tensor) -> None:
         """Add a group's rows (`loop.rows` and `loop.noise` made them) at the step boundary."""
@@ -71,10 +76,11 @@ class DenoiseSet:
         live: set[str],
         check: Callable[[list[StageRequest]], None] | None = None,
         only: set[str] | None = None,
-    ) -> bool:
+    ) -> dict[str, tuple[int, int]]:
         """One step of every live row that has steps left (of those in `only`, if given);
         `check(requests)` runs between computing the step and committing it (the step's
-        faults), and a step that raises is not committed. False: no row stepped."""
+        faults), and a step that raises is not committed. Each stepped request's (step, total)
+        (its rows share their schedule); empty: no row stepped."""
         assert self.latents is not None and self.text is not None
         active = [
             i
@@ -84,7 +90,7 @@ class DenoiseSet:
             and (only is None or r.request.request_id in only)
         ]
         if not active:
-            return False
+            return {}
         plan = self._plan
         if plan is None or plan.active != active:
             plan = self.loop._plan(self.rows, active, self.text, self.latents)
@@ -104,14 +110,8 @@ class DenoiseSet:
             self.latents = self.latents.to(stepped.dtype)
             self.latents[plan.index] = stepped
         self._plan = plan
-        return True
-
-    def progress(self, live: set[str]) -> dict[str, tuple[int, int]]:
-        """Each live request's (step, total) (its rows share their schedule)."""
         return {
-            r.request.request_id: (r.state.index, r.state.schedule.iterations)
-            for r in self.rows
-            if r.request.request_id in live
+            r.request.request_id: (r.state.index, r.state.schedule.iterations) for r in plan.group
         }
 
     def first_rows(self) -> dict[str, int]:
@@ -124,12 +124,8 @@ class DenoiseSet:
     def leave(self, live: set[str]) -> Left | None:
         """Take out the rows of requests that ended (returned, with their latents) or are no
         longer live (dropped)."""
-        ended = {
-            rid
-            for rid in live
-            if any(r.request.request_id == rid for r in self.rows)
-            and all(r.state.done for r in self.rows if r.request.request_id == rid)
-        }
+        pending = {r.request.request_id for r in self.rows if not r.state.done}
+        ended = ({r.request.request_id for r in self.rows} & live) - pending
         keep = [i for i, r in enumerate(self.rows) if r.request.request_id in live - ended]
         out = [i for i, r in enumerate(self.rows) if r.request.request_id in ended]
         if len(keep) == len(self.rows):
@@ -137,7 +133,7 @@ class DenoiseSet:
         assert self.latents is not None and self.text is not None
         left = None
         if out:
-            index = torch.tensor(out, device=self.latents.device)
+            index = row_index(out, self.latents.device)
             requests = _distinct(self.rows[i].request for i in out)
             left = Left(requests, self.latents[index], [self.rows[i].seed for i in out])
         self._keep(keep)
@@ -163,8 +159,8 @@ class DenoiseSet:
             row.text = where[row.text]
             row.negative = None if row.negative is None else where[row.negative]
         device = self.latents.device
-        self.text = take(self.text, torch.tensor(used, device=device))
-        self.latents = self.latents[torch.tensor(keep, device=device)]
+        self.text = take(self.text, row_index(used, device))
+        self.latents = self.latents[row_index(keep, device)]
         self.rows = rows
 
 

@@ -138,7 +138,6 @@ class DiffusionStage(OwnLoop, PipelineCall):
             self._embed,
             tuple(2 * b for b in self.buckets),
             config.batched_cfg,
-            self.tracer.mark,
         )
         self.leader: cfg_parallel.Leader | None = None
         self.cfg: BatchedCFG | cfg_parallel.SplitCFG | None = None
@@ -270,7 +269,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
 
     def stepper(self, mode: str) -> RowStepper | None:
         """Our own loop's modes run as a running set (own_set.py); the pipeline's call cannot."""
-        return OwnLoopSet(self) if mode in self.own and self.link is None else None
+        return OwnLoopSet(self) if mode in self.stepped_modes() else None
 
     def close(self) -> None:
         if self.link is not None:

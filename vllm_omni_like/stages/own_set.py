@@ -56,16 +56,14 @@ class OwnLoopSet(RowStepper):
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
         requests = self.set.requests
         live = {r.request_id for r in control.live(requests)}
-        active = {r.request.request_id for r in self.set.rows if not r.state.done}
 
         def check(stepped: list[StageRequest]) -> None:
             control.faults.fire("step", stepped)
 
         with torch.inference_mode():
-            if not self.set.step(live, check, only):
+            progress = self.set.step(live, check, only)
+            if not progress:
                 return False
-            assert self.set.latents is not None
-            progress = self.set.progress(live & active if only is None else live & active & only)
             want = [
                 r
                 for r in requests
@@ -73,6 +71,7 @@ class OwnLoopSet(RowStepper):
             ]
             stage, previews = self.stage, None
             if want:
+                assert self.set.latents is not None
                 first = self.set.first_rows()
                 previews = stage._preview_images(stage.pipe, want, first, self.set.latents)
         step = max(at for at, _ in progress.values())
