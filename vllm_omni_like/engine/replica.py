@@ -112,6 +112,11 @@ class Replica:
         """The groups its running set steps now (started, still on the critical path)."""
         return [f for f in self.inflight.values() if f.denoised is None and f.started is not None]
 
+    @property
+    def set_units(self) -> float:
+        """The work of one step of its running set (cost.py units)."""
+        return sum(f.units for f in self.stepping)
+
     def joinable(self, key: tuple[object, ...], units: float, budget: int) -> int:
         """How many requests of shape group `key`, of `units` of work a step each, may join
         its running set now (0: none): the set holds at most `budget` requests (its row budget)
@@ -121,7 +126,7 @@ class Replica:
         if not (self.live and groups) or any(f.key != key for f in groups) or self.holds_suspect:
             return 0
         rows = budget - sum(len(f.requests) for f in groups)
-        work = budget * units - sum(f.units for f in groups)
+        work = budget * units - self.set_units
         return max(0, min(rows, int(work // units) if units > 0 else rows))
 
     def outstanding(self) -> tuple[int, float]:
@@ -137,7 +142,7 @@ class Replica:
         self.last_dispatch = batch.dispatched
         if batch.joined:  # it steps with the set from the next step: its work joins the clock's
             batch.started = batch.dispatched
-            self.clock.units = sum(f.units for f in self.stepping)
+            self.clock.units = self.set_units
             return
         self.credits -= 1
         self._start_next(batch.dispatched)
@@ -186,7 +191,7 @@ class Replica:
         it comes back when the set drains, a group that joined holding it until then. The
         clock keeps the last step's work once the set has drained (its expected step)."""
         if self.stepping:
-            self.clock.units = sum(f.units for f in self.stepping)
+            self.clock.units = self.set_units
         if batch.joined:
             return
         heir = next((f for f in self.stepping if f.joined), None)
@@ -206,4 +211,4 @@ class Replica:
         batch = self.critical
         if batch is not None and batch.started is None:
             batch.started = now
-            self.clock.begin(sum(f.units for f in self.stepping), now)
+            self.clock.begin(self.set_units, now)

@@ -383,17 +383,17 @@ class StagePool:
             if r.clock.compiling:
                 bound, why = self.config.compile_timeout, "decode, compiling"
             if now - oldest.denoised > bound:
-                return _stall(oldest, now - oldest.denoised, bound, why)
+                return _stall([oldest], now - oldest.denoised, bound, why)
         running = r.critical
         if running is None:
             return None
         quiet = now - r.clock.last_step
         bound, why = r.clock.bound(self._peer_rate(r))
-        if quiet <= bound:
-            return None
-        stall = _stall(running, quiet, bound, why)  # a running set's step is all its groups'
-        together = frozenset(s.request_id for f in r.stepping for s in f.requests)
-        return Stall(stall.batch_id, stall.request_ids | together, stall.reason)
+        if quiet > bound:  # a running set's step is all its groups': each is charged
+            return _stall(
+                [running, *(f for f in r.stepping if f is not running)], quiet, bound, why
+            )
+        return None
 
     def _peer_rate(self, replica: Replica) -> float | None:
         """The speed another replica of this stage measured on the same kind of device."""
@@ -404,6 +404,8 @@ class StagePool:
         return None
 
 
-def _stall(batch: InFlight, quiet: float, bound: float, why: str) -> Stall:
-    ids = frozenset(s.request_id for s in batch.requests)
-    return Stall(batch.batch_id, ids, f"no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})")
+def _stall(batches: list[InFlight], quiet: float, bound: float, why: str) -> Stall:
+    """The stall of the first of `batches`, charged to the requests of all of them."""
+    ids = frozenset(s.request_id for f in batches for s in f.requests)
+    reason = f"no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
+    return Stall(batches[0].batch_id, ids, reason)

@@ -101,7 +101,7 @@ class RunningSet:
         runs the others whole, as before."""
         if self.running:
             return True
-        return bool(batch.requests) and self.stage.stepper(batch.requests[0].mode) is not None
+        return bool(batch.requests) and batch.requests[0].mode in self.stage.stepped_modes()
 
     def add(self, batch: ExecuteBatch) -> None:
         """Join now if the set takes it, else wait for the set to drain."""
@@ -112,7 +112,7 @@ class RunningSet:
 
     def _joins(self, batch: ExecuteBatch) -> bool:
         assert self.stepper is not None
-        same_kind = self.stage.stepper(batch.requests[0].mode) is not None
+        same_kind = batch.requests[0].mode in self.stage.stepped_modes()
         return same_kind and all(self.stepper.accepts(r) for r in batch.requests)
 
     def _join(self, batch: ExecuteBatch) -> None:

@@ -214,9 +214,9 @@ class _Worker:
         one decode) and the groups none of whose requests is left (they leave the critical
         path now; their BatchDone follows their last results) - to the finisher, as one job."""
         now = time.monotonic()
-        job = Job(-1, list(owners), now, parts=[part] if part is not None else [])
+        parts: list[Deferred | StageOutput] = [part] if part is not None else []
+        job = Job(-1, list(owners), now, self.control.max_model_batch, parts)
         job.owners, job.groups = owners, ended
-        job.model_batch = self.control.max_model_batch
         job.phases["denoise"] = max((now - g.started for g in ended), default=0.0)
         self._hand_over(job)
 

@@ -135,13 +135,7 @@ def bisect_isolated(
 ) -> list[StageOutput]:
     """`run` over `batch`, halves re-run on failure until only the culprits fail (each
     reported); an out-of-memory error while a batch is finished beside it is retried once."""
-    return [
-        out
-        for out in _bisect(
-            stage, batch, control, _retried_after_reclaim(stage, control, run), report
-        )
-        if isinstance(out, StageOutput)
-    ]
+    return _bisect(stage, batch, control, _retried_after_reclaim(stage, control, run), report)
 
 
 def begin_isolated(
