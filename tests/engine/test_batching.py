@@ -27,7 +27,7 @@ class _Key:
 class _Queued:
     name: str
     key: str = "a"
-    isolate: bool = False
+    cohort: int | None = None
     enqueued_at: float = 0.0
 
     @property
@@ -41,12 +41,17 @@ def _names(items) -> list[str]:
 
 def test_take_compatible_batches_the_oldest_with_its_kind_and_keeps_the_order():
     waiting = deque(
-        [_Queued("1"), _Queued("2", "b"), _Queued("3"), _Queued("4", isolate=True), _Queued("5")]
+        [_Queued("1"), _Queued("2", "b"), _Queued("3"), _Queued("4", cohort=1), _Queued("5")]
     )
     batch, left = take_compatible(waiting, max_batch=8)
     assert _names(batch) == ["1", "3", "5"] and _names(left) == ["2", "4"]
-    batch, left = take_compatible(deque([_Queued("x", isolate=True), _Queued("y")]), 8)
-    assert _names(batch) == ["x"] and _names(left) == ["y"]  # re-queued after a death: alone
+    suspects = [_Queued("x", cohort=3), _Queued("y"), _Queued("z", "b", cohort=3)]
+    suspects += [_Queued("w", cohort=4), _Queued("v", cohort=3)]
+    batch, left = take_compatible(deque(suspects), 8)
+    # re-queued after a death: with its cohort only (whatever the shapes: they were one batch)
+    assert _names(batch) == ["x", "z", "v"] and _names(left) == ["y", "w"]
+    batch, left = take_compatible(deque(suspects), 2)
+    assert _names(batch) == ["x", "z"] and _names(left) == ["y", "w", "v"]
     batch, left = take_compatible(deque(_Queued(str(i)) for i in range(5)), max_batch=2)
     assert _names(batch) == ["0", "1"] and _names(left) == ["2", "3", "4"]
 

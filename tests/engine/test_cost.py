@@ -229,7 +229,7 @@ def test_a_running_sets_clock_counts_its_groups_and_its_credit_passes_to_a_joine
 
 def test_only_a_group_of_the_running_sets_shape_group_may_join_and_up_to_its_budget():
     r = _replica(0, credits=1)
-    queued = [SimpleNamespace(isolate=False), SimpleNamespace(isolate=False)]
+    queued = [SimpleNamespace(cohort=None), SimpleNamespace(cohort=None)]
     r.dispatched(InFlight(1, queued, 1.0, units=2.0, key=("a",)))
     assert r.joinable(("a",), 1.0, budget=4) == 2  # two requests in the set, room for two more
     assert r.joinable(("a",), 1.5, budget=4) == 2  # 2 + 2 x 1.5 <= 4 x 1.5

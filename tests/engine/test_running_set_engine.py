@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tests.engine.helpers import engine, final, req, steps_of
+from tests.engine.helpers import engine, final, kill_worker, req, steps_of
 from vllm_omni_like.errors import ErrorKind
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
@@ -100,3 +100,63 @@ def test_a_rows_deadline_ends_it_alone_in_the_set():
         peer, late = asyncio.run(run())
         assert late.error is not None and late.error.kind is ErrorKind.TIMEOUT
         assert len(_text(peer).split()) == 12
+
+
+async def _set_of(eng, requests: list[OmniRequest]) -> list[asyncio.Task]:
+    """The requests' tasks, each sent once the one before it reported a step: they join one
+    replica's running set one after the other."""
+    tasks = []
+    for request in requests:
+        running = asyncio.Event()
+        tasks.append(asyncio.create_task(_running(eng, request, 1, running)))
+        await asyncio.wait_for(running.wait(), 30)
+    return tasks
+
+
+def test_a_worker_that_dies_mid_set_reruns_its_rows_by_halves_without_spending_more():
+    """Four rows in a set when the worker is killed: they re-run as two cohorts of two, one
+    after the other on the restarted replica, and end with what they make alone; each spent
+    its one retry (`--max-request-retries 1`) once."""
+    with engine(stage_kind=TOKENS, max_restarts=1) as eng:
+        alone = _text(asyncio.run(final(eng, req("alone", SLOW, steps=12, seed=3))))
+        pool = eng.orchestrator.pools["null-omni"][0]
+
+        async def run():
+            reqs = [req(f"r{i}", SLOW, steps=12, seed=3) for i in range(4)]
+            tasks = await _set_of(eng, reqs)
+            states = [eng.orchestrator.requests[r.request_id] for r in reqs]
+            before = len(eng.batches)
+            kill_worker(eng, "null-omni", 0)
+            return await asyncio.gather(*tasks), states, before
+
+        outs, states, before = asyncio.run(run())
+        assert [_text(o) for o in outs] == [alone] * 4
+        assert eng.stats.worker_deaths == 1 and [s.retries for s in states] == [1] * 4
+        reruns = [b for b in eng.batches[before:] if b.stage == "llm"]
+        assert sorted(b.size for b in reruns) == [2, 2], reruns  # two cohorts, not 4 runs of 1
+        assert {r for b in reruns for r in b.steps_run} == {f"r{i}" for i in range(4)}
+        assert pool.replicas[0].restarts == 1  # a crash no conviction explains: the replica's
+
+
+def test_a_poison_row_in_a_set_is_convicted_by_halves_and_its_peers_pay_nothing():
+    """A row that kills its worker joins a set of three: 4 -> 2 + 2 -> 1 + 1, convicted at its
+    third death; its peers finish whole though they were present at two deaths each, and the
+    replica's budget of one restart is whole again."""
+    faults = "stage=llm,point=step,kind=exit,match=@poison"
+    with engine(faults=faults, stage_kind=TOKENS, max_restarts=1) as eng:
+        pool = eng.orchestrator.pools["null-omni"][0]
+
+        async def run():
+            reqs = [req(f"p{i}", SLOW, steps=8) for i in range(3)]
+            tasks = await _set_of(eng, reqs)
+            tasks.append(asyncio.create_task(final(eng, req("bad", "x @poison", steps=8))))
+            return await asyncio.gather(*tasks)
+
+        *peers, bad = asyncio.run(run())
+        assert bad.error is not None and bad.error.status == 500
+        assert bad.error.message == (
+            "stage 'llm': request crashed the worker 3 times; it is not retried"
+        )
+        assert all(len(_text(p).split()) == 8 for p in peers)
+        assert eng.stats.worker_deaths == 3
+        assert pool.replicas[0].restarts == 0

@@ -202,41 +202,43 @@ def test_a_stage_that_was_idle_takes_a_request_at_once():
         assert out.ok and took < 0.1
 
 
-def test_once_the_culprit_is_known_its_neighbours_rerun_together_at_once():
-    """A batch of four with one hang: all four re-run alone after the first death; the culprit
-    (sorted last, so first in the queue) hangs again and is proven, and its three innocent
-    neighbours then run as one batch instead of one at a time."""
-    faults = "stage=diffusion,point=execute,kind=hang,match=@hang"
-    kw = {"stall_timeout": 0.5, "cold_step_timeout": 1.0, "max_batch_size": 8}
-    with engine("null-image", faults, stage_kw=kw, max_restarts=1) as e:
+def test_a_death_reruns_its_batch_by_halves_and_charges_only_the_convicted_request():
+    """A batch of eight of which one kills its worker: the suspects re-run as halves, each
+    alone on the replica (8 -> 4 + 4 -> 2 + 2 -> 1 + 1), so the culprit is convicted at its
+    fourth death, not after eight runs of one; each death of its chain is refunded (a budget
+    of one restart survives four deaths) and the innocents it explains run together again."""
+    faults = "stage=diffusion,point=step,kind=exit,match=@poison"
+    with engine("null-image", faults, stage_kw={"max_batch_size": 8}, max_restarts=1) as e:
         pool = e.orchestrator.pools["null-image"][0]
 
         async def run():
-            blocker = asyncio.create_task(  # holds the replica while the four queue together
+            blocker = asyncio.create_task(  # holds the replica while the eight queue together
                 final(e, req("blocker", pipeline="null-image", steps=6, delay=0.05))
             )
             await asyncio.to_thread(wait_for, lambda: pool.replicas[0].running, 5, "the blocker")
-            reqs = [req(f"a{i}", f"p{i}", pipeline="null-image", steps=3) for i in range(3)]
-            reqs.append(req("z-culprit", "x @hang", pipeline="null-image", steps=3))
+            reqs = [req(f"a{i}", f"p{i}", pipeline="null-image", steps=3) for i in range(7)]
+            reqs.insert(5, req("culprit", "x @poison", pipeline="null-image", steps=3))
             before = dict(e.stats.snapshot()["batch_sizes"])
             outs = await asyncio.gather(*(final(e, r) for r in reqs))
             return outs, before, await blocker
 
-        (*innocent, culprit), before, blocker = asyncio.run(run())
-        assert blocker.ok and all(o.ok for o in innocent), [o.error for o in innocent]
-        assert culprit.error.message.startswith(
-            "stage 'diffusion': request stalled its worker twice (no progress for "
+        outs, before, blocker = asyncio.run(run())
+        culprit = outs.pop(5)
+        assert blocker.ok and all(o.ok for o in outs), [o.error for o in outs]
+        assert culprit.error.message == (
+            "stage 'diffusion': request crashed the worker 4 times; it is not retried"
         )
-
-        def grown():
-            now = e.stats.snapshot()["batch_sizes"]
-            return {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
-
-        # the three innocents ran as one batch of 3 after the culprit was proven, not 1, 1, 1
-        wait_for(lambda: grown().get(3, 0) >= 1, 5, "a batch of the three innocents")
-        # batches of one: the blocker's and the culprit's second (fatal) run; no innocent's
-        assert grown().get(1, 0) <= 2, grown()
-        assert pool.replicas[0].restarts == 0  # both deaths were charged to the culprit
+        wait_for(lambda: e.stats.worker_deaths == 4, 5, "four deaths counted")
+        assert pool.replicas[0].restarts == 0  # all four were the culprit's: the budget is whole
+        wait_for(lambda: pool.live_count == 1, 10, "the replica back after the fourth death")
+        assert not e.errored
+        now = e.stats.snapshot()["batch_sizes"]
+        done = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+        done[1] -= 1  # the blocker's batch
+        # the seven innocents ended in at most four batches (a cohort that ran clean, or the
+        # cleared ones together), not seven batches of one
+        assert sum(int(k) * v for k, v in done.items()) == 7, done
+        assert sum(done.values()) <= 4 and done[1] <= 1, done
 
 
 def test_a_culprits_error_goes_out_as_soon_as_bisection_finds_it():

@@ -36,15 +36,18 @@ def take_compatible(
 ) -> tuple[list[RequestState], deque[RequestState]]:
     """The oldest request and up to `max_batch - 1` others that may share its batch (same
     shapes; in modes not run by our own loop (`own_loop`), the same step loop too); what stays
-    queued, in order. A request re-queued after a worker death (`isolate`) runs alone."""
+    queued, in order. A suspect after a worker death runs with its cohort only (deaths.py)."""
     head = waiting.popleft()
-    if head.isolate:
-        return [head], waiting
+    if head.cohort is not None:
+        cohort, rest = [head], deque[RequestState]()
+        for s in waiting:
+            (cohort if s.cohort == head.cohort and len(cohort) < max_batch else rest).append(s)
+        return cohort, rest
     key = head.staged.batch_key(own_loop)
     batch, keep = [head], deque[RequestState]()
     while waiting and len(batch) < max_batch:
         s = waiting.popleft()
-        if not s.isolate and s.staged.batch_key(own_loop) == key:
+        if s.cohort is None and s.staged.batch_key(own_loop) == key:
             batch.append(s)
         else:
             keep.append(s)

@@ -82,6 +82,7 @@ class Orchestrator:
             for p in config.pipelines
         }
         self.requests: dict[str, RequestState] = {}
+        self.deaths = deaths.DeathBook()  # charged deaths a conviction may refund
         self.early_aborts: dict[str, float] = {}
         self.stats = EngineStats()
         # request id -> final status of the last ENDED_MEMORY requests; a late abort for one of
@@ -274,7 +275,8 @@ class Orchestrator:
 
     def _enter_stage(self, state: RequestState, index: int, previous: StageOutput | None) -> None:
         pipeline = self.pipelines[state.request.pipeline]
-        state.stage_index, state.replica, state.isolate = index, None, False
+        state.stage_index, state.replica = index, None
+        state.cohort, state.chain = None, set()  # it ran its last stage clean
         state.stage_request = pipeline.stage_request(state.request, index, previous)
         state.pool = self.pools[pipeline.name][index]
         state.pool.enqueue(state)
@@ -320,11 +322,18 @@ class Orchestrator:
         self.stats.worker_died()
         stall = pool.stall_of(replica)  # read before on_death forgets it
         lost = deaths.lost_requests(self.requests, pool, replica, event)
-        culprit = deaths.proven_poison(deaths.charged(lost, stall))
-        pool.on_death(replica, charged=culprit is None)
+        guilty = deaths.charged(lost, stall)
+        bisecting = any(s.cohort is not None for s in guilty)  # the bisection's death
+        death = self.deaths.record(pool, replica, charged=not bisecting)
+        for state in guilty:
+            state.chain.add(death)
+        pool.on_death(replica, charged=not bisecting)
+        culprit = deaths.convicted(guilty)
         if culprit is not None:
-            deaths.absolve(culprit, [p for pools in self.pools.values() for p in pools])
-        deaths.settle(lost, pool, event, stall, self.config.max_request_retries, self._finish)
+            self.deaths.absolve(culprit, [p for pools in self.pools.values() for p in pools])
+        self.deaths.settle(
+            lost, guilty, pool, event, stall, self.config.max_request_retries, self._finish
+        )
         if pool.state == "dead":
             self._die(
                 EngineDeadError(

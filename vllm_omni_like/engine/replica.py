@@ -100,8 +100,8 @@ class Replica:
 
     @property
     def holds_suspect(self) -> bool:
-        """It runs a request that was present at a death: nothing runs beside it."""
-        return any(s.isolate for f in self.inflight.values() for s in f.requests)
+        """It runs a cohort of suspects (deaths.py): nothing runs beside it."""
+        return any(s.cohort is not None for f in self.inflight.values() for s in f.requests)
 
     def attach(self, executor: Executor, now: float) -> None:
         """Its (new) executor, loaded and running."""

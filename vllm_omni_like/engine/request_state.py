@@ -35,15 +35,14 @@ class RequestState:
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     retries: int = 0  # re-queues after a replica death
     deaths: int = 0  # worker deaths this request was present at
-    isolate: bool = False  # run alone (it was present at a death)
+    cohort: int | None = None  # the suspects it re-runs with, alone on a replica (deaths.py)
+    chain: set[int] = field(default_factory=set)  # deaths it was at since it last ran clean
     replica: int | None = None  # where it runs now, if running
     stage_started: float = 0.0
     enqueued_at: float = 0.0  # when it joined its stage's queue (the batch policy's clock)
     units: tuple[float, ...] = ()  # its work at each stage, as admitted (cost.py)
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
-    first_death: tuple[Any, int | None] | None = None  # (pool, replica) of the first death it saw
-    death_group: int | None = None  # the requests lost together with it in that death
     pool: Any = None  # the StagePool of its current stage (set by the orchestrator)
 
     @property
@@ -66,10 +65,12 @@ def after_death(
     detail: str,
     max_retries: int,
     charged: bool = True,
+    convicted: bool = False,
 ) -> OmniError | None:
     """What becomes of a request its worker died under: None to re-run it (from this stage,
     earlier stages' outputs reused), else the error it ends with. `detail`: the stall's reason,
-    or how the worker exited; `charged`: the death may be this request's doing."""
+    or how the worker exited; `charged`: the death may be this request's doing (its `chain`
+    already holds it); `convicted`: it was, as it ran as a cohort of one (engine/deaths.py)."""
     worker = f"worker {detail}" if cause is DeathCause.CRASHED else f"worker stalled ({detail})"
     if state.partials_sent:  # a re-run would stream its partial images a second time
         return EngineGenerateError(
@@ -77,15 +78,15 @@ def after_death(
             "a stream is not re-run",
             stage=stage,
         )
-    if charged and state.deaths >= 2:  # a poison request must not take every replica down
-        if cause is DeathCause.STALLED:
-            message = f"request {cause.value} twice ({detail}); it is not retried"
-        else:
-            message = f"request {cause.value} twice; it is not retried"
-        return EngineGenerateError(message, stage=stage)
+    if convicted:  # a poison request must not take every replica down
+        times = "twice" if len(state.chain) == 2 else f"{len(state.chain)} times"
+        reason = "" if cause is DeathCause.CRASHED else f" ({detail})"
+        return EngineGenerateError(
+            f"request {cause.value} {times}{reason}; it is not retried", stage=stage
+        )
     if pool_state == "dead":
         return EngineDeadError(f"{worker}; no live replica and no restart left", stage=stage)
-    if charged and state.retries >= max_retries:
+    if charged and state.cohort is None and state.retries >= max_retries:
         return EngineGenerateError(
             f"{worker} while running this request; no retry left", stage=stage
         )

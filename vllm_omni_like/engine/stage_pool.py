@@ -164,7 +164,7 @@ class StagePool:
         failed: set[int] = set()
         while self.waiting:
             now = time.monotonic()
-            suspect = self.waiting[0].isolate  # it runs alone: on a replica with nothing else
+            suspect = self.waiting[0].cohort is not None  # alone: on a replica with nothing else
             free = [
                 r
                 for r in self.replicas
@@ -211,7 +211,7 @@ class StagePool:
         up to the set's budget (`--max-batch-size` requests); None if none may (FIFO: a head
         of another group waits for a set to drain)."""
         head = self.waiting[0]
-        if head.isolate or head.staged.mode not in self.stepped:
+        if head.cohort is not None or head.staged.mode not in self.stepped:
             return None
         key = head.staged.batch_key(self.own_loop)
         budget = self.config.max_batch_size
@@ -284,8 +284,8 @@ class StagePool:
     def on_death(self, replica_index: int, charged: bool = True) -> None:
         """The replica's executor died: free it, schedule a restart if any is left.
 
-        A replica that ran stably before it died gets its restart budget back; a death that a
-        proven poison request caused (`charged=False`) is that request's, not the replica's.
+        A replica that ran stably before it died gets its restart budget back; a death while a
+        cohort of suspects ran (`charged=False`) is theirs, not the replica's.
         """
         replica = self.replicas[replica_index]
         replica.lost()
@@ -297,7 +297,8 @@ class StagePool:
         replica.executor, replica.stall = None, None
         replica.clock.restarted()
         if (replica.restarts < self.max_restarts or not charged) and not self._stopping.is_set():
-            self._restart(replica, charged)
+            # a bisection's death (deaths.py) is bounded by it: no back-off either
+            self._restart(replica, charged, None if charged else RESTART_BACKOFF_S[0])
 
     def refund(self, replica_index: int) -> None:
         """An earlier death of this replica turned out to be a poison request's doing."""
