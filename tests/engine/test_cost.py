@@ -227,6 +227,26 @@ def test_a_running_sets_clock_counts_its_groups_and_its_credit_passes_to_a_joine
     assert r.credits == 1 and r.clock.units == 5.0  # (its last step's work: the expected step)
 
 
+def test_a_batch_sent_ahead_that_the_worker_joins_to_its_set_starts_at_that_step():
+    """With `--replica-queue 1` a batch is sent ahead of the running set: queued (its credit
+    spent, not started) until the worker's step report names it among the set's groups; from
+    that step its work is the set's (the stall clock's units) and it counts as running."""
+    r = _replica(0, credits=2)
+    r.dispatched(_batch(1, 10.0, now=1.0))
+    ahead = _batch(2, 4.0, now=1.2)
+    r.dispatched(ahead)
+    assert r.credits == 0 and ahead.started is None and r.clock.units == 10.0
+    assert r.outstanding() == (2, 10.0 * 4 + 4.0 * 4)
+    r.progress(Progress(1, [], 1, 4), now=2.0)  # a step of the first group alone
+    assert ahead.started is None and r.clock.units == 10.0
+    r.progress(Progress(1, [], 2, 4, joined=[2]), now=3.0)  # the worker joined it
+    assert ahead.started == 3.0 and r.clock.units == 14.0
+    r.denoised(1, now=4.0)  # the first group leaves: its credit comes back, the set goes on
+    assert r.credits == 1 and r.clock.units == 4.0
+    r.denoised(2, now=5.0)
+    assert r.credits == 2
+
+
 def test_only_a_group_of_the_running_sets_shape_group_may_join_and_up_to_its_budget():
     r = _replica(0, credits=1)
     queued = [SimpleNamespace(cohort=None), SimpleNamespace(cohort=None)]

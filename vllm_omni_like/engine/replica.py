@@ -155,13 +155,17 @@ class Replica:
 
     def progress(self, report: Progress, now: float) -> None:
         """A step of its running batch (or set: the report's groups) was reported: each
-        group's steps (its requests' own where they differ), and the clock."""
+        group's steps (its requests' own where they differ), and the clock. A batch sent ahead
+        of the set that the worker joined to it starts now: its work is the set's from here."""
         step, total, rows = report.step, report.total, report.progress
         stepped = False
         for batch_id in [report.batch_id, *report.joined]:
             batch = self.inflight.get(batch_id)
             if batch is None:
                 continue
+            if batch.started is None:  # sent ahead (`--replica-queue`), the worker joined it
+                batch.started = now
+                self.clock.units = self.set_units
             own = (
                 [rows[s.request_id] for s in batch.requests if s.request_id in rows] if rows else []
             )
