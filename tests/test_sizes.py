@@ -13,7 +13,6 @@ MODULE_LINES, FUNCTION_LINES = 420, 50
 LONGER = {
     "flags.py:add_engine_args": 221,  # the engine's flag table, one add_argument per flag
     "stages/diffusion.py:load": 111,  # a stage's load, step by step in the order it must run
-    "stages/decode_loop.py:run": 71,  # the LLM decode loop's step (rows join and leave)
     "api/serving.py:stream_images": 61,  # one SSE generator: its events in their order
     "api/metrics.py:collect": 61,  # the Prometheus families, one after another
     "api/middleware.py:__call__": 60,  # one ASGI call: the request id, the key, the limits

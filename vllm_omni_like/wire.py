@@ -33,7 +33,9 @@ class StageRequest:
     def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple[Any, ...]:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
         its own steps, guidance, scheduler and seed: only the shapes count."""
-        if self.mode in own_loop:
+        if self.mode in own_loop:  # (text rows of any length share a step)
+            if self.mode == "text":
+                return (self.mode,)
             return (self.mode, self.params.width, self.params.height, self.params.num_frames)
         if self.mode != "edit":
             return self.params.shape_key(self.mode)

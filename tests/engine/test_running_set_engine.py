@@ -12,6 +12,7 @@ from tests.engine.helpers import engine, final, kill_worker, req, steps_of
 from vllm_omni_like.errors import ErrorKind
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
+from vllm_omni_like.params import GenerationParams, GuideSpec
 
 TOKENS = "tests.stage_helpers:TokenStepStage"
 SLOW = "a long story @delay=0.05"
@@ -160,3 +161,39 @@ def test_a_poison_row_in_a_set_is_convicted_by_halves_and_its_peers_pay_nothing(
         assert all(len(_text(p).split()) == 8 for p in peers)
         assert eng.stats.worker_deaths == 3
         assert pool.replicas[0].restarts == 0
+
+
+def _chat(rid: str, text: str, **kw) -> OmniRequest:
+    """A chat turn to the tiny LLM alone (stage 0 of tiny-omni)."""
+    params = GenerationParams(messages=(("user", text),), **kw)
+    return OmniRequest(rid, text, "tiny-omni", params, last_stage=0)
+
+
+def test_the_llm_stage_steps_a_running_set_a_short_request_joins_and_leaves_first():
+    """The real LLM stage (tiny-llm) runs its rows as a running set: a short rewrite sent while
+    a long constrained reply decodes joins it at a step boundary, ends first with the text it
+    makes alone, and the long one's text is its own too."""
+    long_guide = GuideSpec("regex", "[a-z]{140}")  # 140 steps (a letter a token)
+    with engine("tiny-omni", stage_kw={"max_batch_size": 8}) as eng:
+        pool = eng.orchestrator.pools["tiny-omni"][0]
+        alone = asyncio.run(final(eng, _chat("alone", "a red circle", max_new_tokens=40)))
+        long_alone = asyncio.run(
+            final(eng, _chat("l0", "spell", guide=long_guide, max_new_tokens=150))
+        )
+        assert pool.stepped == frozenset({"text"})
+
+        async def run():
+            running = asyncio.Event()
+            request = _chat("long", "spell", guide=long_guide, max_new_tokens=150)
+            long = asyncio.create_task(_running(eng, request, 5, running))
+            await asyncio.wait_for(running.wait(), 60)
+            short = await final(eng, _chat("short", "a red circle", max_new_tokens=40))
+            assert not long.done(), "the short request waited for the long one to end"
+            return short, await long
+
+        short, long = asyncio.run(run())
+        assert _text(short) == _text(alone)
+        assert _text(long) == _text(long_alone) and len(_text(long)) == 140
+        ran = {b.size for b in eng.batches if b.stage == "llm"}
+        assert ran == {1}  # each request its own group of the set
+        assert max(b.model_batch for b in eng.batches if b.stage == "llm") == 2  # one forward

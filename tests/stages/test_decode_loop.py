@@ -1,5 +1,6 @@
-"""The LLM stage's own decode loop (#20 part 1): rows with different budgets and sampling share
-every forward, and each equals its solo run for the same seed."""
+"""The LLM stage's own decode loop (#20 part 1), a running set since #35: rows with different
+budgets and sampling share every forward, join and leave at any step, and each equals its solo
+run for the same seed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from vllm_omni_like.models.tiny import ensure_tiny_model
-from vllm_omni_like.stages.decode_loop import DecodeLoop
+from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
+from vllm_omni_like.stages.decode_set import DecodeSet
 from vllm_omni_like.stages.sampling import RowSampling, choose, penalize
 from vllm_omni_like.stages.torch_utils import BatchDimProbe
 
@@ -21,7 +23,39 @@ def lm():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     probe = BatchDimProbe()
     probe.attach(model)
-    return DecodeLoop(model, tok, torch.device("cpu"), None), tok, probe
+    return Loop(model, RowDecoder(model, tok, None)), tok, probe
+
+
+class Loop:
+    """Rows through a `DecodeSet`: joined (all at first, or some at a later step), stepped until
+    every one ended."""
+
+    def __init__(self, model, decoder: RowDecoder) -> None:
+        self.model, self.decoder = model, decoder
+        self.widths: list[tuple[int, ...]] = []  # the set's mask (rows, columns) a step
+
+    def run(self, prompts, rows, on_step=lambda s, t, d: None, later=None) -> list[RowResult]:
+        """`later`: {step: [(prompt, row)]} rows that join after that many steps (their
+        results follow the first rows', in order)."""
+        dset = DecodeSet(self.model, self.decoder, torch.device("cpu"))
+        entries = [(str(i), p, r) for i, (p, r) in enumerate(zip(prompts, rows, strict=True))]
+        dset.join(entries)
+        waiting = dict(later or {})
+        results: dict[str, RowResult] = {}
+        step, n = 0, len(entries)
+        while dset.rows or waiting:
+            if step in waiting:
+                joining = waiting.pop(step)
+                dset.join([(str(n + i), p, r) for i, (p, r) in enumerate(joining)])
+                n += len(joining)
+            stepped = dset.step(set(dset.keys), lambda keys: None, lambda point, key: None)
+            if stepped is not None:
+                step += 1
+                total = max(of for _, of in stepped.progress.values())
+                on_step(step, total, {int(k): d for k, d in stepped.deltas.items()})
+            results.update(dset.leave(set(dset.keys)))
+            self.widths.append(tuple(dset.mask.shape))
+        return [results[str(i)] for i in range(n)]
 
 
 ROWS = [  # prompt, settings: every knob differs from row to row
@@ -53,7 +87,8 @@ def test_each_row_of_a_mixed_batch_equals_its_solo_run_and_the_rows_share_the_fo
     steps: list[tuple[int, int]] = []
     together = loop.run(prompts, [r for _, r in ROWS], lambda s, t, d: steps.append((s, t)))
     assert probe.max_seen == len(ROWS)  # one forward for all rows
-    assert steps[-1][1] == 20 and [s for s, _ in steps] == list(range(1, len(steps) + 1))
+    assert [s for s, _ in steps] == list(range(1, len(steps) + 1))
+    assert steps[0][1] == 20  # the longest budget of the rows in the set
     for prompt, (_, row), got in zip(prompts, ROWS, together, strict=True):
         (alone,) = loop.run([prompt], [row])
         assert got.token_ids == alone.token_ids and got.text == alone.text, row
@@ -203,3 +238,27 @@ def test_streamed_rows_hand_out_their_text_step_by_step_and_hold_back_a_stop_str
     assert "".join(got[1]) == results[1].text == "a large blue square in the center"
     assert results[1].finish_reason == "stop"
     assert sum(1 for t in got[0] if t) >= 5  # word by word, not at the end
+
+
+def test_rows_that_join_at_a_later_step_equal_their_solo_runs_and_leaving_rows_free_the_cache(lm):
+    """Two rows run; after 3 steps two more join (one with a longer prompt than any in the
+    set), after 7 one more: each equals its solo run; the set's cache holds only the rows still
+    in it, cut to the columns they attend to."""
+    loop, tok, probe = lm
+    prompts = [tok(p).input_ids for p, _ in ROWS]
+    rows = [r for _, r in ROWS]
+    probe.reset()
+    later = {3: [(prompts[2], rows[2]), (prompts[1], rows[1])], 7: [(prompts[4], rows[4])]}
+    loop.widths = []
+    got = loop.run([prompts[0], prompts[3]], [rows[0], rows[3]], later=later)
+    for i, result in zip([0, 3, 2, 1, 4], got, strict=True):
+        (alone,) = loop.run([prompts[i]], [rows[i]])
+        assert result.token_ids == alone.token_ids and result.text == alone.text, ROWS[i]
+        assert result.finish_reason == alone.finish_reason
+    assert probe.max_seen <= 5
+    # (rows, columns) of the set after each step: rows leave as they end; once the long prompt
+    # has left, the set's cache is no wider than what its remaining rows attend to
+    sizes = loop.widths
+    assert max(r for r, _ in sizes) >= 3 and sizes[-1] == (0, 0)
+    longest = max(len(p) for p in prompts)
+    assert all(c <= longest + 20 for _, c in sizes)

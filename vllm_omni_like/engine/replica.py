@@ -163,8 +163,8 @@ class Replica:
             batch = self.inflight.get(batch_id)
             if batch is None:
                 continue
-            if batch.started is None:  # sent ahead (`--replica-queue`), the worker joined it
-                batch.started = now
+            if batch.started is None and batch_id in report.joined:
+                batch.started = now  # sent ahead (`--replica-queue`): the worker joined it
                 self.clock.units = self.set_units
             own = (
                 [rows[s.request_id] for s in batch.requests if s.request_id in rows] if rows else []

@@ -17,9 +17,10 @@ request leaving as its rows end.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from vllm_omni_like.outputs import StageOutput
@@ -133,7 +134,8 @@ class RunningSet:
             stepper.join(live, self.control)
             return []
 
-        bisect_isolated(self.stage.name, valid, self.control, join, self._culprit)
+        with self._early():
+            bisect_isolated(self.stage.name, valid, self.control, join, self._culprit)
         self._settle(None)
 
     def step(self) -> None:
@@ -145,8 +147,19 @@ class RunningSet:
             stepper.step(self.control, {r.request_id for r in live})
             return []
 
-        bisect_isolated(self.stage.name, stepper.requests, self.control, step, self._culprit)
+        with self._early():
+            bisect_isolated(self.stage.name, stepper.requests, self.control, step, self._culprit)
         self._settle(stepper.leave(self.control))
+
+    @contextlib.contextmanager
+    def _early(self) -> Iterator[None]:
+        """A row's output that the stage delivers before the row leaves (an LLM row that failed
+        at its join) goes out at once, to its group."""
+        self.control.report = lambda out: self.deliver(self.group_of[out.request_id], out)
+        try:
+            yield
+        finally:
+            self.control.report = None
 
     def next_waiting(self) -> ExecuteBatch | None:
         """The first group that waited, once the set has drained."""

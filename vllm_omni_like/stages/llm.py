@@ -1,5 +1,6 @@
 """LLM stage: a transformers causal LM from a local directory, decoded by our own loop (each row
-of a batch with its own sampling and constraint: stages/decode_loop.py, stages/guided.py).
+of a batch with its own sampling and constraint: stages/decode_loop.py, stages/guided.py), as a
+running set rows join and leave at step boundaries (stages/llm_rows.py, stages/decode_set.py).
 
 A row's way in: its chat turns rendered with the model's chat template (or the stage's prompt
 template), tokenized, its constraint started; any of them failing ends that row alone (400 when
@@ -13,11 +14,11 @@ import torch
 
 from vllm_omni_like.errors import InvalidRequestError, is_fatal_device_error
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
-from vllm_omni_like.outputs import StageOutput, TextDelta
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
-from vllm_omni_like.stages.base import Deferred, Stage, StageControl
-from vllm_omni_like.stages.decode_loop import DecodeLoop, RowResult
+from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl
+from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
 from vllm_omni_like.stages.guided import Guides
 from vllm_omni_like.stages.sampling import RowSampling
 from vllm_omni_like.stages.torch_utils import (
@@ -66,7 +67,8 @@ class LLMStage(Stage):
         self.output_guide = GuideSpec("grammar", grammar) if grammar else None
         if self.output_guide is not None:
             self.guides.grammar(self.output_guide)  # a bad one fails the load, not a request
-        self.loop = DecodeLoop(self.model, self.tokenizer, self.device, self.guides)
+        self.decoder = RowDecoder(self.model, self.tokenizer, self.guides)
+        self.steps_rows = self._caches_by_row()
         opts = self.options
         self.template = opts.prompt_template
         self.default_max_new = opts.max_new_tokens
@@ -110,11 +112,46 @@ class LLMStage(Stage):
         if request.params.guide is not None:
             self.guides.grammar(request.params.guide)  # an invalid constraint: 400 here
 
-    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
-        """Generation runs whole here: nothing is left to defer."""
-        return Deferred.done(batch, self._generate(batch, control))
+    def _caches_by_row(self) -> bool:
+        """Whether the model's KV cache can be cut into rows (full attention in every layer):
+        then its rows run as a running set; else each batch runs whole, as a set nothing joins
+        (a cache that cannot be cut fails the request, not the load)."""
+        from vllm_omni_like.stages.llm_rows import LLMRows
 
-    def _admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]:
+        probe = LLMRows(self)
+        try:
+            probe.set.join([("probe", [self.decoder.pad, self.decoder.pad], RowSampling(1))])
+        except TypeError:
+            return False
+        return True
+
+    def stepped_modes(self) -> tuple[str, ...]:
+        return ("text",) if self.steps_rows else ()
+
+    def stepper(self, mode: str) -> RowStepper | None:
+        from vllm_omni_like.stages.llm_rows import LLMRows
+
+        return LLMRows(self) if mode in self.stepped_modes() else None
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        """The batch as a running set that nothing joins, stepped until every row ended; each
+        row's output goes out as it ends."""
+        from vllm_omni_like.stages.llm_rows import LLMRows
+
+        rows, outputs = LLMRows(self), {}
+        rows.join(batch, control)
+        while rows.requests:
+            stepped = rows.step(control)
+            part = rows.leave(control)
+            for out in part.finish(part.requests) if part is not None else []:
+                outputs[out.request_id] = out
+                control.deliver(out)
+            if not stepped and part is None:
+                break
+        ended = [r for r in batch if r.request_id in outputs]
+        return Deferred.done(ended, [outputs[r.request_id] for r in ended])
+
+    def admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]:
         """The row's prompt tokens and its constraint (None without one)."""
         control.faults.fire("template", [request])
         text = self._text(request)
@@ -123,53 +160,7 @@ class LLMStage(Stage):
         guide = request.params.guide or self.output_guide
         return ids, (self.guides.start(guide) if guide is not None else None)
 
-    def _generate(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """Each row's template, tokenization, constraint, detokenization and result are its
-        own: a row that fails there ends alone with its error (400 if the request caused it,
-        500 otherwise)."""
-        failed: dict[str, StageOutput] = {}
-        live, prompts, rows = [], [], []
-        for r in batch:
-            try:
-                ids, guide = self._admit(r, control)
-            except Exception as exc:
-                if is_fatal_device_error(exc):
-                    raise
-                failed[r.request_id] = StageOutput.from_error(r.request_id, exc, self.name)
-                control.deliver(failed[r.request_id])  # its waiter wakes now
-                continue
-            live.append(r)
-            prompts.append(ids)
-            rows.append(self._sampling(r, guide, len(ids)))
-        results: list[RowResult] = []
-        ended: dict[int, StageOutput] = {}  # rows whose output went out when they ended
-        if live:
-
-            def on_step(step: int, total: int, deltas: dict[int, TextDelta]) -> None:
-                previews = {live[i].request_id: d for i, d in deltas.items()}
-                control.step(live, step, total, previews)
-
-            def on_done(i: int, res: RowResult) -> None:
-                if res.error is None or not is_fatal_device_error(res.error):
-                    ended[i] = self._output(live[i], res)
-                    control.deliver(ended[i])  # before its peers end
-
-            self.probe.reset()
-            results = self.loop.run(
-                prompts,
-                rows,
-                on_step,
-                lambda point, i: control.faults.fire(point, [live[i]]),
-                on_done,
-            )
-            control.saw_model_batch(self.probe.max_seen)
-        done = {
-            r.request_id: ended.get(i) or self._output(r, res)
-            for i, (r, res) in enumerate(zip(live, results, strict=True))
-        }
-        return [failed.get(r.request_id) or done[r.request_id] for r in batch]
-
-    def _output(self, r: StageRequest, res: RowResult) -> StageOutput:
+    def output(self, r: StageRequest, res: RowResult) -> StageOutput:
         if res.error is not None:
             if is_fatal_device_error(res.error):
                 raise res.error
@@ -188,7 +179,7 @@ class LLMStage(Stage):
             logprobs=res.logprobs,
         )
 
-    def _sampling(self, request: StageRequest, guide: Any, prompt_tokens: int) -> RowSampling:
+    def sampling(self, request: StageRequest, guide: Any, prompt_tokens: int) -> RowSampling:
         """The row's settings. A chat row without max_tokens may use the rest of the context
         (as vLLM does); a prompt rewrite, the stage's max_new_tokens."""
         p = request.params
