@@ -6,7 +6,7 @@ import time
 
 from vllm_omni_like.errors import FatalStageError
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
+from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl, run_whole
 from vllm_omni_like.stages.null import NullStage, _digest, _prompt_delay
 from vllm_omni_like.wire import StageRequest
 
@@ -125,3 +125,9 @@ class TokenStepStage(NullStage):
 
     def stepper(self, mode: str) -> RowStepper | None:
         return TokenRows(self) if mode in self.stepped_modes() else None
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        """A text batch run whole (`--batch-level request`): a set that nothing joins."""
+        if self.output_kind != "text":
+            return super().begin(batch, control)
+        return run_whole(TokenRows(self), batch, control)

@@ -30,6 +30,7 @@ FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "slow", "enospc")
 STORES = ("files", "videos")
 STAGE_KINDS = ("llm", "diffusion", "null")
 BATCH_POLICIES = ("request", "refill")
+BATCH_LEVELS = ("step", "request")
 ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
@@ -146,6 +147,15 @@ class StageConfig:
     # picks its replica (engine/routing.py): by the work each holds ("cost") or its requests
     replica_queue: int = 0
     routing: str = "cost"
+    # "step": a stage that steps rows runs a running set requests join and leave at step
+    # boundaries (executor/running_set.py); "request": each batch runs whole (no joins)
+    batch_level: str = "step"
+    # shape groups a replica's running set interleaves, a step at a time (the age rule)
+    shape_groups: int = 2
+    # a running set's finished rows decode in groups: once this many rows ended, or the first
+    # of them ended this long ago (or the set drained), whichever comes first
+    decode_group_rows: int = 8
+    decode_group_ms: float = 50.0
     stall_timeout: float = 60.0
     # a step during which the worker compiles or warms up (torch.compile reports both ends)
     compile_timeout: float = 600.0
@@ -210,21 +220,13 @@ class StageConfig:
             ("attention", self.attention, ATTENTION_BACKENDS),
             ("channels_last", self.channels_last, CHANNELS_LAST_MODES),
             ("routing", self.routing, ROUTINGS),
+            ("batch_level", self.batch_level, BATCH_LEVELS),
         ):
             if value not in allowed:
                 raise InvalidRequestError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
-        if self.batch_policy not in BATCH_POLICIES:
-            raise InvalidRequestError(
-                f"stage {self.name!r}: batch_policy must be one of {', '.join(BATCH_POLICIES)}"
-            )
-        if not isinstance(self.replica_queue, int) or self.replica_queue < 0:
-            raise InvalidRequestError(f"stage {self.name!r}: replica_queue must be an integer >= 0")
-        if self.batch_max_wait < 0:
-            raise InvalidRequestError(f"stage {self.name!r}: batch_max_wait must be >= 0")
-        if not 0.0 <= self.batch_wait <= 1.0:
-            raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
+        self._check_batching()
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -236,6 +238,24 @@ class StageConfig:
                 parse_size(size)
             except ValueError as exc:
                 raise InvalidRequestError(f"stage {self.name!r}: warmup {exc}") from None
+
+    def _check_batching(self) -> None:
+        if self.batch_policy not in BATCH_POLICIES:
+            raise InvalidRequestError(
+                f"stage {self.name!r}: batch_policy must be one of {', '.join(BATCH_POLICIES)}"
+            )
+        if not isinstance(self.replica_queue, int) or self.replica_queue < 0:
+            raise InvalidRequestError(f"stage {self.name!r}: replica_queue must be an integer >= 0")
+        if self.decode_group_rows < 1 or self.decode_group_ms < 0:
+            raise InvalidRequestError(
+                f"stage {self.name!r}: decode_group_rows must be >= 1, decode_group_ms >= 0"
+            )
+        if not isinstance(self.shape_groups, int) or self.shape_groups < 1:
+            raise InvalidRequestError(f"stage {self.name!r}: shape_groups must be an integer >= 1")
+        if self.batch_max_wait < 0:
+            raise InvalidRequestError(f"stage {self.name!r}: batch_max_wait must be >= 0")
+        if not 0.0 <= self.batch_wait <= 1.0:
+            raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
 
     def _check_cfg_parallel(self, devices: tuple[str, ...]) -> None:
         where = f"stage {self.name!r}: cfg_parallel"

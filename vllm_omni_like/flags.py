@@ -9,22 +9,19 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import MISSING, fields
-from typing import Any
 
 from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
-    BATCH_POLICIES,
     CHANNELS_LAST_MODES,
     COMPILE_MODES,
-    ROUTINGS,
     EngineConfig,
     Limits,
     PipelineConfig,
     ServerSettings,
-    StageConfig,
     faults_from_env,
 )
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.stage_flags import add_batching_args, stage_flag
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 STAGE_FLAGS = (
@@ -41,6 +38,10 @@ STAGE_FLAGS = (
     "batch_max_wait",
     "replica_queue",
     "routing",
+    "batch_level",
+    "shape_groups",
+    "decode_group_rows",
+    "decode_group_ms",
     "stall_timeout",
     "compile_timeout",
     "cold_step_timeout",
@@ -69,20 +70,8 @@ LIMIT_HELP = {
     "max_body_bytes": "bytes of a request body (413 over it)",
     "max_prompt_chars": "characters of a prompt (400 over it)",
 }
-_STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 _ENGINE = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
 _SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not MISSING}
-
-
-def _on_off(value: bool) -> str:
-    return "on" if value else "off"
-
-
-def _stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
-    """A flag that overrides every stage's field `name`; its help shows the field's default."""
-    default = _STAGE[name]
-    shown = _on_off(default) if isinstance(default, bool) else default
-    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -99,17 +88,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "rewriter (default: none)",
     )
     g = parser.add_argument_group("stages (override every stage)")
-    _stage_flag(
+    stage_flag(
         g,
         "load_format",
         "auto: the weights on disk; dummy: random weights",
         choices=("auto", "dummy"),
     )
-    _stage_flag(
+    stage_flag(
         g, "dtype", "auto: fp16 on CUDA, fp32 on the CPU", choices=("auto", "fp32", "fp16", "bf16")
     )
-    _stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
-    _stage_flag(
+    stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
+    stage_flag(
         g,
         "devices",
         "one replica per device: GPU indices (0,1,2,3), cuda:N or cpu entries; each worker "
@@ -118,7 +107,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_device_list,
         metavar="0,1,...",
     )
-    _stage_flag(
+    stage_flag(
         g,
         "gpu_memory_fraction",
         "the share of its GPU's memory each worker's allocator may take, so stages sharing "
@@ -126,8 +115,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="F",
     )
-    _stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
-    _stage_flag(
+    stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
+    stage_flag(
         g,
         "cfg_parallel",
         "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
@@ -136,48 +125,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
     )
-    _stage_flag(g, "max_batch_size", "requests per batch (a running set: in it at once)", type=int)
-    _stage_flag(
-        g,
-        "batch_policy",
-        "when an idle replica takes its next batch: request (wait for a full batch at most "
-        "--batch-max-wait seconds from the oldest queued request) or refill (after a batch, "
-        "wait for its clients to come back: --batch-wait)",
-        choices=BATCH_POLICIES,
-    )
-    _stage_flag(
-        g,
-        "batch_wait",
-        "refill policy: after a batch of N, a replica waits up to SHARE x that batch's run time "
-        "for N requests to queue (closed-loop clients coming back), so batches stay whole; "
-        "0 = never wait",
-        type=float,
-        metavar="SHARE",
-    )
-    _stage_flag(
-        g,
-        "batch_max_wait",
-        "request policy: seconds the oldest queued request may wait for a full batch "
-        "(0 = never wait)",
-        type=float,
-        metavar="S",
-    )
-    _stage_flag(
-        g,
-        "replica_queue",
-        "batches a replica may hold queued at its worker beyond the one it runs (0: a batch "
-        "is given to a replica only when it is free); with more, routing spreads them",
-        type=int,
-        metavar="N",
-    )
-    _stage_flag(
-        g,
-        "routing",
-        "which replica gets a batch: cost (where it would end first: the work each replica "
-        "holds, in seconds at its measured speed) or count (the fewest requests held)",
-        choices=ROUTINGS,
-    )
-    _stage_flag(
+    stage_flag(
         g,
         "stall_timeout",
         "seconds a busy worker may report no step before it is killed and restarted; a "
@@ -185,7 +133,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="S",
     )
-    _stage_flag(
+    stage_flag(
         g,
         "compile_timeout",
         "seconds a step may take while its worker compiles (torch.compile says when it "
@@ -193,7 +141,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="S",
     )
-    _stage_flag(
+    stage_flag(
         g,
         "cold_step_timeout",
         "seconds a step may take on a replica that has measured no step yet, nor has a "
@@ -201,8 +149,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="S",
     )
+    add_batching_args(parser)
     g = parser.add_argument_group("speed (diffusion stages)")
-    _stage_flag(
+    stage_flag(
         g,
         "compile",
         "torch.compile the denoiser, warmed up at start-up for --warmup-size and a few "
@@ -210,29 +159,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
     )
-    _stage_flag(g, "compile_mode", "torch.compile's mode", choices=COMPILE_MODES)
-    _stage_flag(
+    stage_flag(g, "compile_mode", "torch.compile's mode", choices=COMPILE_MODES)
+    stage_flag(
         g,
         "attention",
         "attention kernels; xformers falls back to sdpa with a warning when its kernels do not "
         "run here",
         choices=ATTENTION_BACKENDS,
     )
-    _stage_flag(
+    stage_flag(
         g,
         "channels_last",
         "NHWC for the conv UNet and image VAE (auto: on for a compiled UNet on CUDA, where it "
         "is faster; in eager mode it is slower)",
         choices=CHANNELS_LAST_MODES,
     )
-    _stage_flag(
+    stage_flag(
         g,
         "batched_cfg",
         "both classifier-free-guidance halves in one forward where a pipeline calls its "
         "denoiser twice a step (Wan); same maths, rounded differently in 16-bit",
         action=argparse.BooleanOptionalAction,
     )
-    _stage_flag(
+    stage_flag(
         g,
         "decode_overlap",
         "decode a batch (VAE, then pixels to the host) on a second thread and CUDA stream "

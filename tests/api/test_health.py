@@ -73,6 +73,7 @@ def test_metrics_balance_and_cover_the_engine(null_server):
         "vllm_omni_like_batch_size_bucket",
         "vllm_omni_like_worker_deaths_total",
         "vllm_omni_like_replica_restarts_total",
+        "vllm_omni_like_compiles_total",
     ):
         assert family in text
     assert 'vllm_omni_like_e2e_latency_seconds_count{pipeline="null-image",status="error"}' in text

@@ -254,6 +254,14 @@ def test_only_a_group_of_the_running_sets_shape_group_may_join_and_up_to_its_bud
     assert r.joinable(("a",), 1.0, budget=4) == 2  # two requests in the set, room for two more
     assert r.joinable(("a",), 1.5, budget=4) == 2  # 2 + 2 x 1.5 <= 4 x 1.5
     assert r.joinable(("a",), 0.6, budget=4) == 0  # its work is over 4 requests' of 0.6 already
-    assert r.joinable(("b",), 1.0, budget=4) == 0  # another shape group waits for it to drain
+    assert r.joinable(("b",), 1.0, budget=4) == 0  # one lane: another shape group waits
+    # two lanes: another shape group opens one, within the rows left; its lane's work is its own
+    assert r.joinable(("b",), 1.0, budget=4, lanes=2) == 2
+    assert r.joinable(("b",), 5.0, budget=4, lanes=2) == 2  # (the set's 2.0 is another lane's)
+    r.dispatched(
+        InFlight(2, [SimpleNamespace(cohort=None)], 1.5, units=1.0, key=("b",), joined=True)
+    )
+    assert r.joinable(("c",), 1.0, budget=4, lanes=2) == 0  # both lanes are taken
+    assert r.joinable(("b",), 1.0, budget=4, lanes=2) == 1  # 3 of the 4 rows are in the set
     idle = _replica(1)
     assert idle.joinable(("a",), 1.0, budget=4) == 0  # no set to join (it takes a new batch)

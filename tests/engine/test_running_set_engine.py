@@ -197,3 +197,49 @@ def test_the_llm_stage_steps_a_running_set_a_short_request_joins_and_leaves_firs
         ran = {b.size for b in eng.batches if b.stage == "llm"}
         assert ran == {1}  # each request its own group of the set
         assert max(b.model_batch for b in eng.batches if b.stage == "llm") == 2  # one forward
+
+
+def test_a_request_of_another_size_opens_a_lane_and_ends_long_before_the_set():
+    """The tiny image model, one replica: a 3-step 48x48 request sent while a 40-step 64x64
+    one denoises opens a second lane (`--shape-groups 2`); the lanes step in turn, so it ends
+    while the long one still runs, with the image it makes alone."""
+    kw = {"max_batch_size": 8, "shape_groups": 2}
+    with engine("tiny-image", stage_kw=kw) as eng:
+        pool = eng.orchestrator.pools["tiny-image"][0]
+
+        def image(rid: str, steps: int, side: int) -> OmniRequest:
+            return req(rid, "a red circle", "tiny-image", steps, seed=5, width=side, height=side)
+
+        alone = asyncio.run(final(eng, image("alone", 3, 48)))
+        assert pool.stepped and alone.ok
+
+        async def run():
+            running = asyncio.Event()
+            long = asyncio.create_task(_running(eng, image("long", 40, 64), 2, running))
+            await asyncio.wait_for(running.wait(), 60)
+            short = await final(eng, image("short", 3, 48))
+            assert not long.done(), "the short request waited for the long set to drain"
+            return short, await long
+
+        short, long = asyncio.run(run())
+        assert long.ok and short.ok
+        a, b = (o.output.images[0].pixels.astype(int) for o in (short, alone))
+        assert abs(a - b).max() <= 1
+
+
+def test_request_level_batching_takes_no_joins():
+    """`--batch-level request`: the same stage runs each batch whole; a short request that
+    arrives while a long one runs waits for it (the contract with no joins)."""
+    with engine(stage_kind=TOKENS, stage_kw={"batch_level": "request"}) as eng:
+        assert eng.orchestrator.pools["null-omni"][0].stepped == frozenset()
+
+        async def run():
+            running = asyncio.Event()
+            long = asyncio.create_task(_running(eng, req("long", SLOW, steps=12), 2, running))
+            await asyncio.wait_for(running.wait(), 30)
+            short = await final(eng, req("short", "short one", steps=2))
+            return short, long.done(), await long
+
+        short, long_was_done, long = asyncio.run(run())
+        assert long_was_done  # it ended first: the short one waited for its batch
+        assert len(_text(short).split()) == 2 and len(_text(long).split()) == 12

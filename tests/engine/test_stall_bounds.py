@@ -31,6 +31,9 @@ def test_a_step_that_compiles_gets_the_compile_timeout_and_a_hang_after_it_does_
         assert out.ok, out.error
         assert time.monotonic() - t0 >= stage_doubles.COMPILE_S
         assert e.stats.worker_deaths == 0
+        assert e.stats.compiles == 1  # one batch size, one compilation (counted before its end)
+        assert asyncio.run(final(e, _image("again"))).ok
+        assert e.stats.compiles == 1  # the same size again: nothing recompiled
         t0 = time.monotonic()
         bad = asyncio.run(final(e, _image("bad", "x @hang")))
         took = time.monotonic() - t0

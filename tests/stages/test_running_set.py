@@ -6,6 +6,7 @@ its culprit fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -44,13 +45,31 @@ def _req(rid: str, seed: int, steps: int, prompt: str = "a red circle", **params
 class _Harness:
     """A RunningSet as the worker drives it, its outputs collected (decoded) per request."""
 
-    def __init__(self, stage: DiffusionStage, faults: tuple[FaultRule, ...] = ()) -> None:
+    def __init__(
+        self,
+        stage: DiffusionStage,
+        faults: tuple[FaultRule, ...] = (),
+        lanes: int = 1,
+        group: tuple[int, float] = (1, 0.0),  # decode groups: rows, ms (default: at once)
+    ) -> None:
+        stage.config = dataclasses.replace(
+            stage.config, decode_group_rows=group[0], decode_group_ms=group[1]
+        )
         self.stage = stage
         self.control = StageControl(FaultInjector(faults, "diffusion"), self._progress)
         self.previews: dict[str, list[tuple[int, int]]] = {}  # request -> (its step, total)
         self.outputs: dict[str, StageOutput] = {}
         self.groups: list[int] = []  # in the order they left
-        self.rows = RunningSet(stage, self.control, self._deliver, self._handed, self._valid)
+        self.rows = RunningSet(
+            stage,
+            self.control,
+            self._deliver,
+            self._handed,
+            self._valid,
+            stage.stepped_modes(),
+            lanes,
+        )
+        self.stepped: list[list[int]] = []  # the groups of the lane each step stepped
         self.decodes: list[list[str]] = []  # the requests of each decode, in order
 
     def _progress(self, ids, step, total, previews, progress) -> None:
@@ -79,8 +98,19 @@ class _Harness:
         """`n` steps, or until the set drained."""
         done = 0
         while self.rows.running and (n is None or done < n):
-            self.rows.step()
+            lane = self.rows.next_lane()
+            self.stepped.append(lane.batch_ids)
+            self.rows.step(lane)
             done += 1
+
+    @property
+    def batch_ids(self) -> list[int]:
+        return [b for lane in self.rows.lanes for b in lane.batch_ids]
+
+    @property
+    def stepper(self):
+        (lane,) = self.rows.lanes
+        return lane.stepper
 
     def pixels(self, rid: str) -> np.ndarray:
         out = self.outputs[rid]
@@ -103,24 +133,53 @@ def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alon
     h = _Harness(stage)
     h.add(1, a)
     h.steps(3)  # a runs alone for 3 steps
-    assert h.rows.running and h.rows.batch_ids == [1]
+    assert h.rows.running and h.batch_ids == [1]
     h.add(2, b, c)  # b and c join at this step boundary
-    assert h.rows.batch_ids == [1, 2]
+    assert h.batch_ids == [1, 2]
     h.steps()
     assert not h.rows.running and sorted(h.groups) == [1, 2]
     for rid, image in alone.items():
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
-def test_a_group_of_another_shape_waits_for_the_set_to_drain(stage):
+def test_a_group_of_another_shape_waits_for_a_lane_to_drain(stage):
+    """With one shape group a replica (`--shape-groups 1`) another shape waits, in order."""
     h = _Harness(stage)
     h.add(1, _req("a", seed=1, steps=4))
     other = ExecuteBatch(2, [_req("b", seed=2, steps=2, width=48, height=48)])
     h.rows.add(other)  # another shape group: it waits
-    assert h.rows.batch_ids == [1] and list(h.rows.waiting) == [other]
+    assert h.batch_ids == [1] and list(h.rows.waiting) == [other]
     assert h.rows.next_waiting() is None  # not while the set runs
     h.steps()
     assert h.rows.next_waiting() is other  # the set drained: its turn
+
+
+def test_another_shape_opens_a_lane_and_the_lanes_step_by_age_each_image_as_alone(stage):
+    """Two shape groups a replica: a 48x48 request sent 2 steps into a 10-step 32x32 set opens
+    a lane beside it; the lanes step in turn (the one that waited longest goes next), so the
+    short one ends after its 3 steps (6 of the replica's), long before the set; a third shape
+    waits for a lane to drain. Each image is the one it makes alone."""
+    long_ = _req("long", seed=3, steps=10)
+    short = _req("short", seed=4, steps=3, width=48, height=48)
+    third = _req("third", seed=5, steps=2, width=40, height=40)
+    alone = {r.request_id: _alone(stage, r) for r in (long_, short, third)}
+    h = _Harness(stage, lanes=2)
+    h.add(1, long_)
+    h.steps(2)
+    h.add(2, short)  # opens a second lane
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1], [2]]
+    waiting = ExecuteBatch(3, [third])
+    h.rows.add(waiting)  # a third shape: both lanes are taken
+    assert list(h.rows.waiting) == [waiting] and h.rows.next_waiting() is None
+    h.steps(6)
+    assert h.stepped[2:] == [[1], [2], [1], [2], [1], [2]]  # in turn: the older wait first
+    assert h.groups == [2] and "short" in h.outputs  # it ended; the long set runs on
+    assert h.rows.next_waiting() is waiting  # its lane drained: the third may open one
+    h.rows.add(waiting)
+    h.steps()
+    assert sorted(h.groups) == [1, 2, 3]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
 def _two_steps_in(stage: DiffusionStage, steps: int) -> tuple[_Harness, np.ndarray]:
@@ -137,7 +196,7 @@ def test_an_aborted_request_leaves_at_the_next_step_and_its_peers_are_untouched(
     h, alone = _two_steps_in(stage, 6)
     h.control.abort(["a"])
     h.steps(1)
-    assert [r.request_id for r in h.rows.stepper.requests] == ["b"]  # a left at once
+    assert [r.request_id for r in h.stepper.requests] == ["b"]  # a left at once
     assert h.control.steps_after_abort(["a"]) == {"a": 0}  # it never stepped after the abort
     h.steps()
     assert "a" not in h.outputs and np.abs(h.pixels("b") - alone).max() <= 1
@@ -166,14 +225,14 @@ def test_a_join_that_raises_fails_its_culprit_and_the_rest_of_its_group_joins(st
     h.steps(1)
     h.add(2, _req("b", seed=2, steps=3), _req("x", seed=3, steps=3, prompt="x @nojoin"))
     assert h.outputs["x"].error is not None  # at once, before any step
-    assert sorted(r.request_id for r in h.rows.stepper.requests) == ["a", "b"]
+    assert sorted(r.request_id for r in h.stepper.requests) == ["a", "b"]
     h.steps()
     assert h.outputs["a"].error is None and h.outputs["b"].error is None
 
 
 def test_a_row_whose_latents_turn_nan_fails_alone_at_its_decode(stage):
     h, alone = _two_steps_in(stage, 4)
-    rows = h.rows.stepper.set  # a's row goes bad (an overflow in the model, say)
+    rows = h.stepper.set  # a's row goes bad (an overflow in the model, say)
     first = rows.first_rows()["a"]
     with torch.inference_mode():
         rows.latents[first] = float("nan")
@@ -219,3 +278,32 @@ def test_the_requests_that_end_at_one_step_decode_together(stage):
     h.steps()
     assert h.decodes == [["a", "b", "c"], ["d"]]  # one decode a step, across groups
     assert h.groups == [1, 2]  # group 1 ended with the first, group 2 with d
+
+
+def test_finished_rows_wait_for_their_decode_group_then_decode_together(stage, monkeypatch):
+    """Decode groups of 3 rows or 100 ms (a step takes 40 ms on a fake clock): a and b end at
+    steps 2 and 3 and stay in the set, held, until the first of them waited 100 ms (step 5);
+    c and d, ending at steps 6 and 7, decode when the set drains. A group ends only once its
+    requests were decoded, and each image is the one it makes alone."""
+    from vllm_omni_like.stages import own_set
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(own_set, "_now", lambda: clock["t"])
+    reqs = [_req("a", 1, 2), _req("b", 2, 3), _req("c", 3, 6), _req("d", 4, 7)]
+    alone = {r.request_id: _alone(stage, r) for r in reqs}
+    h = _Harness(stage, group=(3, 100.0))
+    h.add(1, *reqs[:2])
+    h.add(2, *reqs[2:])
+    for step in range(1, 5):
+        clock["t"] = 0.04 * step
+        h.steps(1)
+    assert h.decodes == [] and h.groups == []  # a and b are held: their group has not ended
+    assert sorted(r.request_id for r in h.stepper.requests) == ["a", "b", "c", "d"]
+    clock["t"] = 0.2
+    h.steps(1)
+    assert h.decodes == [["a", "b"]] and h.groups == [1]
+    clock["t"] = 0.24
+    h.steps()
+    assert h.decodes == [["a", "b"], ["c", "d"]] and h.groups == [1, 2]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid

@@ -20,9 +20,6 @@ class _EngineCollector:
 
     def collect(self):
         snap = self.engine.stats.snapshot()
-        total = CounterMetricFamily(f"{PREFIX}_requests", "Requests admitted to the engine")
-        total.add_metric([], snap["requests_total"])
-        yield total
         final = CounterMetricFamily(
             f"{PREFIX}_requests_finished",
             "Admitted requests by final status (sums to requests_total once none is in flight)",
@@ -37,12 +34,15 @@ class _EngineCollector:
         for status, count in sorted(snap["rejected"].items()):
             rejected.add_metric([str(status)], count)
         yield rejected
-        deaths = CounterMetricFamily(f"{PREFIX}_worker_deaths", "Worker processes that died")
-        deaths.add_metric([], snap["worker_deaths"])
-        yield deaths
-        restarts = CounterMetricFamily(f"{PREFIX}_replica_restarts", "Replicas restarted")
-        restarts.add_metric([], snap["restarts"])
-        yield restarts
+        for key, name, text in (
+            ("requests_total", "requests", "Requests admitted to the engine"),
+            ("worker_deaths", "worker_deaths", "Worker processes that died"),
+            ("restarts", "replica_restarts", "Replicas restarted"),
+            ("compiles", "compiles", "torch.compile compilations workers started (warm-up too)"),
+        ):
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", text)
+            counter.add_metric([], snap[key])
+            yield counter
         labels = ["pipeline", "stage"]
         waiting = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Queued per stage", labels=labels)
         running = GaugeMetricFamily(

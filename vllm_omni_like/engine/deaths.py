@@ -79,12 +79,17 @@ class DeathBook:
         self._ids = itertools.count(1)
         self._charged: dict[int, tuple[StagePool, int]] = {}
 
-    def record(self, pool: StagePool, replica: int, charged: bool) -> int:
-        """A new death's id; a charged one is remembered until a conviction refunds it."""
+    def record(self, pool: StagePool, replica: int, guilty: list[RequestState]) -> bool:
+        """A death, added to the chain of each request charged with it; whether the replica's
+        restart budget pays for it (not when a cohort ran: the bisection's death). A charged
+        one is remembered until a conviction refunds it."""
         death = next(self._ids)
+        for state in guilty:
+            state.chain.add(death)
+        charged = not any(s.cohort is not None for s in guilty)
         if charged:
             self._charged[death] = (pool, replica)
-        return death
+        return charged
 
     def cohort(self) -> int:
         return next(self._ids)

@@ -305,6 +305,8 @@ class Orchestrator:
                 pool.denoised(replica, bid)
             case Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
+                if active:
+                    self.stats.compiled()
             case Progress(request_ids=ids, step=step, total=total) as report:
                 pool.on_progress(replica, report, time.monotonic())
                 own = report.progress or {}
@@ -323,11 +325,7 @@ class Orchestrator:
         stall = pool.stall_of(replica)  # read before on_death forgets it
         lost = deaths.lost_requests(self.requests, pool, replica, event)
         guilty = deaths.charged(lost, stall)
-        bisecting = any(s.cohort is not None for s in guilty)  # the bisection's death
-        death = self.deaths.record(pool, replica, charged=not bisecting)
-        for state in guilty:
-            state.chain.add(death)
-        pool.on_death(replica, charged=not bisecting)
+        pool.on_death(replica, charged=self.deaths.record(pool, replica, guilty))
         culprit = deaths.convicted(guilty)
         if culprit is not None:
             self.deaths.absolve(culprit, [p for pools in self.pools.values() for p in pools])

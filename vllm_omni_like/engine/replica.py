@@ -117,16 +117,20 @@ class Replica:
         """The work of one step of its running set (cost.py units)."""
         return sum(f.units for f in self.stepping)
 
-    def joinable(self, key: tuple[object, ...], units: float, budget: int) -> int:
+    def joinable(self, key: tuple[object, ...], units: float, budget: int, lanes: int = 1) -> int:
         """How many requests of shape group `key`, of `units` of work a step each, may join
-        its running set now (0: none): the set holds at most `budget` requests (its row budget)
-        and at most the work of `budget` such requests a step (its memory budget: a request
-        of n images is n rows)."""
+        its running set now (0: none). The set holds at most `budget` requests (its row
+        budget) in at most `lanes` shape groups (a group of a new shape opens a lane beside
+        the others; lanes step one at a time); a lane's step does at most the work of `budget`
+        such requests (its memory budget: a request of n images is n rows)."""
         groups = self.stepping
-        if not (self.live and groups) or any(f.key != key for f in groups) or self.holds_suspect:
+        if not (self.live and groups) or self.holds_suspect:
+            return 0
+        keys = {f.key for f in groups}
+        if key not in keys and len(keys) >= lanes:
             return 0
         rows = budget - sum(len(f.requests) for f in groups)
-        work = budget * units - self.set_units
+        work = budget * units - sum(f.units for f in groups if f.key == key)
         return max(0, min(rows, int(work // units) if units > 0 else rows))
 
     def outstanding(self) -> tuple[int, float]:

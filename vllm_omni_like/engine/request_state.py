@@ -117,6 +117,7 @@ class EngineStats:
         self.batch_sizes: Counter[int] = Counter()
         self.worker_deaths = 0
         self.restarts = 0
+        self.compiles = 0  # torch.compile compilations the workers reported starting
         self.latency_s: dict[str, list[float]] = {s: [] for s in FINAL_STATUSES}
         self.observers: list[Callable[[str, str, float], None]] = []  # pipeline, status, s
         self.stage_observers: list[Callable[[str, float], None]] = []  # stage, seconds
@@ -135,6 +136,10 @@ class EngineStats:
     def restarted(self) -> None:
         with self._lock:
             self.restarts += 1
+
+    def compiled(self) -> None:
+        with self._lock:
+            self.compiles += 1
 
     def worker_died(self) -> None:
         with self._lock:
@@ -172,4 +177,5 @@ class EngineStats:
                 "batch_sizes": dict(self.batch_sizes),
                 "worker_deaths": self.worker_deaths,
                 "restarts": self.restarts,
+                "compiles": self.compiles,
             }

@@ -207,9 +207,10 @@ class StagePool:
         self, next_batch_id: Callable[[], int], now: float, failed: set[int]
     ) -> tuple[Replica, InFlight] | None:
         """The queue's head and the requests behind it that share its shape group, as a group
-        that joins the running set of a replica stepping that group (the one with most room),
-        up to the set's budget (`--max-batch-size` requests); None if none may (FIFO: a head
-        of another group waits for a set to drain)."""
+        that joins the running set of a busy replica: one stepping that group (the one with
+        most room) before one where it opens a lane beside other shape groups (up to
+        `--shape-groups`), up to the set's budget (`--max-batch-size` requests); None if none
+        may (FIFO: the head waits for a lane to drain)."""
         head = self.waiting[0]
         if head.cohort is not None or head.staged.mode not in self.stepped:
             return None
@@ -217,9 +218,15 @@ class StagePool:
         budget = self.config.max_batch_size
         units = cost.step_units(head.staged.params, self.text)
         rooms = [
-            (r.joinable(key, units, budget), r) for r in self.replicas if r.index not in failed
+            (r.joinable(key, units, budget, self.config.shape_groups), r)
+            for r in self.replicas
+            if r.index not in failed
         ]
-        room, replica = max(rooms, key=lambda pair: pair[0], default=(0, None))
+        room, replica = max(
+            rooms,
+            key=lambda pair: (pair[0] > 0, any(f.key == key for f in pair[1].stepping), pair[0]),
+            default=(0, None),
+        )
         if not room or replica is None:
             return None
         batch, self.waiting = take_compatible(self.waiting, room, self.own_loop)

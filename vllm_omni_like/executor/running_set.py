@@ -2,13 +2,17 @@
 engine one group at a time (an `ExecuteBatch`: the rows it adds), stepped together, each
 request leaving as its rows end.
 
-- A group joins at the next step boundary if the set takes its shape group (`accepts`); else
-  it waits, in order, until the set has drained (FIFO by group; so do whole-batch groups, which
-  run alone as before).
-- Every step advances every live row. A step that raises is bisected over the set's requests
-  (`stages/isolation.py`): halves step on their own from the same inputs (a step that raises
-  commits nothing), so only the culprit fails and leaves; its peers go on. A join that raises
-  is bisected the same way (its `execute` faults fire there).
+- A group joins at the next step boundary the lane of its shape group (a stepper that
+  `accepts` it); a group of another shape group opens a lane of its own beside it, up to
+  `--shape-groups` lanes; past that it waits, in order, until a lane drains (FIFO by group; a
+  whole-batch group waits until every lane has drained and runs alone, as before).
+- Lanes step one at a time, by an age rule: the lane that waited longest since its last step
+  steps next, so a short request of another size is not stuck behind a long set, and a long
+  set is slowed, not stopped, while it runs beside it.
+- Every step advances every live row of its lane. A step that raises is bisected over the
+  lane's requests (`stages/isolation.py`): halves step on their own from the same inputs (a
+  step that raises commits nothing), so only the culprit fails and leaves; its peers go on. A
+  join that raises is bisected the same way (its `execute` faults fire there).
 - An aborted request's rows leave at the next step boundary; its peers are untouched.
 - The requests that end at a step leave at once, their rest (the decode) one job for the
   finisher thread, which sends their results; a group none of whose requests is left leaves
@@ -70,6 +74,19 @@ class Job:
 HandOver = Callable[[Deferred | None, list[Group], dict[str, int]], None]
 
 
+@dataclass
+class Lane:
+    """The rows of one shape group: their stepper and their groups, oldest first."""
+
+    stepper: RowStepper
+    waited: float  # since when it waits for its next step (its last step, or its opening)
+    groups: dict[int, Group] = field(default_factory=dict)
+
+    @property
+    def batch_ids(self) -> list[int]:
+        return list(self.groups)
+
+
 class RunningSet:
     def __init__(
         self,
@@ -78,52 +95,63 @@ class RunningSet:
         deliver: Callable[[int, StageOutput], None],
         hand_over: HandOver,
         validate: Callable[[ExecuteBatch], list[StageRequest]],
+        stepped: tuple[str, ...],
+        max_lanes: int = 1,
     ) -> None:
         self.stage = stage
         self.control = control
         self.deliver = deliver  # (batch id, output): a culprit's error, out at once
         self.hand_over = hand_over
         self.validate = validate  # the group's valid requests (the others answered)
-        self.stepper: RowStepper | None = None
-        self.groups: dict[int, Group] = {}  # in the set, oldest first
+        self.stepped = stepped  # the modes whose rows run as a set (none: whole batches)
+        self.max_lanes = max_lanes
+        self.lanes: list[Lane] = []  # in the order they opened
+        self.lane_of: dict[int, Lane] = {}  # a group's batch id -> its lane
         self.group_of: dict[str, int] = {}  # request id -> its group's batch id
         self.waiting: deque[ExecuteBatch] = deque()  # groups that cannot join yet, in order
 
     @property
     def running(self) -> bool:
-        return self.stepper is not None and bool(self.groups)
-
-    @property
-    def batch_ids(self) -> list[int]:
-        return list(self.groups)
+        return bool(self.lanes)
 
     def takes(self, batch: ExecuteBatch) -> bool:
         """Whether `batch` goes to the set (to join it, or to wait for it to drain); the worker
         runs the others whole, as before."""
-        if self.running:
-            return True
-        return bool(batch.requests) and batch.requests[0].mode in self.stage.stepped_modes()
+        return self.running or self._stepped(batch)
+
+    def _stepped(self, batch: ExecuteBatch) -> bool:
+        return bool(batch.requests) and batch.requests[0].mode in self.stepped
 
     def add(self, batch: ExecuteBatch) -> None:
-        """Join now if the set takes it, else wait for the set to drain."""
-        if self.running and not self._joins(batch):
+        """Join its lane now, or open one; else wait for a lane to drain."""
+        lane = self._lane_for(batch)
+        if lane is None:
             self.waiting.append(batch)
             return
-        self._join(batch)
+        self._join(lane, batch)
 
-    def _joins(self, batch: ExecuteBatch) -> bool:
-        assert self.stepper is not None
-        same_kind = batch.requests[0].mode in self.stage.stepped_modes()
-        return same_kind and all(self.stepper.accepts(r) for r in batch.requests)
-
-    def _join(self, batch: ExecuteBatch) -> None:
-        if not self.running:
-            self.stepper = self.stage.stepper(batch.requests[0].mode)
+    def _lane_for(self, batch: ExecuteBatch) -> Lane | None:
+        """The lane `batch` joins (a new one if it may open one), or None: it waits."""
+        if not self._stepped(batch):
+            return None  # a whole batch waits for the set to drain
+        for lane in self.lanes:
+            if all(lane.stepper.accepts(r) for r in batch.requests):
+                return lane
+        if len(self.lanes) >= self.max_lanes:
+            return None
+        if not self.lanes:
             self.control.max_model_batch = 0
-        assert self.stepper is not None
-        stepper = self.stepper
+        stepper = self.stage.stepper(batch.requests[0].mode)
+        assert stepper is not None
+        lane = Lane(stepper, time.monotonic())
+        self.lanes.append(lane)
+        return lane
+
+    def _join(self, lane: Lane, batch: ExecuteBatch) -> None:
+        stepper = lane.stepper
         group = Group(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
-        self.groups[batch.batch_id] = group
+        lane.groups[batch.batch_id] = group
+        self.lane_of[batch.batch_id] = lane
         for rid in group.ids:
             self.group_of[rid] = batch.batch_id
         valid = self.validate(batch)
@@ -136,12 +164,15 @@ class RunningSet:
 
         with self._early():
             bisect_isolated(self.stage.name, valid, self.control, join, self._culprit)
-        self._settle(None)
+        self._settle(lane, None)
 
-    def step(self) -> None:
-        """One step of the set, then whatever ended leaves."""
-        assert self.stepper is not None
-        stepper = self.stepper
+    def next_lane(self) -> Lane:
+        """The age rule: the lane that has waited longest since its last step."""
+        return min(self.lanes, key=lambda lane: lane.waited)
+
+    def step(self, lane: Lane) -> None:
+        """One step of `lane`, then whatever ended leaves."""
+        stepper = lane.stepper
 
         def step(live: list[StageRequest]) -> list[StageOutput]:
             stepper.step(self.control, {r.request_id for r in live})
@@ -149,7 +180,8 @@ class RunningSet:
 
         with self._early():
             bisect_isolated(self.stage.name, stepper.requests, self.control, step, self._culprit)
-        self._settle(stepper.leave(self.control))
+        lane.waited = time.monotonic()
+        self._settle(lane, stepper.leave(self.control))
 
     @contextlib.contextmanager
     def _early(self) -> Iterator[None]:
@@ -162,35 +194,38 @@ class RunningSet:
             self.control.report = None
 
     def next_waiting(self) -> ExecuteBatch | None:
-        """The first group that waited, once the set has drained."""
-        if self.running or not self.waiting:
+        """The first group that waited, once it may join or open a lane (a whole batch: once
+        every lane has drained)."""
+        if not self.waiting or (self.running and self._lane_for(self.waiting[0]) is None):
             return None
         return self.waiting.popleft()
 
     def _culprit(self, out: StageOutput) -> None:
         """A request whose join or step raised alone: its error goes out, it leaves the set."""
-        assert self.stepper is not None
-        self.stepper.drop({out.request_id})
-        self.deliver(self.group_of[out.request_id], out)
+        batch_id = self.group_of[out.request_id]
+        self.lane_of[batch_id].stepper.drop({out.request_id})
+        self.deliver(batch_id, out)
 
-    def _settle(self, part: Deferred | None) -> None:
-        """Hand over what left: the requests of `part` (ended at this step) and the groups
-        none of whose requests is in the set any more, oldest first."""
-        assert self.stepper is not None
+    def _settle(self, lane: Lane, part: Deferred | None) -> None:
+        """Hand over what left the lane: the requests of `part` (ended at this step) and the
+        groups none of whose requests is in it any more, oldest first; a drained lane closes."""
         owners = (
             {}
             if part is None
             else {r.request_id: self.group_of[r.request_id] for r in part.requests}
         )
-        inside = {r.request_id for r in self.stepper.requests}
+        inside = {r.request_id for r in lane.stepper.requests}
         ended = []
-        for batch_id in list(self.groups):
-            group = self.groups[batch_id]
+        for batch_id in list(lane.groups):
+            group = lane.groups[batch_id]
             group.left &= inside
             if not group.left:
-                del self.groups[batch_id]
+                del lane.groups[batch_id]
+                del self.lane_of[batch_id]
                 for rid in group.ids:
                     self.group_of.pop(rid, None)
                 ended.append(group)
+        if not lane.groups:
+            self.lanes.remove(lane)
         if part is not None or ended:
             self.hand_over(part, ended, owners)

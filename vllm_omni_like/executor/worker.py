@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
 from vllm_omni_like.executor import placement, transport
+from vllm_omni_like.executor.finisher import Finisher
 from vllm_omni_like.executor.placement import gpu_memory_in_use
 from vllm_omni_like.executor.running_set import Group, Job, RunningSet
 from vllm_omni_like.outputs import StageOutput
@@ -85,11 +86,9 @@ class _Worker:
         self.control = StageControl(FaultInjector(faults, config.name), self._progress)
         self.stage: Stage | None = None
         self.name = config.name
-        # batches whose rest runs on the finisher thread; at most one at a time
-        self.finishing: queue.Queue[Job] = queue.Queue()
-        self.finisher_free = threading.Semaphore(1)
-        self.finisher_busy = threading.Event()  # it finishes a batch now (holding its memory)
-        self.control.reclaim = self._reclaim
+        # jobs whose rest (the decode) runs on the finisher thread, in order
+        self.finisher: Finisher[Job] = Finisher(self._finish_or_exit)
+        self.control.reclaim = self.finisher.wait_idle
 
     def send(self, msg: object) -> None:
         self.channel.send(msg)
@@ -127,10 +126,17 @@ class _Worker:
             self.send(WorkerLoadFailed(self.rank, info, traceback.format_exc()))
             return False
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        # request-level batching: the same messages, each group run whole (no mode steps)
+        stepped = self.stage.stepped_modes() if self.config.batch_level == "step" else ()
         self.rows = RunningSet(
-            self.stage, self.control, self._deliver, self._set_left, self._validate
+            self.stage,
+            self.control,
+            self._deliver,
+            self._set_left,
+            self._validate,
+            stepped,
+            self.config.shape_groups,
         )
-        stepped = self.stage.stepped_modes()
         memory = gpu_memory_in_use()
         self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped))
         return True
@@ -171,7 +177,7 @@ class _Worker:
             case Shutdown():
                 while self.rows.running:
                     self._step_set()
-                self.finisher_free.acquire()
+                self.finisher.wait_idle()
                 return False
         return True
 
@@ -190,10 +196,11 @@ class _Worker:
             self.run_batch(batch)
 
     def _step_set(self) -> None:
-        ids = self.rows.batch_ids
+        lane = self.rows.next_lane()  # (the lane whose groups this step's Progress names)
+        ids = lane.batch_ids
         self.batch_id, self.joined = ids[0], ids[1:]
-        self._guard(self.rows.step)
-        while not self.rows.running and (batch := self.rows.next_waiting()) is not None:
+        self._guard(self.rows.step, lane)
+        while (batch := self.rows.next_waiting()) is not None:  # a lane drained: room now
             self._accept(batch)
 
     def _validate(self, batch: ExecuteBatch) -> list[StageRequest]:
@@ -239,18 +246,16 @@ class _Worker:
 
     def _hand_over(self, job: Job) -> None:
         """The job's rest (its decode) on the finisher, beside what runs next (here, without
-        decode overlap); one job at a time is finished: wait for the one before."""
-        self.finisher_free.acquire()
+        decode overlap), in order; past the finisher's depth, wait for the oldest."""
         if not self.config.decode_overlap:  # its rest here, before the next batch begins
+            self.finisher.wait_idle()
             self._finish_job(job)
-            self.finisher_free.release()
             return
         # say this one may be followed: its rest (the decode) runs beside the next batch
         if self.reports:
             for batch_id, _, _ in job.ends():
                 self.send(Denoised(batch_id))
-        self.finisher_busy.set()
-        self.finishing.put(job)
+        self.finisher.put(job)
 
     def _serve(self, batch_id: int) -> None:
         assert self.stage is not None
@@ -266,30 +271,16 @@ class _Worker:
             except Exception as exc:
                 raise FatalStageError(f"rank 0: {type(exc).__name__}: {exc}") from exc
 
-    def _reclaim(self) -> bool:
-        """Out of memory on the main thread: if a batch is being finished beside it, wait until
-        that batch is done (its latents and pixels freed) and say so."""
-        if not self.finisher_busy.is_set():
-            return False
-        with self.finisher_free:  # released once the finisher is done with its batch
-            pass
-        return True
-
-    def finish_forever(self) -> None:
-        """The finisher thread: the deferred rest of each batch, then its results."""
-        while True:
-            job = self.finishing.get()
-            try:
-                self._finish_job(job)  # its latents and pixels go at return
-                del job
-            except BaseException:
-                # not a request's failure (those are outputs): without this thread the worker
-                # cannot go on, so it dies now and the executor's monitor sees it at once
-                logger.exception("stage %s: the finisher thread failed, worker exits", self.name)
-                sys.stderr.flush()
-                os._exit(EXIT_FATAL)
-            self.finisher_busy.clear()
-            self.finisher_free.release()
+    def _finish_or_exit(self, job: Job) -> None:
+        """On the finisher thread: the job's rest, then its results."""
+        try:
+            self._finish_job(job)
+        except BaseException:
+            # not a request's failure (those are outputs): without this thread the worker
+            # cannot go on, so it dies now and the executor's monitor sees it at once
+            logger.exception("stage %s: the finisher thread failed, worker exits", self.name)
+            sys.stderr.flush()
+            os._exit(EXIT_FATAL)
 
     def _finish_job(self, job: Job) -> None:
         assert self.stage is not None
@@ -396,7 +387,7 @@ def run_worker(
     if config.compile:  # after the load: its warm-up compiles count against the load timeout
         worker.report_compiles()
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()
-    threading.Thread(target=worker.finish_forever, daemon=True, name="finisher").start()
+    threading.Thread(target=worker.finisher.run_forever, daemon=True, name="finisher").start()
     worker.run_forever()
     if worker.stage is not None:
         worker.stage.close()

@@ -181,6 +181,23 @@ class RowStepper(ABC):
         """Take these requests' rows out of the set (they failed)."""
 
 
+def run_whole(stepper: RowStepper, batch: list[StageRequest], control: StageControl) -> Deferred:
+    """`batch` through a running set that nothing joins, stepped until every row ended (the
+    request-level policy on the same maths); each request's output goes out as it ends."""
+    stepper.join(batch, control)
+    outputs: dict[str, StageOutput] = {}
+    while stepper.requests:
+        stepped = stepper.step(control)
+        part = stepper.leave(control)
+        for out in part.finish(part.requests) if part is not None else []:
+            outputs[out.request_id] = out
+            control.deliver(out)
+        if not stepped and part is None:
+            break
+    ended = [r for r in batch if r.request_id in outputs]
+    return Deferred.done(ended, [outputs[r.request_id] for r in ended])
+
+
 class Stage(ABC):
     """A model that runs batches of requests inside a worker process."""
 

@@ -17,7 +17,7 @@ from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
-from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl
+from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl, run_whole
 from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
 from vllm_omni_like.stages.guided import Guides
 from vllm_omni_like.stages.sampling import RowSampling
@@ -134,22 +134,11 @@ class LLMStage(Stage):
         return LLMRows(self) if mode in self.stepped_modes() else None
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
-        """The batch as a running set that nothing joins, stepped until every row ended; each
-        row's output goes out as it ends."""
+        """The batch as a running set that nothing joins; each row's output goes out as it
+        ends."""
         from vllm_omni_like.stages.llm_rows import LLMRows
 
-        rows, outputs = LLMRows(self), {}
-        rows.join(batch, control)
-        while rows.requests:
-            stepped = rows.step(control)
-            part = rows.leave(control)
-            for out in part.finish(part.requests) if part is not None else []:
-                outputs[out.request_id] = out
-                control.deliver(out)
-            if not stepped and part is None:
-                break
-        ended = [r for r in batch if r.request_id in outputs]
-        return Deferred.done(ended, [outputs[r.request_id] for r in ended])
+        return run_whole(LLMRows(self), batch, control)
 
     def admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]:
         """The row's prompt tokens and its constraint (None without one)."""

@@ -2,20 +2,27 @@
 groups of requests of one shape group join our own loop at a step boundary, each row steps
 with its own schedule, and a request leaves when its rows have ended, its decode deferred as a
 whole batch's is. A whole batch through our own loop is a set that nothing joins
-(own_loop.py), so both run the same maths."""
+(own_loop.py), so both run the same maths.
+
+Rows that end are held for their **decode group**: their latents decode together once
+`decode_group_rows` of them have ended, or the first of them ended `decode_group_ms` ago, or
+the set drained (a decode of 8 rows costs far less than 8 of one). A held request is still in
+the set (`requests`) until its group is handed over, so its group's end follows its result."""
 
 from __future__ import annotations
 
-import contextlib
+import time
 from typing import Any
 
 import torch
 
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
 from vllm_omni_like.stages.denoise import Settings, text_dtype
-from vllm_omni_like.stages.denoise_set import DenoiseSet
+from vllm_omni_like.stages.denoise_set import DenoiseSet, Left
 from vllm_omni_like.stages.diffusion_state import DiffusionState
 from vllm_omni_like.wire import StageRequest
+
+_now = time.monotonic  # (a test's fake clock replaces it)
 
 
 class OwnLoopSet(RowStepper):
@@ -24,12 +31,17 @@ class OwnLoopSet(RowStepper):
         self.set = DenoiseSet(stage.denoise)
         self.key: tuple[Any, ...] | None = None  # the shape group of the rows in the set
         self.frames = 0
-        # from the first join until the set drains: one batch of the stage's timeline
-        self._traced: contextlib.ExitStack | None = None
+        # from the first join until the set drains: one batch of the stage's timeline (shared
+        # with the other lanes of the worker's running set)
+        self._traced = False
+        self.held: list[Left] = []  # ended rows waiting for their decode group
+        self.held_since = 0.0  # when the first of them ended
+        self.dropped: set[str] = set()  # held requests that failed since (not decoded)
 
     @property
     def requests(self) -> list[StageRequest]:
-        return self.set.requests
+        held = [r for left in self.held for r in left.requests if r.request_id not in self.dropped]
+        return self.set.requests + held
 
     def accepts(self, request: StageRequest) -> bool:
         return self.set.empty or request.batch_key(frozenset(self.stage.own)) == self.key
@@ -48,9 +60,9 @@ class OwnLoopSet(RowStepper):
             self.key = batch[0].batch_key(frozenset(stage.own))
             self.frames = frames if stage.is_video else 0
             stage.probe.reset()
-            if self._traced is None:
-                self._traced = contextlib.ExitStack()
-                self._traced.enter_context(stage.tracer.batch())
+            if not self._traced:
+                self._traced = True
+                stage.tracer.open_shared()
         self.set.join(rows, embeds, latents)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
@@ -85,33 +97,54 @@ class OwnLoopSet(RowStepper):
     def leave(self, control: StageControl) -> Deferred | None:
         live = {r.request_id for r in control.live(self.set.requests)}
         left = self.set.leave(live)
-        part = None
         if left is not None:
-            stage = self.stage
-            decoder = stage.adapter.decoder(stage.pipe)
-            part = stage.defer(left.requests, left.latents, left.seeds, self.frames, decoder)
+            if not self.held:
+                self.held_since = _now()
+            self.held.append(left)
+        part = self._decode_group(control) if self.held else None
         if self.set.empty:
             self.drained()
         return part
+
+    def _decode_group(self, control: StageControl) -> Deferred | None:
+        """The held rows as one decode, once their group is complete (see above)."""
+        config = self.stage.config
+        rows = sum(len(left.seeds) for left in self.held)
+        waited = (_now() - self.held_since) * 1000.0
+        if not (
+            self.set.empty or rows >= config.decode_group_rows or waited >= config.decode_group_ms
+        ):
+            return None
+        held, dropped, self.held, self.dropped = self.held, self.dropped, [], set()
+        everyone = [r for h in held for r in h.requests]  # (in the latents' row order)
+        requests = [r for r in control.live(everyone) if r.request_id not in dropped]
+        if not requests:  # all aborted or failed while held
+            return None
+        with torch.inference_mode():
+            latents = held[0].latents if len(held) == 1 else torch.cat([h.latents for h in held])
+        seeds = [seed for h in held for seed in h.seeds]
+        stage = self.stage
+        decoder = stage.adapter.decoder(stage.pipe)
+        part = stage.defer(everyone, latents, seeds, self.frames, decoder)
+        return Deferred(requests, part.finish)
 
     def drained(self, failure: BaseException | None = None) -> None:
         """The set is empty: its steps end when the device's do (the denoise phase is device
         time, as a whole batch's), and its timeline is written - not after a `failure` (its
         device may be gone)."""
         self.key = None
-        traced, self._traced = self._traced, None
-        if traced is None:
+        if not self._traced:
             return
-        if failure is not None:
-            traced.__exit__(type(failure), failure, failure.__traceback__)
-            return
+        self._traced = False
         stage = self.stage
-        if stage.device.type == "cuda":
-            torch.cuda.current_stream(stage.device).synchronize()
-        stage.tracer.mark("synced")
-        traced.close()
+        if failure is None and stage.tracer.sharing == 1:  # the last lane: wait for the device
+            if stage.device.type == "cuda":
+                torch.cuda.current_stream(stage.device).synchronize()
+            stage.tracer.mark("synced")
+        stage.tracer.close_shared(failure)
 
     def drop(self, request_ids: set[str]) -> None:
         self.set.remove(request_ids)
-        if self.set.empty:
+        self.dropped |= {r.request_id for h in self.held for r in h.requests} & request_ids
+        if self.set.empty and not self.held:  # (held rows: the next leave hands them over)
             self.drained()

@@ -41,6 +41,26 @@ class BatchTracer:
         self.stage, self.rank, self.count = stage, rank, 0
         self.device = device  # a CUDA device: the marks go on its current stream
         self._marks: list[tuple[str, Any, float]] = []
+        self.sharing = 0  # running-set lanes in the shared batch (`open_shared`)
+        self._shared: contextlib.ExitStack | None = None
+
+    def open_shared(self) -> None:
+        """A running set's lane opens: the first one opens a batch of the timeline that the
+        lanes share, until the last of them closes it (`close_shared`)."""
+        self.sharing += 1
+        if self.sharing == 1:
+            self._shared = contextlib.ExitStack()
+            self._shared.enter_context(self.batch())
+
+    def close_shared(self, failure: BaseException | None = None) -> None:
+        self.sharing -= 1
+        if self.sharing or self._shared is None:
+            return
+        shared, self._shared = self._shared, None
+        if failure is not None:
+            shared.__exit__(type(failure), failure, failure.__traceback__)
+        else:
+            shared.close()
 
     def mark(self, label: str) -> None:
         """A point of this batch's timeline, on the device's clock (no wait for the device)."""

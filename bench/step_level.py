@@ -1,0 +1,337 @@
+"""Step-level batching against request-level batching, on one GPU in one sitting (#36).
+
+    python bench/step_level.py --parts c64,ceiling      # one GPU sitting (one call)
+    python bench/step_level.py --parts mixed            # the next
+    python bench/step_level.py --tiny --parts c64,mixed # a CPU smoke run of the bench itself
+
+Two servers on the same GPU (`--gpu-memory-fraction 0.45` each): the SD1.5 architecture with
+random weights, fp16, `--compile` (buckets 1,8,16,32; warm-up sizes 512x512 and 768x768),
+`--max-batch-size 32`; one `--batch-level step`, one `--batch-level request`, all else equal.
+Both start once (at the same time: they compile side by side) and their runs alternate.
+- c64: 64 closed-loop clients, 512x512, 30 steps, CFG 7.5: img/s each round.
+- ceiling: after the servers stop, this process runs the SD1.5 UNet compiled the same way at
+  32 images (64 CFG rows) for 30 steps and the VAE decoder at 32 (per-step device time, CUDA
+  events): 32 / (30 x step + decode) img/s, no server.
+- mixed: requests drawn from one seeded mix (steps 10-50, guidance 7.5 or 1 (off), 512x512 or
+  768x768): each mode's maximum sustainable throughput (closed loop, 64 clients, img/s); then
+  one seeded Poisson arrival trace at 80 % of the request-level maximum (>= 500 requests)
+  through each mode: p50 / p99 latency.
+- recompiles: each server's `vllm_omni_like_compiles_total` after its warm-up, against at the
+  end of its runs.
+- images: the same 4 requests of the mix from both servers, PSNR (>= 35 dB: equal).
+Results: `bench/results/step_level-<device>.json` (everything) and the issue's keys merged into
+`bench/results/serving-<device>.json`: `server_c64_img_s`, `gpu_ceiling_img_s`,
+`mixed_p99_ratio`, `mixed_max_throughput_ratio`, `recompiles`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.compare import psnr
+from bench.control_plane import pct
+from bench.memory import sd15_args
+from bench.server_proc import Server
+
+FRACTION = 0.45
+COMPILED = ["--compile", "--batch-buckets", "1,8,16,32"]
+COMPILED += ["--warmup-size", "512x512", "--warmup-size", "768x768"]
+TINY = ["tiny-image", "--max-batch-size", "32", "--max-queue-size", "4096"]
+MODES = ("step", "request")
+
+
+def mix(i: int, tiny: bool) -> dict[str, Any]:
+    """Request `i` of the seeded mix."""
+    rng = random.Random(i)
+    side = rng.choice((48, 64)) if tiny else rng.choice((512, 768))
+    steps = rng.randint(2, 8) if tiny else rng.randint(10, 50)
+    return {
+        "prompt": "a photo of a cat",
+        "size": f"{side}x{side}",
+        "num_inference_steps": steps,
+        "guidance_scale": rng.choice((7.5, 1.0)),
+        "seed": i,
+        "response_format": "b64_json",
+    }
+
+
+def c64_body(i: int, tiny: bool) -> dict[str, Any]:
+    side, steps = (64, 4) if tiny else (512, 30)
+    body = {"prompt": "a photo of a cat", "size": f"{side}x{side}", "seed": i}
+    return {**body, "num_inference_steps": steps, "guidance_scale": 7.5}
+
+
+async def closed_loop(url: str, clients: int, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """`clients` clients through `bodies`, each sending its next as its last ends."""
+    todo = iter(bodies)
+    latencies: list[float] = []
+    failed: list[str] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for body in todo:
+            t0 = time.perf_counter()
+            r = await http.post("/v1/images/generations", json=body)
+            if r.status_code != 200:
+                failed.append(f"{r.status_code} {r.text[:200]}")
+            latencies.append(time.perf_counter() - t0)
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        seconds = time.perf_counter() - t0
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
+    return {"img_s": round(len(bodies) / seconds, 3), "seconds": round(seconds, 2)}
+
+
+async def open_loop(url: str, bodies: list[dict[str, Any]], rate: float, seed: int) -> list[float]:
+    """`bodies` sent at the arrival times of a seeded Poisson process of `rate` a second; each
+    request's latency."""
+    rng = random.Random(seed)
+    at, arrivals = 0.0, []
+    for _ in bodies:
+        at += rng.expovariate(rate)
+        arrivals.append(at)
+    latencies: list[float] = [0.0] * len(bodies)
+    failed: list[str] = []
+
+    async def one(http: httpx.AsyncClient, i: int, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        t0 = time.perf_counter()
+        r = await http.post("/v1/images/generations", json=bodies[i])
+        if r.status_code != 200:
+            failed.append(f"{r.status_code} {r.text[:200]}")
+        latencies[i] = time.perf_counter() - t0
+
+    limits = httpx.Limits(max_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(http, i, start) for i in range(len(bodies))))
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
+    return latencies
+
+
+def compiles(server: Server) -> int:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    found = re.search(r"^vllm_omni_like_compiles_total (\S+)$", text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+
+def pixels(r: httpx.Response) -> np.ndarray:
+    from PIL import Image
+
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def start(tiny: bool, log: str) -> dict[str, Server]:
+    base = TINY if tiny else [*sd15_args(FRACTION), *COMPILED]
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # a later sitting reuses it
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {
+            mode: pool.submit(Server, [*base, "--batch-level", mode], f"{log}.{mode}", 1500, env)
+            for mode in MODES
+        }
+        return {mode: f.result() for mode, f in futures.items()}
+
+
+def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
+    bodies = [c64_body(i, args.tiny) for i in range(args.c64_requests)]
+    rounds: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            out = asyncio.run(closed_loop(servers[mode].url, 64, bodies))
+            rounds[mode].append(out["img_s"])
+            print(f"c64 {mode}: {out}", flush=True)
+    med = {m: statistics.median(v) for m, v in rounds.items()}
+    return {
+        "c64_img_s": rounds,
+        "server_c64_img_s": med["step"],
+        "request_level_c64_img_s": med["request"],
+        "c64_step_over_request": round(med["step"] / med["request"], 4),
+    }
+
+
+def part_mixed(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
+    closed = [mix(i, args.tiny) for i in range(args.mixed_closed)]
+    best = {}
+    for mode in MODES:
+        best[mode] = asyncio.run(closed_loop(servers[mode].url, 64, closed))["img_s"]
+        print(f"mixed max {mode}: {best[mode]} img/s", flush=True)
+    rate = 0.8 * best["request"]
+    trace = [mix(100_000 + i, args.tiny) for i in range(args.mixed_requests)]
+    result: dict[str, Any] = {"mixed_max_img_s": best, "offered_req_s": round(rate, 3)}
+    for mode in MODES:
+        lat = asyncio.run(open_loop(servers[mode].url, trace, rate, seed=7))
+        result[f"mixed_{mode}"] = {
+            "p50_s": round(pct(lat, 0.5), 3),
+            "p99_s": round(pct(lat, 0.99), 3),
+            "mean_s": round(statistics.fmean(lat), 3),
+        }
+        print(f"mixed trace {mode}: {result[f'mixed_{mode}']}", flush=True)
+    result["mixed_p99_ratio"] = round(
+        result["mixed_step"]["p99_s"] / result["mixed_request"]["p99_s"], 4
+    )
+    result["mixed_max_throughput_ratio"] = round(best["step"] / best["request"], 4)
+    return result
+
+
+def images_equal(servers: dict[str, Server], tiny: bool) -> dict[str, Any]:
+    got: dict[str, list[np.ndarray]] = {m: [] for m in MODES}
+    for i in range(4):
+        for mode in MODES:
+            r = httpx.post(
+                f"{servers[mode].url}/v1/images/generations", json=mix(900 + i, tiny), timeout=600
+            )
+            r.raise_for_status()
+            got[mode].append(pixels(r))
+    values = [psnr(a, b) for a, b in zip(got["step"], got["request"], strict=True)]
+    return {"psnr_db": [round(v, 2) if np.isfinite(v) else "inf" for v in values]}
+
+
+def part_ceiling(args: argparse.Namespace) -> dict[str, Any]:
+    """The compiled UNet at 32 images (64 CFG rows) and the VAE decoder at 32, no server."""
+    import torch
+
+    from bench.raw_diffusers import build
+
+    pipe = build("sd15", "fp16", "cuda", compile_unet=True)
+    eager_decode = pipe.vae.decode
+    pipe.vae.decode = torch.compile(pipe.vae.decode, dynamic=False)
+    n, side = 32, 512 // 8
+    latents = torch.randn(2 * n, 4, side, side, device="cuda", dtype=torch.float16)
+    text = torch.randn(2 * n, 77, 768, device="cuda", dtype=torch.float16)
+    t = torch.full((2 * n,), 500, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):  # compile, then warm
+            pipe.unet(latents, t, encoder_hidden_states=text)
+            pipe.vae.decode(latents[:n])
+        torch.cuda.synchronize()
+        steps = []
+        for _ in range(args.ceiling_steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            pipe.unet(latents, t, encoder_hidden_states=text)
+            b.record()
+            b.synchronize()
+            steps.append(a.elapsed_time(b) / 1000)
+        decodes = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            pipe.vae.decode(latents[:n])
+            b.record()
+            b.synchronize()
+            decodes.append(a.elapsed_time(b) / 1000)
+    step, decode = statistics.median(steps), statistics.median(decodes)
+    return {
+        "ceiling_step_s": round(step, 5),
+        "ceiling_decode_32_s": round(decode, 4),
+        "gpu_ceiling_img_s": round(n / (30 * step + decode), 3),
+        "decode_rows_s": decode_curve(eager_decode, latents),
+    }
+
+
+def decode_curve(decode: Any, latents: Any) -> dict[int, float]:
+    """The VAE decode (eager: one graph a size would take minutes to compile) of 1 .. 32 rows:
+    what a decode group of K rows costs a row against a decode of 32 (`--decode-group-rows`)."""
+    import torch
+
+    curve = {}
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 8, 16, 32):
+            times = []
+            for i in range(6):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                decode(latents[:rows])
+                b.record()
+                b.synchronize()
+                if i:  # (the first: warm-up)
+                    times.append(a.elapsed_time(b) / 1000)
+            curve[rows] = round(statistics.median(times), 5)
+    return curve
+
+
+def device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="c64,ceiling")
+    ap.add_argument("--tiny", action="store_true", help="tiny-image on the CPU (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--c64-requests", type=int, default=128)
+    ap.add_argument("--mixed-closed", type=int, default=128)
+    ap.add_argument("--mixed-requests", type=int, default=500)
+    ap.add_argument("--ceiling-steps", type=int, default=10)
+    ap.add_argument("--log", default="step_level.log")
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    result: dict[str, Any] = {"device": device(), "parts": parts}
+    served = [p for p in parts if p in ("c64", "mixed")]
+    if served:
+        servers = start(args.tiny, args.log)
+        try:
+            result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
+            warm = {m: compiles(s) for m, s in servers.items()}
+            for part in served:
+                result.update((part_c64 if part == "c64" else part_mixed)(servers, args))
+            result["images"] = images_equal(servers, args.tiny)
+            end = {m: compiles(s) for m, s in servers.items()}
+            result["compiles_after_warm_up"] = warm
+            result["recompiles"] = sum(end[m] - warm[m] for m in MODES)
+        finally:
+            for server in servers.values():
+                server.stop()
+    if "ceiling" in parts and not args.tiny:
+        result.update(part_ceiling(args))
+    print(json.dumps(result), flush=True)
+    write(result, args.out_dir)
+    return 0
+
+
+def write(result: dict[str, Any], out_dir: str) -> None:
+    from bench.raw_diffusers import device_name
+
+    os.makedirs(out_dir, exist_ok=True)
+    name = device_name()
+    with open(os.path.join(out_dir, f"step_level-{name}.jsonl"), "a") as f:
+        f.write(json.dumps(result) + "\n")
+    keys = ("server_c64_img_s", "gpu_ceiling_img_s", "mixed_p99_ratio")
+    keys += ("mixed_max_throughput_ratio", "recompiles")
+    path = os.path.join(out_dir, f"serving-{name}.json")
+    merged: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            merged = json.load(f)
+    merged.update({k: result[k] for k in keys if k in result})
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The flags that override every stage's field, and the batching group of them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any
+
+from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, ROUTINGS, StageConfig
+
+_STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
+
+
+def on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
+    """A flag that overrides every stage's field `name`; its help shows the field's default."""
+    default = _STAGE[name]
+    shown = on_off(default) if isinstance(default, bool) else default
+    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
+
+
+def add_batching_args(parser: argparse.ArgumentParser) -> None:
+    """How requests batch, join running sets and pick replicas (every stage)."""
+    g = parser.add_argument_group("batching (override every stage)")
+    stage_flag(g, "max_batch_size", "requests per batch (a running set: in it at once)", type=int)
+    stage_flag(
+        g,
+        "batch_policy",
+        "when an idle replica takes its next batch: request (wait for a full batch at most "
+        "--batch-max-wait seconds from the oldest queued request) or refill (after a batch, "
+        "wait for its clients to come back: --batch-wait)",
+        choices=BATCH_POLICIES,
+    )
+    stage_flag(
+        g,
+        "batch_wait",
+        "refill policy: after a batch of N, a replica waits up to SHARE x that batch's run time "
+        "for N requests to queue (closed-loop clients coming back), so batches stay whole; "
+        "0 = never wait",
+        type=float,
+        metavar="SHARE",
+    )
+    stage_flag(
+        g,
+        "batch_max_wait",
+        "request policy: seconds the oldest queued request may wait for a full batch "
+        "(0 = never wait)",
+        type=float,
+        metavar="S",
+    )
+    stage_flag(
+        g,
+        "replica_queue",
+        "batches a replica may hold queued at its worker beyond the one it runs (0: a batch "
+        "is given to a replica only when it is free); with more, routing spreads them",
+        type=int,
+        metavar="N",
+    )
+    stage_flag(
+        g,
+        "batch_level",
+        "step: a request joins a busy replica's running set at the next step boundary and "
+        "leaves when its own steps are done; request: each batch runs whole (the set takes no "
+        "joins)",
+        choices=BATCH_LEVELS,
+    )
+    stage_flag(
+        g,
+        "shape_groups",
+        "shape groups (size, frames, mode) a replica's running set holds side by side, one "
+        "stepping at a time: the one that waited longest since its last step goes next",
+        type=int,
+        metavar="N",
+    )
+    stage_flag(
+        g,
+        "decode_group_rows",
+        "a running set's finished rows decode together (off its steps, on the finisher) "
+        "once this many have ended ...",
+        type=int,
+        metavar="K",
+    )
+    stage_flag(
+        g,
+        "decode_group_ms",
+        "... or once the first of them ended this many milliseconds ago (or the set drained)",
+        type=float,
+        metavar="T",
+    )
+    stage_flag(
+        g,
+        "routing",
+        "which replica gets a batch: cost (where it would end first: the work each replica "
+        "holds, in seconds at its measured speed) or count (the fewest requests held)",
+        choices=ROUTINGS,
+    )
