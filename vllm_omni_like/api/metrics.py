@@ -34,14 +34,14 @@ class _EngineCollector:
         for status, count in sorted(snap["rejected"].items()):
             rejected.add_metric([str(status)], count)
         yield rejected
-        for key, name, text in (
+        for field, name, help_text in (
             ("requests_total", "requests", "Requests admitted to the engine"),
             ("worker_deaths", "worker_deaths", "Worker processes that died"),
             ("restarts", "replica_restarts", "Replicas restarted"),
             ("compiles", "compiles", "torch.compile compilations workers started (warm-up too)"),
         ):
-            counter = CounterMetricFamily(f"{PREFIX}_{name}", text)
-            counter.add_metric([], snap[key])
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", help_text)
+            counter.add_metric([], snap[field])
             yield counter
         labels = ["pipeline", "stage"]
         waiting = GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Queued per stage", labels=labels)
