@@ -161,7 +161,7 @@ def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, 
         for mode in MODES:
             out = asyncio.run(closed_loop(servers[mode].url, 64, bodies))
             rounds[mode].append(out["img_s"])
-            print(f"c64 {mode}: {out}", flush=True)
+            print(f"c64 {mode}: {out}, compiles so far {compiles(servers[mode])}", flush=True)
     med = {m: statistics.median(v) for m, v in rounds.items()}
     return {
         "c64_img_s": rounds,
@@ -298,6 +298,7 @@ def main() -> int:
         try:
             result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
             warm = {m: compiles(s) for m, s in servers.items()}
+            print(f"started {result['start_s']} s, compiles {warm}", flush=True)
             for part in served:
                 result.update((part_c64 if part == "c64" else part_mixed)(servers, args))
             result["images"] = images_equal(servers, args.tiny)

@@ -155,7 +155,7 @@ class StageConfig:
     # a running set's finished rows decode in groups: once this many rows ended, or the first
     # of them ended this long ago (or the set drained), whichever comes first
     decode_group_rows: int = 8
-    decode_group_ms: float = 50.0
+    decode_group_ms: float = 100.0
     stall_timeout: float = 60.0
     # a step during which the worker compiles or warms up (torch.compile reports both ends)
     compile_timeout: float = 600.0

@@ -439,3 +439,39 @@ def test_channels_last_auto_puts_a_video_vae_in_ndhwc_on_cuda():
     assert all(ndhwc(Video.vae))
     with torch.inference_mode():  # the same model: only the weights' layout changed
         assert torch.allclose(Video.vae(x).sample, before, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
+    """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
+    at other steps (their own timesteps), a row without guidance, a padded batch and decode
+    groups of every size run on the warm-up's graphs; only a size not warmed up compiles."""
+    from torch._dynamo.utils import counters
+
+    from tests.stages.test_running_set import _Harness, _req
+
+    stage = DiffusionStage(
+        StageConfig(
+            name="diffusion",
+            kind="diffusion",
+            model="tiny-image",
+            compile=True,
+            max_batch_size=8,
+            batch_buckets=(1, 4, 8),
+            options={"compile_backend": "eager"},
+        )
+    )
+    stage.load("cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    h = _Harness(stage, lanes=2, group=(3, 0.0))
+    h.add(1, _req("a", 1, 6), _req("b", 2, 6), _req("c", 3, 4))
+    h.steps(2)
+    h.add(2, _req("d", 4, 5, guidance_scale=1.0))  # joins at step 2, without guidance
+    h.steps()
+    assert sorted(h.outputs) == ["a", "b", "c", "d"] and all(
+        o.error is None for o in h.outputs.values()
+    )
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+    h.add(3, _req("e", 5, 2, width=48, height=48))  # a size not warmed up: it compiles
+    h.steps()
+    assert counters["stats"]["unique_graphs"] > graphs

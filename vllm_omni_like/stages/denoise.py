@@ -228,6 +228,8 @@ class DenoiseLoop:
         bucket of its model rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
+        if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
+            times = times.contiguous()  # view of stride 0) would compile a second one
         pad = bucket_for(rows, self.buckets) - rows
         if pad:
             latents, times = pad_tensor(latents, pad), pad_tensor(times, pad)
