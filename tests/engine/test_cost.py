@@ -227,6 +227,22 @@ def test_a_running_sets_clock_counts_its_groups_and_its_credit_passes_to_a_joine
     assert r.credits == 1 and r.clock.units == 5.0  # (its last step's work: the expected step)
 
 
+def test_a_request_whose_rows_ended_frees_its_row_at_once_though_its_decode_waits():
+    """Rows end in the set (the worker's report says so: its own step reached its total)
+    before their group's decode (the group leaves the critical path later): their row and
+    work are free for a joining group at once, and the stall clock's units drop with them."""
+    r = _replica(0, credits=1)
+    a, b = (SimpleNamespace(request_id=rid, cohort=None) for rid in "ab")
+    group = InFlight(1, [a, b], 1.0, units=4.0, steps=10, key=("k",))
+    r.dispatched(group)
+    assert r.joinable(("k",), 2.0, budget=3) == 1 and r.clock.units == 4.0
+    r.progress(Progress(1, ["a", "b"], 3, 10, progress={"a": (3, 3), "b": (3, 10)}), now=2.0)
+    assert group.ended == {"a"} and group.rows == 1
+    assert r.joinable(("k",), 2.0, budget=3) == 2  # a's row is free: it left the set
+    assert r.clock.units == 2.0  # one of its two requests still steps
+    assert r.credits == 0 and group.denoised is None  # the group itself has not left
+
+
 def test_a_batch_sent_ahead_that_the_worker_joins_to_its_set_starts_at_that_step():
     """With `--replica-queue 1` a batch is sent ahead of the running set: queued (its credit
     spent, not started) until the worker's step report names it among the set's groups; from

@@ -232,21 +232,28 @@ def plain_stage():
     return stage
 
 
-@pytest.mark.slow
-def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_stage):
-    """torch.compile (the eager backend here: real dynamo tracing, no C compiler needed)."""
+def _compiled_stage(max_batch: int, buckets: tuple[int, ...]) -> DiffusionStage:
+    """The tiny model compiled with the eager backend (real dynamo tracing and guards, no C
+    compiler needed), loaded: its buckets compiled and warmed up."""
     stage = DiffusionStage(
         StageConfig(
             name="diffusion",
             kind="diffusion",
             model="tiny-image",
             compile=True,
-            max_batch_size=4,
-            batch_buckets=(1, 4),
+            max_batch_size=max_batch,
+            batch_buckets=buckets,
             options={"compile_backend": "eager"},
         )
     )
-    stage.load("cpu")  # compiles and warms up buckets 1 and 4
+    stage.load("cpu")
+    return stage
+
+
+@pytest.mark.slow
+def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_stage):
+    """torch.compile (the eager backend here: real dynamo tracing, no C compiler needed)."""
+    stage = _compiled_stage(4, (1, 4))  # compiles and warms up buckets 1 and 4
     assert stage.buckets == (1, 4)
     assert type(stage.pipe.unet).__name__ == "OptimizedModule"
     assert type(stage.pipe.vae.decoder).__name__ == "OptimizedModule"  # the image VAE's too
@@ -450,18 +457,7 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
 
     from tests.stages.test_running_set import _Harness, _req
 
-    stage = DiffusionStage(
-        StageConfig(
-            name="diffusion",
-            kind="diffusion",
-            model="tiny-image",
-            compile=True,
-            max_batch_size=8,
-            batch_buckets=(1, 4, 8),
-            options={"compile_backend": "eager"},
-        )
-    )
-    stage.load("cpu")
+    stage = _compiled_stage(8, (1, 4, 8))
     graphs = counters["stats"]["unique_graphs"]
     h = _Harness(stage, lanes=2, group=(3, 0.0))
     h.add(1, _req("a", 1, 6), _req("b", 2, 6), _req("c", 3, 4))

@@ -35,10 +35,28 @@ class InFlight:
     denoised: float | None = None  # when it left the critical path (its credit came back)
     joined: bool = False  # it joined the replica's running set (it spent no credit)
     key: tuple[object, ...] = ()  # its shape group (StageRequest.batch_key)
+    # its requests whose rows have all ended in the running set (their decode may still wait
+    # for its group): their rows and work are free for others to join
+    ended: set[str] = field(default_factory=set)
 
     @property
     def units_left(self) -> float:
         return self.units * max(0, self.steps - self.steps_done)
+
+    @property
+    def rows(self) -> int:
+        """Its requests still stepping in the running set."""
+        return len(self.requests) - len(self.ended)
+
+    @property
+    def step_units(self) -> float:
+        """The work of one step of its requests still stepping."""
+        return self.units * self.rows / len(self.requests) if self.requests else 0.0
+
+
+def _ended(rows: dict[str, tuple[int, int]], request_id: str) -> bool:
+    at, of = rows.get(request_id, (0, 1))
+    return at >= of
 
 
 @dataclass(frozen=True)
@@ -114,8 +132,8 @@ class Replica:
 
     @property
     def set_units(self) -> float:
-        """The work of one step of its running set (cost.py units)."""
-        return sum(f.units for f in self.stepping)
+        """The work of one step of its running set (cost.py units): its rows still stepping."""
+        return sum(f.step_units for f in self.stepping)
 
     def joinable(self, key: tuple[object, ...], units: float, budget: int, lanes: int = 1) -> int:
         """How many requests of shape group `key`, of `units` of work a step each, may join
@@ -129,8 +147,8 @@ class Replica:
         keys = {f.key for f in groups}
         if key not in keys and len(keys) >= lanes:
             return 0
-        rows = budget - sum(len(f.requests) for f in groups)
-        work = budget * units - sum(f.units for f in groups if f.key == key)
+        rows = budget - sum(f.rows for f in groups)  # (rows that ended are free at once)
+        work = budget * units - sum(f.step_units for f in groups if f.key == key)
         return max(0, min(rows, int(work // units) if units > 0 else rows))
 
     def outstanding(self) -> tuple[int, float]:
@@ -174,6 +192,10 @@ class Replica:
                 [rows[s.request_id] for s in batch.requests if s.request_id in rows] if rows else []
             )
             batch.steps_done, batch.steps = max(own) if own else (step, total)
+            ended = {s.request_id for s in batch.requests if rows and _ended(rows, s.request_id)}
+            if ended - batch.ended:  # their rows are out of the set: the step's work shrinks
+                batch.ended |= ended
+                self.clock.units = self.set_units
             stepped = stepped or (batch.denoised is None and batch.started is not None)
         if stepped:
             self.clock.step(now)
