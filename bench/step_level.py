@@ -19,6 +19,8 @@ Both start once (at the same time: they compile side by side) and their runs alt
 - recompiles: each server's `vllm_omni_like_compiles_total` after its warm-up, against at the
   end of its runs.
 - images: the same 4 requests of the mix from both servers, PSNR (>= 35 dB: equal).
+- `--timeline DIR`: the step-level server's step timeline (stages/trace.py): each step's
+  device time by the requests it ran, and the images a second its steps made on the device.
 Results: `bench/results/step_level-<device>.json` (everything) and the issue's keys merged into
 `bench/results/serving-<device>.json`: `server_c64_img_s`, `gpu_ceiling_img_s`,
 `mixed_p99_ratio`, `mixed_max_throughput_ratio`, `recompiles`.
@@ -31,6 +33,7 @@ import asyncio
 import base64
 import concurrent.futures
 import io
+import itertools
 import json
 import os
 import random
@@ -48,6 +51,7 @@ from bench.compare import psnr
 from bench.control_plane import pct
 from bench.memory import sd15_args
 from bench.server_proc import Server
+from vllm_omni_like.stages.trace import TRACE_DIR_ENV as TRACE_DIR
 
 FRACTION = 0.45
 COMPILED = ["--compile", "--batch-buckets", "1,8,16,32"]
@@ -142,16 +146,50 @@ def pixels(r: httpx.Response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def start(tiny: bool, log: str) -> dict[str, Server]:
+def start(tiny: bool, log: str, timeline: str) -> dict[str, Server]:
+    """Both servers, started side by side; the step-level one writes its step timeline to
+    `timeline` (a directory; "" for none)."""
     base = TINY if tiny else [*sd15_args(FRACTION), *COMPILED]
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # a later sitting reuses it
+    envs = {"step": env, "request": env}
+    if timeline:
+        envs["step"] = {**env, TRACE_DIR: timeline, "VLLM_OMNI_LIKE_TRACE_BATCHES": ""}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {
-            mode: pool.submit(Server, [*base, "--batch-level", mode], f"{log}.{mode}", 1500, env)
+            mode: pool.submit(
+                Server, [*base, "--batch-level", mode], f"{log}.{mode}", 1500, envs[mode]
+            )
             for mode in MODES
         }
         return {mode: f.result() for mode, f in futures.items()}
+
+
+def step_timeline(directory: str, steps: int) -> dict[str, Any]:
+    """Where the step-level server's time went, from its timeline (each set, first join to
+    drain: every step's end on the device's clock and the requests it ran): the median step at
+    each set size, and the images a second the device's steps made (the requests each step ran
+    over its duration, / `steps`), against the server's img/s and the ceiling's."""
+    per_rows: dict[int, list[float]] = {}
+    row_steps, busy = 0, 0.0
+    for name in os.listdir(directory):
+        if not name.endswith("-rank0-timeline.jsonl"):
+            continue
+        with open(os.path.join(directory, name)) as f:
+            for line in map(json.loads, f):
+                marks = list(zip(line["labels"], line["ms"], line.get("rows", []), strict=False))
+                for (_, before, _), (label, at, rows) in itertools.pairwise(marks):
+                    if label == "step" and rows:
+                        per_rows.setdefault(rows, []).append(at - before)
+                        row_steps += rows
+                        busy += (at - before) / 1000
+    medians = {r: round(statistics.median(v), 2) for r, v in sorted(per_rows.items())}
+    counts = {r: len(v) for r, v in sorted(per_rows.items())}
+    return {
+        "step_ms_by_rows": medians,
+        "steps_by_rows": counts,
+        "device_img_s": round(row_steps / busy / steps, 3) if busy else None,
+    }
 
 
 def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
@@ -287,6 +325,7 @@ def main() -> int:
     ap.add_argument("--mixed-closed", type=int, default=128)
     ap.add_argument("--mixed-requests", type=int, default=500)
     ap.add_argument("--ceiling-steps", type=int, default=10)
+    ap.add_argument("--timeline", default="", help="the step server's timeline directory")
     ap.add_argument("--log", default="step_level.log")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
@@ -294,7 +333,7 @@ def main() -> int:
     result: dict[str, Any] = {"device": device(), "parts": parts}
     served = [p for p in parts if p in ("c64", "mixed")]
     if served:
-        servers = start(args.tiny, args.log)
+        servers = start(args.tiny, args.log, args.timeline)
         try:
             result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
             warm = {m: compiles(s) for m, s in servers.items()}
@@ -308,6 +347,8 @@ def main() -> int:
         finally:
             for server in servers.values():
                 server.stop()
+    if args.timeline and served:  # (the sets drained as the servers stopped: all written)
+        result["step_timeline"] = step_timeline(args.timeline, 4 if args.tiny else 30)
     if "ceiling" in parts and not args.tiny:
         result.update(part_ceiling(args))
     print(json.dumps(result), flush=True)

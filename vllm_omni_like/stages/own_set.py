@@ -91,7 +91,7 @@ class OwnLoopSet(RowStepper):
         stepped = [r for r in requests if r.request_id in progress]
         control.saw_model_batch(stage.probe.max_seen)
         control.step(stepped, step, total, previews, progress, fire=False)
-        self.stage.tracer.mark("step")
+        self.stage.tracer.mark("step", len(stepped))
         return True
 
     def leave(self, control: StageControl) -> Deferred | None:

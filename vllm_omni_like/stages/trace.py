@@ -12,8 +12,9 @@ and at each mark the stage set (rank 0: each step's end, the wait for the device
 the last; rank 1: each branch's start and end), the device's clock (`ms`, one CUDA
 event each, read once the batch ended) and the host's (`host_ms`), both from the begin, whose
 time on the machine's monotonic clock is `t0` (the same clock in every process: the ranks'
-timelines line up). What a step takes on the device without the profiler's overhead, and how
-far the host runs ahead of it. Off unless the directory is set.
+timelines line up); a running set's step marks also say how many requests that step ran
+(`rows`). What a step takes on the device without the profiler's overhead, and how far the
+host runs ahead of it. Off unless the directory is set.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class BatchTracer:
         self.stage, self.rank, self.count = stage, rank, 0
         self.device = device  # a CUDA device: the marks go on its current stream
         self._marks: list[tuple[str, Any, float]] = []
+        self._rows: list[int | None] = []  # the rows each mark's step ran, where it says
         self.sharing = 0  # running-set lanes in the shared batch (`open_shared`)
         self._shared: contextlib.ExitStack | None = None
 
@@ -62,10 +64,12 @@ class BatchTracer:
         else:
             shared.close()
 
-    def mark(self, label: str) -> None:
-        """A point of this batch's timeline, on the device's clock (no wait for the device)."""
+    def mark(self, label: str, rows: int | None = None) -> None:
+        """A point of this batch's timeline, on the device's clock (no wait for the device);
+        `rows`: the rows the step that ends here ran (a running set's change step by step)."""
         if not self.directory:
             return
+        self._rows.append(rows)
         import torch
 
         if self.device is not None and torch.device(self.device).type == "cuda":
@@ -77,6 +81,7 @@ class BatchTracer:
 
     def _write_timeline(self) -> None:
         marks, self._marks = self._marks, []
+        rows, self._rows = self._rows, []
         if not marks:
             return
         _, first, t0 = marks[0]
@@ -93,6 +98,8 @@ class BatchTracer:
             "ms": at,
             "host_ms": host,
         }
+        if any(r is not None for r in rows):
+            line["rows"] = rows
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"{self.stage}-rank{self.rank}-timeline.jsonl")
         with open(path, "a") as f:
@@ -101,7 +108,7 @@ class BatchTracer:
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         self.count += 1
-        self._marks = []
+        self._marks, self._rows = [], []
         self.mark("begin")
         with self._profiled():
             yield
