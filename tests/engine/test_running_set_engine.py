@@ -238,8 +238,10 @@ def test_request_level_batching_takes_no_joins():
             long = asyncio.create_task(_running(eng, req("long", SLOW, steps=12), 2, running))
             await asyncio.wait_for(running.wait(), 30)
             short = await final(eng, req("short", "short one", steps=2))
-            return short, long.done(), await long
+            return short, await long
 
-        short, long_was_done, long = asyncio.run(run())
-        assert long_was_done  # it ended first: the short one waited for its batch
+        short, long = asyncio.run(run())
         assert len(_text(short).split()) == 2 and len(_text(long).split()) == 12
+        # the batches as the engine saw them end: the long one whole, then the short one
+        ended = [(b.size, sorted(b.steps_run)) for b in eng.batches if b.stage == "llm"]
+        assert ended == [(1, ["long"]), (1, ["short"])]

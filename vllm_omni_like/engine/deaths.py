@@ -71,6 +71,9 @@ def halves(suspects: list[RequestState], own_loop: frozenset[str]) -> list[list[
     return cohorts
 
 
+KEPT = 1024  # charged deaths remembered for a refund (a replica's budget refills in 30 s anyway)
+
+
 class DeathBook:
     """The deaths a replica's restart budget was charged for, by id, until a conviction
     refunds them; and the ids of cohorts."""
@@ -89,6 +92,8 @@ class DeathBook:
         charged = not any(s.cohort is not None for s in guilty)
         if charged:
             self._charged[death] = (pool, replica)
+            if len(self._charged) > KEPT:  # the oldest: its replica's budget refilled long ago
+                del self._charged[next(iter(self._charged))]
         return charged
 
     def cohort(self) -> int:
