@@ -220,56 +220,6 @@ def test_an_architecture_without_weights_needs_dummy_load():
     assert video.output == "video" and video.stages[0].options.default_frames == 33
 
 
-# ---- compiled, padded batches --------------------------------------------------------------
-def _image(rid: str, prompt: str, seed: int) -> StageRequest:
-    return StageRequest(rid, prompt, GenerationParams(seed=seed, num_inference_steps=4))
-
-
-@pytest.fixture(scope="module")
-def plain_stage():
-    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model="tiny-image"))
-    stage.load("cpu")
-    return stage
-
-
-def _compiled_stage(max_batch: int, buckets: tuple[int, ...]) -> DiffusionStage:
-    """The tiny model compiled with the eager backend (real dynamo tracing and guards, no C
-    compiler needed), loaded: its buckets compiled and warmed up."""
-    stage = DiffusionStage(
-        StageConfig(
-            name="diffusion",
-            kind="diffusion",
-            model="tiny-image",
-            compile=True,
-            max_batch_size=max_batch,
-            batch_buckets=buckets,
-            options={"compile_backend": "eager"},
-        )
-    )
-    stage.load("cpu")
-    return stage
-
-
-@pytest.mark.slow
-def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_stage):
-    """torch.compile (the eager backend here: real dynamo tracing, no C compiler needed)."""
-    stage = _compiled_stage(4, (1, 4))  # compiles and warms up buckets 1 and 4
-    assert stage.buckets == (1, 4)
-    assert type(stage.pipe.unet).__name__ == "OptimizedModule"
-    assert type(stage.pipe.vae.decoder).__name__ == "OptimizedModule"  # the image VAE's too
-    colours = ("red", "blue", "green")
-    reqs = [_image(f"r{i}", f"a {c} circle", seed=i) for i, c in enumerate(colours)]
-    control = _control()
-    outs = stage.execute(reqs, control)
-    assert control.max_model_batch == 8  # 3 requests padded to 4, doubled by CFG
-    assert [o.request_id for o in outs] == ["r0", "r1", "r2"]  # filler rows are dropped
-    for r, out in zip(reqs, outs, strict=True):
-        alone = plain_stage.execute([r], _control())[0]
-        diff = np.abs(out.images[0].pixels.astype(int) - alone.images[0].pixels.astype(int))
-        assert diff.max() <= 2  # batched == single for the same seed (CPU kernel rounding)
-    assert np.abs(outs[0].images[0].pixels.astype(int) - outs[1].images[0].pixels).mean() > 5
-
-
 # ---- random prompt embeddings (dummy model without a text encoder) -------------------------
 def test_random_prompt_embeds_are_seeded_by_the_text():
     a = random_prompt_embeds(["a cat", "a dog", "a cat"], 7, 5, torch.float16, "cpu")
@@ -446,28 +396,3 @@ def test_channels_last_auto_puts_a_video_vae_in_ndhwc_on_cuda():
     assert all(ndhwc(Video.vae))
     with torch.inference_mode():  # the same model: only the weights' layout changed
         assert torch.allclose(Video.vae(x).sample, before, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
-    """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
-    at other steps (their own timesteps), a row without guidance, a padded batch and decode
-    groups of every size run on the warm-up's graphs; only a size not warmed up compiles."""
-    from torch._dynamo.utils import counters
-
-    from tests.stages.test_running_set import _Harness, _req
-
-    stage = _compiled_stage(8, (1, 4, 8))
-    graphs = counters["stats"]["unique_graphs"]
-    h = _Harness(stage, lanes=2, group=(3, 0.0))
-    h.add(1, _req("a", 1, 6), _req("b", 2, 6), _req("c", 3, 4))
-    h.steps(2)
-    h.add(2, _req("d", 4, 5, guidance_scale=1.0))  # joins at step 2, without guidance
-    h.steps()
-    assert sorted(h.outputs) == ["a", "b", "c", "d"] and all(
-        o.error is None for o in h.outputs.values()
-    )
-    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
-    h.add(3, _req("e", 5, 2, width=48, height=48))  # a size not warmed up: it compiles
-    h.steps()
-    assert counters["stats"]["unique_graphs"] > graphs
