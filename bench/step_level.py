@@ -1,7 +1,8 @@
 """Step-level batching against request-level batching, on one GPU in one sitting (#36).
 
+    python bench/step_level.py --parts warm --modes step   # cold: fill the inductor cache
     python bench/step_level.py --parts c64,ceiling      # one GPU sitting (one call)
-    python bench/step_level.py --parts mixed            # the next
+    python bench/step_level.py --parts mixed            # the next (or mixed-max, mixed-trace)
     python bench/step_level.py --tiny --parts c64,mixed # a CPU smoke run of the bench itself
 
 Two servers on the same GPU (`--gpu-memory-fraction 0.45` each): the SD1.5 architecture with
@@ -146,9 +147,9 @@ def pixels(r: httpx.Response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def start(tiny: bool, log: str, timeline: str) -> dict[str, Server]:
-    """Both servers, started side by side; the step-level one writes its step timeline to
-    `timeline` (a directory; "" for none)."""
+def start(tiny: bool, log: str, timeline: str, modes: list[str]) -> dict[str, Server]:
+    """The servers of `modes`, started side by side; the step-level one writes its step
+    timeline to `timeline` (a directory; "" for none)."""
     base = TINY if tiny else [*sd15_args(FRACTION), *COMPILED]
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # a later sitting reuses it
@@ -160,7 +161,7 @@ def start(tiny: bool, log: str, timeline: str) -> dict[str, Server]:
             mode: pool.submit(
                 Server, [*base, "--batch-level", mode], f"{log}.{mode}", 1500, envs[mode]
             )
-            for mode in MODES
+            for mode in modes
         }
         return {mode: f.result() for mode, f in futures.items()}
 
@@ -194,43 +195,62 @@ def step_timeline(directory: str, steps: int) -> dict[str, Any]:
 
 def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
     bodies = [c64_body(i, args.tiny) for i in range(args.c64_requests)]
-    rounds: dict[str, list[float]] = {m: [] for m in MODES}
+    rounds: dict[str, list[float]] = {m: [] for m in servers}
     for _ in range(args.rounds):
-        for mode in MODES:
+        for mode in servers:
             out = asyncio.run(closed_loop(servers[mode].url, 64, bodies))
             rounds[mode].append(out["img_s"])
             print(f"c64 {mode}: {out}, compiles so far {compiles(servers[mode])}", flush=True)
     med = {m: statistics.median(v) for m, v in rounds.items()}
-    return {
-        "c64_img_s": rounds,
-        "server_c64_img_s": med["step"],
-        "request_level_c64_img_s": med["request"],
-        "c64_step_over_request": round(med["step"] / med["request"], 4),
-    }
+    result: dict[str, Any] = {"c64_img_s": rounds}
+    if "step" in med:
+        result["server_c64_img_s"] = med["step"]
+    if "request" in med:
+        result["request_level_c64_img_s"] = med["request"]
+    if len(med) == len(MODES):
+        result["c64_step_over_request"] = round(med["step"] / med["request"], 4)
+    return result
 
 
-def part_mixed(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
+def part_mixed_max(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode's maximum sustainable throughput on the mix (closed loop, 64 clients)."""
     closed = [mix(i, args.tiny) for i in range(args.mixed_closed)]
     best = {}
-    for mode in MODES:
+    for mode in servers:
         best[mode] = asyncio.run(closed_loop(servers[mode].url, 64, closed))["img_s"]
         print(f"mixed max {mode}: {best[mode]} img/s", flush=True)
-    rate = 0.8 * best["request"]
+    result: dict[str, Any] = {"mixed_max_img_s": best}
+    if len(best) == len(MODES):
+        result["mixed_max_throughput_ratio"] = round(best["step"] / best["request"], 4)
+    if "request" in best and not args.rate:
+        args.rate = 0.8 * best["request"]  # the trace's offered load
+    return result
+
+
+def part_mixed_trace(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
+    """One seeded Poisson trace at `--rate` (80 % of request-level's maximum) through each
+    mode: p50 / p99 latency."""
+    if not args.rate:
+        raise SystemExit("mixed-trace needs --rate (or mixed-max with the request server first)")
     trace = [mix(100_000 + i, args.tiny) for i in range(args.mixed_requests)]
-    result: dict[str, Any] = {"mixed_max_img_s": best, "offered_req_s": round(rate, 3)}
-    for mode in MODES:
-        lat = asyncio.run(open_loop(servers[mode].url, trace, rate, seed=7))
+    result: dict[str, Any] = {"offered_req_s": round(args.rate, 3)}
+    for mode in servers:
+        lat = asyncio.run(open_loop(servers[mode].url, trace, args.rate, seed=7))
         result[f"mixed_{mode}"] = {
             "p50_s": round(pct(lat, 0.5), 3),
             "p99_s": round(pct(lat, 0.99), 3),
             "mean_s": round(statistics.fmean(lat), 3),
+            "requests": len(lat),
         }
         print(f"mixed trace {mode}: {result[f'mixed_{mode}']}", flush=True)
-    result["mixed_p99_ratio"] = round(
-        result["mixed_step"]["p99_s"] / result["mixed_request"]["p99_s"], 4
-    )
-    result["mixed_max_throughput_ratio"] = round(best["step"] / best["request"], 4)
+    if len(servers) == len(MODES):
+        p99 = {m: result[f"mixed_{m}"]["p99_s"] for m in MODES}
+        result["mixed_p99_ratio"] = round(p99["step"] / p99["request"], 4)
     return result
+
+
+PARTS = {"c64": [part_c64], "mixed": [part_mixed_max, part_mixed_trace]}
+PARTS |= {"mixed-max": [part_mixed_max], "mixed-trace": [part_mixed_trace], "warm": []}
 
 
 def images_equal(servers: dict[str, Server], tiny: bool) -> dict[str, Any]:
@@ -326,27 +346,16 @@ def main() -> int:
     ap.add_argument("--mixed-requests", type=int, default=500)
     ap.add_argument("--ceiling-steps", type=int, default=10)
     ap.add_argument("--timeline", default="", help="the step server's timeline directory")
+    ap.add_argument("--modes", default="step,request", help="the servers to start")
+    ap.add_argument("--rate", type=float, default=0.0, help="mixed-trace's offered req/s")
     ap.add_argument("--log", default="step_level.log")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     parts = args.parts.split(",")
     result: dict[str, Any] = {"device": device(), "parts": parts}
-    served = [p for p in parts if p in ("c64", "mixed")]
+    served = [p for p in parts if p in PARTS]
     if served:
-        servers = start(args.tiny, args.log, args.timeline)
-        try:
-            result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
-            warm = {m: compiles(s) for m, s in servers.items()}
-            print(f"started {result['start_s']} s, compiles {warm}", flush=True)
-            for part in served:
-                result.update((part_c64 if part == "c64" else part_mixed)(servers, args))
-            result["images"] = images_equal(servers, args.tiny)
-            end = {m: compiles(s) for m, s in servers.items()}
-            result["compiles_after_warm_up"] = warm
-            result["recompiles"] = sum(end[m] - warm[m] for m in MODES)
-        finally:
-            for server in servers.values():
-                server.stop()
+        result.update(serve(served, args))
     if args.timeline and served:  # (the sets drained as the servers stopped: all written)
         result["step_timeline"] = step_timeline(args.timeline, 4 if args.tiny else 30)
     if "ceiling" in parts and not args.tiny:
@@ -354,6 +363,29 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     write(result, args.out_dir)
     return 0
+
+
+def serve(parts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Start the servers once, run `parts` through them, count their recompiles."""
+    servers = start(args.tiny, args.log, args.timeline, args.modes.split(","))
+    result: dict[str, Any] = {}
+    try:
+        result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
+        warm = {m: compiles(s) for m, s in servers.items()}
+        print(f"started {result['start_s']} s, compiles {warm}", flush=True)
+        for part in parts:
+            for run in PARTS[part]:
+                result.update(run(servers, args))
+        if len(servers) == len(MODES) and parts != ["warm"]:
+            result["images"] = images_equal(servers, args.tiny)
+        end = {m: compiles(s) for m, s in servers.items()}
+        result["compiles_after_warm_up"] = warm
+        if parts != ["warm"]:
+            result["recompiles"] = sum(end[m] - warm[m] for m in servers)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return result
 
 
 def write(result: dict[str, Any], out_dir: str) -> None:
