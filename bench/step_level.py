@@ -34,7 +34,6 @@ import asyncio
 import base64
 import concurrent.futures
 import io
-import itertools
 import json
 import os
 import random
@@ -52,6 +51,7 @@ from bench.compare import psnr
 from bench.control_plane import pct
 from bench.memory import sd15_args
 from bench.server_proc import Server
+from bench.step_profile import part_ceiling, step_timeline
 from vllm_omni_like.stages.trace import TRACE_DIR_ENV as TRACE_DIR
 
 FRACTION = 0.45
@@ -166,33 +166,6 @@ def start(tiny: bool, log: str, timeline: str, modes: list[str]) -> dict[str, Se
         return {mode: f.result() for mode, f in futures.items()}
 
 
-def step_timeline(directory: str, steps: int) -> dict[str, Any]:
-    """Where the step-level server's time went, from its timeline (each set, first join to
-    drain: every step's end on the device's clock and the requests it ran): the median step at
-    each set size, and the images a second the device's steps made (the requests each step ran
-    over its duration, / `steps`), against the server's img/s and the ceiling's."""
-    per_rows: dict[int, list[float]] = {}
-    row_steps, busy = 0, 0.0
-    for name in os.listdir(directory):
-        if not name.endswith("-rank0-timeline.jsonl"):
-            continue
-        with open(os.path.join(directory, name)) as f:
-            for line in map(json.loads, f):
-                marks = list(zip(line["labels"], line["ms"], line.get("rows", []), strict=False))
-                for (_, before, _), (label, at, rows) in itertools.pairwise(marks):
-                    if label == "step" and rows:
-                        per_rows.setdefault(rows, []).append(at - before)
-                        row_steps += rows
-                        busy += (at - before) / 1000
-    medians = {r: round(statistics.median(v), 2) for r, v in sorted(per_rows.items())}
-    counts = {r: len(v) for r, v in sorted(per_rows.items())}
-    return {
-        "step_ms_by_rows": medians,
-        "steps_by_rows": counts,
-        "device_img_s": round(row_steps / busy / steps, 3) if busy else None,
-    }
-
-
 def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
     bodies = [c64_body(i, args.tiny) for i in range(args.c64_requests)]
     rounds: dict[str, list[float]] = {m: [] for m in servers}
@@ -266,70 +239,6 @@ def images_equal(servers: dict[str, Server], tiny: bool) -> dict[str, Any]:
     return {"psnr_db": [round(v, 2) if np.isfinite(v) else "inf" for v in values]}
 
 
-def part_ceiling(args: argparse.Namespace) -> dict[str, Any]:
-    """The compiled UNet at 32 images (64 CFG rows) and the VAE decoder at 32, no server."""
-    import torch
-
-    from bench.raw_diffusers import build
-
-    pipe = build("sd15", "fp16", "cuda", compile_unet=True)
-    eager_decode = pipe.vae.decode
-    pipe.vae.decode = torch.compile(pipe.vae.decode, dynamic=False)
-    n, side = 32, 512 // 8
-    latents = torch.randn(2 * n, 4, side, side, device="cuda", dtype=torch.float16)
-    text = torch.randn(2 * n, 77, 768, device="cuda", dtype=torch.float16)
-    t = torch.full((2 * n,), 500, device="cuda")
-    with torch.inference_mode():
-        for _ in range(3):  # compile, then warm
-            pipe.unet(latents, t, encoder_hidden_states=text)
-            pipe.vae.decode(latents[:n])
-        torch.cuda.synchronize()
-        steps = []
-        for _ in range(args.ceiling_steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            pipe.unet(latents, t, encoder_hidden_states=text)
-            b.record()
-            b.synchronize()
-            steps.append(a.elapsed_time(b) / 1000)
-        decodes = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            pipe.vae.decode(latents[:n])
-            b.record()
-            b.synchronize()
-            decodes.append(a.elapsed_time(b) / 1000)
-    step, decode = statistics.median(steps), statistics.median(decodes)
-    return {
-        "ceiling_step_s": round(step, 5),
-        "ceiling_decode_32_s": round(decode, 4),
-        "gpu_ceiling_img_s": round(n / (30 * step + decode), 3),
-        "decode_rows_s": decode_curve(eager_decode, latents),
-    }
-
-
-def decode_curve(decode: Any, latents: Any) -> dict[int, float]:
-    """The VAE decode (eager: one graph a size would take minutes to compile) of 1 .. 32 rows:
-    what a decode group of K rows costs a row against a decode of 32 (`--decode-group-rows`)."""
-    import torch
-
-    curve = {}
-    with torch.inference_mode():
-        for rows in (1, 2, 4, 8, 16, 32):
-            times = []
-            for i in range(6):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                decode(latents[:rows])
-                b.record()
-                b.synchronize()
-                if i:  # (the first: warm-up)
-                    times.append(a.elapsed_time(b) / 1000)
-            curve[rows] = round(statistics.median(times), 5)
-    return curve
-
-
 def device() -> str:
     import torch
 
@@ -357,7 +266,8 @@ def main() -> int:
     if served:
         result.update(serve(served, args))
     if args.timeline and served:  # (the sets drained as the servers stopped: all written)
-        result["step_timeline"] = step_timeline(args.timeline, 4 if args.tiny else 30)
+        steps = 4 if args.tiny else 30
+        result["step_timeline"] = step_timeline(args.timeline, steps, result["served_at"])
     if "ceiling" in parts and not args.tiny:
         result.update(part_ceiling(args))
     print(json.dumps(result), flush=True)
@@ -373,6 +283,7 @@ def serve(parts: list[str], args: argparse.Namespace) -> dict[str, Any]:
         result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
         warm = {m: compiles(s) for m, s in servers.items()}
         print(f"started {result['start_s']} s, compiles {warm}", flush=True)
+        result["served_at"] = time.monotonic()  # (the timeline's sets after this: the runs')
         for part in parts:
             for run in PARTS[part]:
                 result.update(run(servers, args))

@@ -13,8 +13,10 @@ the last; rank 1: each branch's start and end), the device's clock (`ms`, one CU
 event each, read once the batch ended) and the host's (`host_ms`), both from the begin, whose
 time on the machine's monotonic clock is `t0` (the same clock in every process: the ranks'
 timelines line up); a running set's step marks also say how many requests that step ran
-(`rows`). What a step takes on the device without the profiler's overhead, and how far the
-host runs ahead of it. Off unless the directory is set.
+(`rows`); on CUDA, `alloc` counts what the caching allocator did meanwhile (its retries after
+freeing its cache, its device mallocs and frees: each a device-wide wait). What a step takes
+on the device without the profiler's overhead, and how far the host runs ahead of it. Off
+unless the directory is set.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 TRACE_DIR_ENV = "VLLM_OMNI_LIKE_TRACE_DIR"
 TRACE_BATCHES_ENV = "VLLM_OMNI_LIKE_TRACE_BATCHES"  # comma-separated batch counts; default 2
+ALLOC_COUNTERS = (  # the caching allocator's device-wide waits (timeline "alloc")
+    "num_alloc_retries",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+)
 
 
 class BatchTracer:
@@ -45,6 +53,7 @@ class BatchTracer:
         self._rows: list[int | None] = []  # the rows each mark's step ran, where it says
         self.sharing = 0  # running-set lanes in the shared batch (`open_shared`)
         self._shared: contextlib.ExitStack | None = None
+        self._alloc: dict[str, int] = {}  # the allocator's counters at the batch's begin
 
     def open_shared(self) -> None:
         """A running set's lane opens: the first one opens a batch of the timeline that the
@@ -100,6 +109,9 @@ class BatchTracer:
         }
         if any(r is not None for r in rows):
             line["rows"] = rows
+        if first is not None:
+            now = self._alloc_counts()
+            line["alloc"] = {k: now[k] - self._alloc.get(k, 0) for k in now}
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"{self.stage}-rank{self.rank}-timeline.jsonl")
         with open(path, "a") as f:
@@ -110,10 +122,18 @@ class BatchTracer:
         self.count += 1
         self._marks, self._rows = [], []
         self.mark("begin")
+        if self.directory and self._marks[-1][1] is not None:
+            self._alloc = self._alloc_counts()
         with self._profiled():
             yield
         if self.directory:  # (not after a failure: its device may be gone)
             self._write_timeline()
+
+    def _alloc_counts(self) -> dict[str, int]:
+        import torch
+
+        stats = torch.cuda.memory_stats(self.device)
+        return {k: int(stats.get(k, 0)) for k in ALLOC_COUNTERS}
 
     @contextlib.contextmanager
     def _profiled(self) -> Iterator[None]:
