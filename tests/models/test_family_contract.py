@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Guidance, adapter_for
@@ -30,11 +31,13 @@ from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 
-# every registered family's tiny model (built offline: models/tiny.py; SDXL's for the tests
-# only: tests/models/tiny_sdxl.py)
+# every registered family's tiny model (built offline: models/tiny.py; SDXL's, FLUX.1's and
+# SD3's for the tests only: tests/models/tiny_sdxl.py, tiny_mmdit.py)
 TINY = {
     "stable-diffusion": "tiny-image",
     "stable-diffusion-xl": tiny_sdxl_path,
+    "stable-diffusion-3": tiny_sd3_path,
+    "flux": tiny_flux_path,
     "wan": "tiny-video",
 }
 SEED, STEPS, FRAMES = 3, 3, 5
@@ -79,6 +82,9 @@ class Case:
         )
         if self.video:  # the stage passes its tokenizer's length
             kwargs.update(num_frames=FRAMES, max_sequence_length=pipe.tokenizer.model_max_length)
+        adapter = adapter_for(pipe, family_of(self.path))
+        if hasattr(adapter, "text_length"):  # the MMDiTs': T5's tokens
+            kwargs["max_sequence_length"] = adapter.text_length()
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
@@ -138,10 +144,14 @@ def test_the_adapter_decodes_and_shapes_latents_as_the_pipeline_does(case):
     latents = latents.frames if case.video else latents.images
     limits = case.limits()
     width, height = limits.default_width, limits.default_height
+    latents = adapter.loop_latents(latents, width, height)  # (FLUX.1's: unpacked)
     assert tuple(latents.shape) == adapter.latent_shape(1, width, height, FRAMES)
     with torch.inference_mode():
         decoded = tensor_to_uint8(adapter.decoder(pipe)(latents))[0]
     assert np.array_equal(decoded, _pixels(case, case.call(pipe)))  # byte for byte
+
+
+CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.DISTILLED: 1}
 
 
 def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
@@ -151,29 +161,39 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     calls = []
 
     def record(module, args, kwargs, out):
-        latents = args[0] if args else kwargs["hidden_states"]
-        timestep = args[1] if len(args) > 1 else kwargs["timestep"]
-        text = kwargs["encoder_hidden_states"]
-        added = kwargs.get("added_cond_kwargs")
-        if added:  # SDXL's pooled embedding (its size conditioning is the adapter's own)
-            text = {"embeds": text, "pooled": added["text_embeds"]}
-        calls.append((latents, timestep.reshape(-1)[0], text, out[0]))
+        calls.append((args[0] if args else kwargs["hidden_states"], kwargs, out[0]))
 
     handle = expert.model.register_forward_hook(record, with_kwargs=True)
     try:
         case.call(pipe, num_inference_steps=1, output_type="latent")
     finally:
         handle.remove()
-    # one forward over both halves (SD), or one per branch (Wan)
-    assert len(calls) == (1 if adapter.guidance is Guidance.BATCHED else 2)
+    # one forward over both halves (SD, SD3) or with the guidance embedded (FLUX.1), or one per
+    # branch (Wan)
+    assert len(calls) == CALLS[adapter.guidance]
+    limits = case.limits()
+    size = (limits.default_width, limits.default_height)
+    timestep = pipe.scheduler.timesteps[0]  # (the one step's, as the scheduler has it)
+    outs = []
     with torch.inference_mode():
-        for latents, timestep, text, out in calls:
+        for latents, kwargs, out in calls:
+            text = kwargs["encoder_hidden_states"]
+            added = kwargs.get("added_cond_kwargs")
+            if added:  # SDXL's pooled embedding (its size conditioning is the adapter's own)
+                text = {"embeds": text, "pooled": added["text_embeds"]}
+            if "pooled_projections" in kwargs:  # the MMDiTs'
+                text = {"embeds": text, "pooled": kwargs["pooled_projections"]}
+            latents, out = adapter.loop_latents(latents, *size), adapter.loop_latents(out, *size)
             per_row = timestep.float().reshape(1).expand(latents.shape[0]).cpu()
-            assert torch.allclose(adapter.predict(latents, per_row, text), out, atol=1e-6)
-    uncond, cond = (calls[0][3].chunk(2)) if len(calls) == 1 else (calls[1][3], calls[0][3])
+            got = adapter.predict(latents, per_row, text, guidance=kwargs.get("guidance"))
+            assert torch.allclose(got, out, atol=1e-6)
+            outs.append(out)
+    assert set(adapter.schedulers()) >= {type(pipe.scheduler).__name__}
+    if adapter.guidance is Guidance.DISTILLED:
+        return
+    uncond, cond = (outs[0].chunk(2)) if len(outs) == 1 else (outs[1], outs[0])
     guided = adapter.guide(cond, uncond, 5.0)
     assert torch.allclose(guided, uncond + 5.0 * (cond - uncond))
-    assert set(adapter.schedulers()) >= {type(pipe.scheduler).__name__}
 
 
 def test_the_limits_are_what_the_pipeline_accepts(case):
@@ -185,8 +205,12 @@ def test_the_limits_are_what_the_pipeline_accepts(case):
     assert limits.supports(width, limits.default_height)
     case.call(pipe, num_inference_steps=1, width=width, output_type="latent")  # accepted
     assert not limits.supports(width + 1, limits.default_height)
-    with pytest.raises(ValueError):  # what the limits refuse, the pipeline's own check refuses
-        case.call(pipe, num_inference_steps=1, width=width + 1)
+    if family.name == "flux":  # FluxPipeline makes what the limits refuse a smaller size
+        out = case.call(pipe, num_inference_steps=1, width=width + 1)
+        assert out.images.shape[-1] == width
+    else:
+        with pytest.raises(ValueError):  # what the limits refuse, the pipeline's check refuses
+            case.call(pipe, num_inference_steps=1, width=width + 1)
     if case.video:
         assert limits.frame_multiple == pipe.vae_scale_factor_temporal
 
@@ -209,6 +233,10 @@ class LocalLeader:
 
 
 def test_the_cfg_parallel_split_reproduces_one_rank(case):
+    if case.name == "flux":  # one forward a step: nothing to split
+        with pytest.raises(ValueError, match="CFG-parallel does not run"):
+            case.stage().adapter.split_cfg(LocalLeader(torch.nn.Identity()))
+        return
     one_rank = _run(case.stage(), case.request())
     stage = case.stage(batched_cfg=False)
     stage.own = set()  # CFG-parallel ranks run the pipeline's call (registry.loops_for)

@@ -15,6 +15,7 @@ with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it do
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from vllm_omni_like.models.family import Family
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 
+logger = logging.getLogger(__name__)
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # latents -> pixels in [0, 1]
 
 
@@ -106,6 +108,11 @@ class Adapter:
             self._schedulers[name] = make_scheduler(name, self.scheduler_config(name))
         return self._schedulers[name]
 
+    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
+        """What the pipeline passes its scheduler's `set_timesteps` besides the step count for
+        an image of `width` x `height` (JSON values): nothing by default."""
+        return {}
+
     def scheduler_config(self, name: str) -> dict[str, Any]:
         """The config a named scheduler is built from: the model's own scheduler's."""
         return dict(self.own_scheduler.config)
@@ -142,11 +149,17 @@ class Adapter:
         return int(getattr(config, "text_dim", 0) or 0) or int(config.cross_attention_dim)
 
     def predict(
-        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
     ) -> Any:
         """The denoiser's noise (or velocity) prediction for a batch of model rows, each at its
         own timestep (`timestep`: one per row, on the latents' device; `at`: the same on the
-        host, a list of floats, where the loop has them), as the pipeline calls its
+        host, a list of floats, where the loop has them; `guidance`: a DISTILLED family's
+        guidance scale of each row, float32 on the device), as the pipeline calls its
         denoiser."""
         raise NotImplementedError(f"{self.family.name}: no denoiser call of our own")
 
@@ -185,6 +198,12 @@ class Adapter:
         """The pipeline call's pixels: (B, C, H, W) images or (B, F, C, H, W) videos."""
         pixels: torch.Tensor = result.frames if self.family.output == "video" else result.images
         return pixels
+
+    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        """The pipeline's latents (its call's `output_type="latent"`, its step callback's) for
+        a `width` x `height` image, in the layout our loop keeps and `decoder` takes: the same
+        by default (FLUX.1 packs 2x2 patches into tokens: unpacked)."""
+        return latents
 
     # ---- decode, previews, video hooks, edits ----------------------------------------------
     def decoder(self, pipe: Any) -> Decoder | None:
@@ -258,6 +277,40 @@ def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
     return done
 
 
+def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:
+    """'edit' (img2img) and 'inpaint' pipelines sharing `pipe`'s models (no second copy), as
+    diffusers' auto pipelines map them; a variant the family lacks is left out."""
+    import diffusers
+
+    pipes = {}
+    for mode, auto in (
+        ("edit", diffusers.AutoPipelineForImage2Image),
+        ("inpaint", diffusers.AutoPipelineForInpainting),
+    ):
+        try:
+            pipes[mode] = auto.from_pipe(pipe)
+            pipes[mode].set_progress_bar_config(disable=True)
+        except Exception as exc:  # this model has no such variant
+            logger.info("stage %s: no %s pipeline (%s)", stage, mode, exc)
+    return pipes
+
+
+def vae_decoder_target(pipe: Any) -> list[tuple[Any, str]]:
+    """An image VAE's decoder as a compile target (one call per decode group)."""
+    vae = getattr(pipe, "vae", None)
+    return [(vae, "decoder")] if is_image_vae(vae) else []
+
+
+def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The MMDiT pipelines' decode (FLUX.1's unpacked, SD3's): the latents un-scaled and
+    un-shifted by the VAE's config, the VAE, the post-processing."""
+    config = pipe.vae.config
+    latents = latents / config.scaling_factor + config.shift_factor
+    image = pipe.vae.decode(latents, return_dict=False)[0]
+    pixels: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
+    return pixels
+
+
 def is_image_vae(vae: Any) -> bool:
     return type(vae).__name__ == "AutoencoderKL"
 
@@ -282,7 +335,4 @@ def unet_compile_targets(pipe: Any) -> list[tuple[Any, str]]:
     """A UNet pipeline's compile targets: the UNet, and the image VAE's decoder (one call per
     batch, but compiled it decodes 32 images at 512x512 in 202 ms instead of 359 ms on an
     H200)."""
-    targets: list[tuple[Any, str]] = [(pipe, "unet")]
-    if is_image_vae(getattr(pipe, "vae", None)):
-        targets.append((pipe.vae, "decoder"))
-    return targets
+    return [(pipe, "unet"), *vae_decoder_target(pipe)]

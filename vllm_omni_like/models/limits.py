@@ -131,14 +131,18 @@ def _geometry(path: str) -> dict[str, Any]:
     base = family.size_base
     sample = net.get("sample_size")
     native = int(sample) * spatial if isinstance(sample, int) and not video else None
+    if native is None and not video and isinstance(vae.get("sample_size"), int):
+        native = int(vae["sample_size"])  # (a denoiser that does not say: FLUX.1's VAE does)
     rope = net.get("rope_max_seq_len")
+    # SD3's learned positions: a grid of `pos_embed_max_size` patches a side at most
+    grid = net.get("pos_embed_max_size")
     return {
         "video": video,
         "multiple": math.lcm(base, spatial * patch_hw),
         "native": native,
         "temporal": temporal or 4,
         # rotary positions per axis bound the latent grid a transformer can place
-        "side_cap": int(rope) * spatial * patch_hw if rope else None,
+        "side_cap": int(rope or grid or 0) * spatial * patch_hw or None,
         "frames_cap": (int(rope) - 1) * (temporal or 4) + 1 if rope else None,
     }
 

@@ -6,12 +6,18 @@ import json
 import os
 from typing import Any
 
-from vllm_omni_like.models import stable_diffusion, wan
+from vllm_omni_like.models import flux, sd3, stable_diffusion, wan
 from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.models.generic import generic_family
 from vllm_omni_like.models.schedulers import unsupported
 
-FAMILIES: tuple[Family, ...] = (stable_diffusion.FAMILY, stable_diffusion.XL_FAMILY, wan.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    stable_diffusion.FAMILY,
+    stable_diffusion.XL_FAMILY,
+    sd3.FAMILY,
+    flux.FAMILY,
+    wan.FAMILY,
+)
 
 
 def read_config(path: str, *parts: str) -> Config:

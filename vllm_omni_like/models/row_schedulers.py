@@ -94,11 +94,11 @@ def make_scheduler(name: str, config: dict[str, Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(class_name: str, config_json: str, steps: int) -> Schedule:
+def _schedule(class_name: str, config_json: str, steps: int, args_json: str) -> Schedule:
     import diffusers
 
     scheduler = getattr(diffusers, class_name).from_config(json.loads(config_json))
-    scheduler.set_timesteps(steps, device="cpu")
+    scheduler.set_timesteps(steps, device="cpu", **json.loads(args_json))
     kind = KINDS[class_name]
     tables = multistep.tables(scheduler) if kind == "multistep" else _explicit(scheduler, kind)
     return Schedule(
@@ -110,14 +110,16 @@ def _schedule(class_name: str, config_json: str, steps: int) -> Schedule:
     )
 
 
-def schedule_for(scheduler: Any, steps: int) -> Schedule:
-    """The tables of `scheduler`'s class and config at `steps` steps (cached)."""
+def schedule_for(scheduler: Any, steps: int, args: dict[str, Any] | None = None) -> Schedule:
+    """The tables of `scheduler`'s class and config at `steps` steps (cached); `args`: what
+    else the pipeline gives its `set_timesteps` (FLUX.1: its sigmas, and the shift `mu` of
+    the image's length where the schedule shifts with it)."""
     name = type(scheduler).__name__
     problem = unsupported(name, dict(scheduler.config))
     if problem is not None:
         raise ValueError(f"no batched steps for {problem}; these have them: {', '.join(KINDS)}")
     config = json.dumps(dict(scheduler.config), sort_keys=True, default=str)
-    return _schedule(name, config, steps)
+    return _schedule(name, config, steps, json.dumps(args or {}, sort_keys=True))
 
 
 # ---- the scalars of the kinds stepped here, as diffusers computes them ----------------------

@@ -76,6 +76,6 @@ def unsupported(class_name: str, config: dict[str, Any]) -> str | None:
     flow = class_name == "FlowMatchEulerDiscreteScheduler"
     if not flow and config.get("prediction_type", "epsilon") != "epsilon":
         return f"{class_name} predicting {config.get('prediction_type')}"
-    if flow and (config.get("stochastic_sampling") or config.get("use_dynamic_shifting")):
-        return "FlowMatchEulerDiscreteScheduler with stochastic sampling or dynamic shifting"
+    if flow and config.get("stochastic_sampling"):  # (a shift by the image's length is the
+        return "FlowMatchEulerDiscreteScheduler with stochastic sampling"  # family's `mu`)
     return None

@@ -204,7 +204,8 @@ class Follower:
 
 
 class SplitCFG(DenoiserWrapper):
-    """A pipeline's doubled guidance batch of one call (a UNet's: negative half, then positive)
+    """A pipeline's doubled guidance batch of one call (a UNet's or SD3's transformer's:
+    negative half, then positive)
     over two ranks: rank 1 runs the first half, rank 0 the second. Armed with the doubled
     batch's rows; any other call (no guidance, another batch size) runs here whole."""
 
@@ -226,7 +227,7 @@ class SplitCFG(DenoiserWrapper):
         self.rows = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        sample = args[0] if args else kwargs.get("sample")
+        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         rows = self.rows
         if not rows or sample is None or sample.shape[0] != rows or kwargs.get("return_dict", True):
             return self.model(*args, **kwargs)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models import row_schedulers as rs
-from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.adapter import Adapter, Guidance
 from vllm_omni_like.models.columns import column, mul, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.wire import StageRequest
@@ -92,6 +92,7 @@ class Plan:
     texts: Text  # the model rows' text (with batched CFG: both branches')
     negatives: Text | None  # two forwards: the unconditional branch's
     scale: float | torch.Tensor  # one guidance scale, or a column of them (1: no guidance)
+    embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,17 @@ class DenoiseLoop:
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
         self.host_times = len(adapter.experts()) > 1
+        # a guidance embedding (FLUX.1): each row's scale goes into its one forward, no CFG
+        self.distilled = adapter.guidance is Guidance.DISTILLED
 
     # ---- entry --------------------------------------------------------------------------------
-    def rows(self, batch: list[StageRequest], settings: Settings) -> tuple[list[LoopRow], Any]:
+    def rows(
+        self, batch: list[StageRequest], settings: Settings, size: tuple[int, int] = (0, 0)
+    ) -> tuple[list[LoopRow], Any]:
         """Each request's rows (`n` images, or one video), and the batch's text conditioning:
         each distinct prompt once, then each distinct negative prompt once, in two encoder
-        calls as a pipeline makes them (a batch's rounding then is the pipeline's)."""
+        calls as a pipeline makes them (a batch's rounding then is the pipeline's). `size`:
+        the batch's width and height (a schedule may depend on it: FLUX.1's shift)."""
         prompts: dict[str | None, int] = {}
         negatives: dict[str | None, int] = {}
 
@@ -135,11 +141,13 @@ class DenoiseLoop:
             base = p.seed if p.seed is not None else random.randrange(2**31)
             guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
             steps = p.num_inference_steps or settings.steps
-            schedule = rs.schedule_for(self.adapter.scheduler(p.scheduler), steps)
+            scheduler = self.adapter.scheduler(p.scheduler)
+            args = self.adapter.schedule_args(scheduler, steps, *size)
+            schedule = rs.schedule_for(scheduler, steps, args)
             for i in range(settings.rows_per_request(r)):
                 gen = torch.Generator(device=self.device).manual_seed(base + i)
                 negative = None
-                if guidance > 1.0:
+                if guidance > 1.0 and not self.distilled:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
@@ -188,6 +196,9 @@ class DenoiseLoop:
             scale = scales[0]
         elif cfg:
             scale = column(scales, latents)
+        embedded = None
+        if self.distilled:
+            embedded = to_device(torch.tensor([r.guidance for r in group]), device)
         return Plan(
             active=active,
             group=group,
@@ -197,6 +208,7 @@ class DenoiseLoop:
             texts=texts,
             negatives=negatives,
             scale=scale,
+            embedded=embedded,
         )
 
     def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
@@ -212,7 +224,7 @@ class DenoiseLoop:
             out = self._forward(inputs, states + cfg_states, plan.texts)
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            cond = self._forward(scaled, states, plan.texts)
+            cond = self._forward(scaled, states, plan.texts, plan.embedded)
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
@@ -223,9 +235,15 @@ class DenoiseLoop:
         out[index] = self.adapter.guide(cond[index], uncond, plan.scale)
         return out
 
-    def _forward(self, latents: torch.Tensor, states: list[rs.Row], text: Text) -> Any:
-        """One denoiser call (each model row at its row's timestep), padded to the compiled
-        bucket of its model rows."""
+    def _forward(
+        self,
+        latents: torch.Tensor,
+        states: list[rs.Row],
+        text: Text,
+        guidance: torch.Tensor | None = None,
+    ) -> Any:
+        """One denoiser call (each model row at its row's timestep; `guidance`: each row's
+        scale, for a guidance embedding), padded to the compiled bucket of its model rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -235,8 +253,9 @@ class DenoiseLoop:
             latents, times = pad_tensor(latents, pad), pad_tensor(times, pad)
             text = pad_rows(text, pad)
             states = states + [states[-1]] * pad
+            guidance = None if guidance is None else pad_tensor(guidance, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
-        return self.adapter.predict(latents, times, text, at=at)[:rows]
+        return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
 
 
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -261,6 +261,8 @@ class DiffusionStage(OwnLoop, PipelineCall):
         if decoder is not None:
             kwargs["output_type"] = "latent"
         media = self.adapter.media(self._denoise(pipe, kwargs, control))
+        if decoder is not None:  # (latents, in our loop's layout)
+            media = self.adapter.loop_latents(media, kwargs["width"], kwargs["height"])
         frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
         return self.defer(batch, media, seeds, frames, decoder)
 

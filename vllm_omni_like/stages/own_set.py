@@ -52,7 +52,7 @@ class OwnLoopSet(RowStepper):
         frames = (p.num_frames or stage.default_frames) if stage.is_video else 1
         width, height = p.width or stage.default_width, p.height or stage.default_height
         with torch.inference_mode():
-            rows, embeds = stage.denoise.rows(batch, settings)
+            rows, embeds = stage.denoise.rows(batch, settings, (width, height))
             shape = stage.adapter.latent_shape(len(rows), width, height, frames)
             dtype = stage.adapter.latent_dtype(text_dtype(embeds))
             latents = stage.denoise.noise(rows, shape, dtype)

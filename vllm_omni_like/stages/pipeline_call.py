@@ -65,7 +65,9 @@ class PipelineCall(DiffusionState):
         pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler
         kwargs.setdefault("height", p.height or self.default_height)
         kwargs.setdefault("width", p.width or self.default_width)
-        kwargs["callback_on_step_end"] = self._callback(batch, control)
+        kwargs["callback_on_step_end"] = self._callback(
+            batch, control, (kwargs["width"], kwargs["height"])
+        )
         return pipe, kwargs, rows, seeds
 
     def _denoise(self, pipe: Any, kwargs: dict[str, Any], control: StageControl) -> Any:
@@ -126,11 +128,11 @@ class PipelineCall(DiffusionState):
         kwargs.update(self.adapter.text_kwargs(prompts, negatives, self.tokenizer))
         return kwargs
 
-    def _callback(self, batch: list[StageRequest], control: StageControl):
+    def _callback(self, batch: list[StageRequest], control: StageControl, size: tuple[int, int]):
         def on_step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
             total = int(getattr(pipe, "_num_timesteps", 0) or 0) or i + 1
             want = [r for r in batch if control.wants_preview(r, i + 1, total)]
-            previews = self._previews(pipe, batch, want, callback_kwargs) if want else None
+            previews = self._previews(pipe, batch, want, callback_kwargs, size) if want else None
             control.step(batch, i + 1, total, previews)
             self.tracer.mark("step")
             return callback_kwargs
@@ -138,12 +140,18 @@ class PipelineCall(DiffusionState):
         return on_step_end
 
     def _previews(
-        self, pipe: Any, batch: list[StageRequest], want: list[StageRequest], callback_kwargs: dict
+        self,
+        pipe: Any,
+        batch: list[StageRequest],
+        want: list[StageRequest],
+        callback_kwargs: dict,
+        size: tuple[int, int],
     ) -> dict[str, Any]:
         """Decode the current latents of the first image of each request that asked."""
         latents = callback_kwargs.get("latents")
         if latents is None:
             return {}
+        latents = self.adapter.loop_latents(latents, *size)
         first, k = {}, 0
         for r in batch:
             first[r.request_id] = k

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from vllm_omni_like.models.adapter import (
     Adapter,
     Decoder,
     Guidance,
+    auto_edit_pipelines,
     fuse_unet_qkv,
     is_image_vae,
     nhwc_unet_and_image_vae,
@@ -20,8 +20,6 @@ from vllm_omni_like.models.adapter import (
 from vllm_omni_like.models.stable_diffusion import FAMILY
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
 
-logger = logging.getLogger(__name__)
-
 
 class StableDiffusionAdapter(Adapter):
     family = FAMILY
@@ -29,7 +27,12 @@ class StableDiffusionAdapter(Adapter):
     image_conditions = ("edit", "inpaint")
 
     def predict(
-        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
     ) -> Any:
         unet = self.pipe.unet
         return unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
@@ -57,20 +60,7 @@ class StableDiffusionAdapter(Adapter):
         return decode
 
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
-        """'edit' (img2img) and 'inpaint' pipelines sharing the models (no second copy)."""
-        import diffusers
-
-        pipes = {}
-        for mode, auto in (
-            ("edit", diffusers.AutoPipelineForImage2Image),
-            ("inpaint", diffusers.AutoPipelineForInpainting),
-        ):
-            try:
-                pipes[mode] = auto.from_pipe(self.pipe)
-                pipes[mode].set_progress_bar_config(disable=True)
-            except Exception as exc:  # this model has no such variant
-                logger.info("stage %s: no %s pipeline (%s)", stage, mode, exc)
-        return pipes
+        return auto_edit_pipelines(self.pipe, stage)
 
     def fuse_qkv(self) -> bool:
         return fuse_unet_qkv(self.pipe)

@@ -51,7 +51,12 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return kwargs
 
     def predict(
-        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
     ) -> Any:
         embeds, pooled = text["embeds"], text["pooled"]
         ids = self._ids(latents, embeds.dtype, pooled).expand(latents.shape[0], -1)

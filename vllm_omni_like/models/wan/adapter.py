@@ -39,7 +39,12 @@ class WanAdapter(Adapter):
         return bool(self.pipe.config.get("expand_timesteps", False))
 
     def predict(
-        self, latents: torch.Tensor, timestep: torch.Tensor, text: Any, at: Any = None
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
     ) -> Any:
         """Rows at a timestep on each side of Wan2.2's boundary run their own expert."""
         experts = self.experts()

@@ -1,0 +1,164 @@
+"""The FLUX.1 family in a worker (FLUX.1-dev, FLUX.1-schnell).
+
+Our loop keeps FLUX's latents unpacked, (rows, 16, 2h, 2w) as the VAE sees them: every update
+of the loop is elementwise, so it commutes with the pipeline's 2x2 packing, and a row's noise
+is the pipeline's draw before it packs. `predict` packs them into tokens for the transformer
+(with the image's position ids, made once a size) and unpacks its velocity. The timestep goes
+in as the pipeline gives it (in the latents' dtype, / 1000), the guidance scale of each row
+into the guidance embedding (FLUX.1-dev; schnell has none). The schedule: the pipeline's
+sigmas (1 down to 1/steps), shifted by the image's token count (`mu`) where the scheduler
+shifts dynamically (dev).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni_like.models.adapter import (
+    Adapter,
+    Decoder,
+    Guidance,
+    auto_edit_pipelines,
+    shifted_vae_decode,
+    vae_decoder_target,
+)
+from vllm_omni_like.models.flux import FAMILY
+
+MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 x W/2, 4C): FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    tokens = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return tokens.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, H/2 x W/2, 4C) -> (B, C, H, W): FluxPipeline._unpack_latents (H, W: latent rows)."""
+    b, _, channels = tokens.shape
+    grid = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return grid.reshape(b, channels // 4, h, w)
+
+
+class FluxAdapter(Adapter):
+    family = FAMILY
+    guidance = Guidance.DISTILLED  # (schnell: the embedding is absent, the scale unused)
+    image_conditions = ("edit", "inpaint")
+
+    def __init__(self, pipe: Any, family: Any = None) -> None:
+        super().__init__(pipe, family)
+        self._image_ids: dict[tuple[Any, ...], torch.Tensor] = {}
+        transformer = getattr(pipe, "transformer", None)
+        self._embeds_guidance = bool(transformer and transformer.config.guidance_embeds)
+
+    def text_embed_dim(self) -> int:
+        return int(self.pipe.transformer.config.joint_attention_dim)
+
+    def text_length(self) -> int:
+        """T5's tokens a prompt is padded to: its tokenizer's length, at most the pipeline's."""
+        tokenizer = getattr(self.pipe, "tokenizer_2", None)
+        length = getattr(tokenizer, "model_max_length", MAX_TEXT_TOKENS)
+        return min(int(length), MAX_TEXT_TOKENS)
+
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=[t or "" for t in texts],
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.text_length(),
+        )
+        return {"embeds": embeds, "pooled": pooled}
+
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
+        # (no negative prompt: FLUX.1's guidance is its embedding; true CFG is not served)
+        return {"prompt": prompts, "max_sequence_length": self.text_length()}
+
+    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
+        """FluxPipeline's `sigmas` and `mu` for a `width` x `height` image."""
+        config = scheduler.config
+        if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
+            return {}
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        args: dict[str, Any] = {}
+        if not config.get("use_flow_sigmas", False):
+            args["sigmas"] = np.linspace(1.0, 1 / steps, steps).tolist()
+        factor = 2 * self.pipe.vae_scale_factor
+        tokens = (height // factor) * (width // factor)
+        args["mu"] = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return args
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        factor = 2 * self.pipe.vae_scale_factor
+        channels = self.pipe.transformer.config.in_channels // 4
+        return (rows, channels, 2 * (height // factor), 2 * (width // factor))
+
+    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        if latents.dim() != 3:
+            return latents
+        factor = 2 * self.pipe.vae_scale_factor
+        return unpack(latents, 2 * (height // factor), 2 * (width // factor))
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
+    ) -> Any:
+        rows, _, h, w = latents.shape
+        embeds = text["embeds"]
+        if self._embeds_guidance and guidance is None:  # (one scale, the pipeline's default)
+            guidance = torch.full((rows,), FAMILY.default_guidance, device=latents.device)
+        out = self.pipe.transformer(
+            hidden_states=pack(latents),
+            timestep=timestep.to(latents.dtype) / 1000,
+            guidance=guidance if self._embeds_guidance else None,
+            pooled_projections=text["pooled"],
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=embeds.dtype),
+            img_ids=self._ids(h, w, latents.device, embeds.dtype),
+            return_dict=False,
+        )[0]
+        return unpack(out, h, w)
+
+    def _ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The image tokens' position ids (FluxPipeline._prepare_latent_image_ids), once a size."""
+        key = (h, w, device, dtype)
+        if key not in self._image_ids:
+            ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
+            self._image_ids[key] = ids
+        return self._image_ids[key]
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        return lambda latents: shifted_vae_decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        return self.decoder(pipe)
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        return auto_edit_pipelines(self.pipe, stage)
+
+    def fuse_qkv(self) -> bool:
+        self.pipe.transformer.fuse_qkv_projections()
+        return True
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
+
+
+ADAPTER = FluxAdapter

@@ -1,0 +1,109 @@
+"""The Stable Diffusion 3 family in a worker (SD3.5-medium, SD3.5-large).
+
+The text: two CLIPs' penultimate states side by side (padded to T5's width) before T5's
+tokens, and both CLIPs' pooled embeddings (`encode_prompt`); a negative prompt not given is
+the empty prompt, as the pipeline encodes it. The transformer takes each row's timestep as the
+scheduler gives it. Classifier-free guidance doubles the batch (one forward a step), as the
+pipeline does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni_like.models.adapter import (
+    Adapter,
+    Decoder,
+    Guidance,
+    auto_edit_pipelines,
+    shifted_vae_decode,
+    vae_decoder_target,
+)
+from vllm_omni_like.models.sd3 import FAMILY
+from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
+
+MAX_TEXT_TOKENS = 256  # StableDiffusion3Pipeline's default T5 length
+
+
+class SD3Adapter(Adapter):
+    family = FAMILY
+    guidance = Guidance.BATCHED
+    image_conditions = ("edit", "inpaint")
+
+    def text_embed_dim(self) -> int:
+        return int(self.pipe.transformer.config.joint_attention_dim)
+
+    def text_length(self) -> int:
+        """T5's tokens a prompt is padded to: the pipeline's default, at most its tokenizer's."""
+        tokenizer = getattr(self.pipe, "tokenizer_3", None)
+        length = getattr(tokenizer, "model_max_length", MAX_TEXT_TOKENS)
+        return min(int(length), MAX_TEXT_TOKENS)
+
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=[t or "" for t in texts],
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.text_length(),
+        )
+        return {"embeds": embeds, "pooled": pooled}
+
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
+        return {
+            "prompt": prompts,
+            "negative_prompt": negatives,
+            "max_sequence_length": self.text_length(),
+        }
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
+    ) -> Any:
+        return self.pipe.transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=text["embeds"],
+            pooled_projections=text["pooled"],
+            return_dict=False,
+        )[0]
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        channels = self.pipe.transformer.config.in_channels
+        return (rows, channels, height // factor, width // factor)
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        return lambda latents: shifted_vae_decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        return self.decoder(pipe)
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        return auto_edit_pipelines(self.pipe, stage)
+
+    def fuse_qkv(self) -> bool:
+        self.pipe.transformer.fuse_qkv_projections()
+        return True
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
+
+    def split_cfg(self, leader: Leader) -> SplitCFG:
+        """The pipeline doubles its batch: each rank runs one half."""
+        wrapper = SplitCFG(self.pipe.transformer, leader)
+        self.pipe.transformer = wrapper
+        return wrapper
+
+
+ADAPTER = SD3Adapter
