@@ -13,14 +13,14 @@ from typing import Any
 T5_TOKENS = 24
 
 
-def _vae() -> Any:
+def _vae(channels: int = 4) -> Any:
     """A 64x64 KL VAE without quant convs, scaled and shifted as FLUX's and SD3's are."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        latent_channels=4,
+        latent_channels=channels,
         block_out_channels=(32, 64, 64),
         down_block_types=("DownEncoderBlock2D",) * 3,
         up_block_types=("UpDecoderBlock2D",) * 3,
@@ -136,8 +136,8 @@ def tiny_sd3_path() -> str:
     transformer = SD3Transformer2DModel(
         sample_size=16,
         patch_size=2,
-        in_channels=4,
-        out_channels=4,
+        in_channels=16,  # (its inpaint pipeline wants the real 16 latent channels)
+        out_channels=16,
         num_layers=2,
         attention_head_dim=8,
         num_attention_heads=4,
@@ -150,7 +150,7 @@ def tiny_sd3_path() -> str:
     )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
-        vae=_vae(),
+        vae=_vae(16),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         **_texts(64, True, 2),
     )

@@ -41,6 +41,11 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
 ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     "sd15": {"default_steps": 30, "default_guidance": 7.5},
     "sdxl": {"default_steps": 30, "default_guidance": 5.0},
+    # the MMDiTs at their published defaults (1024x1024 from their VAE's config)
+    "flux.1-dev": {"default_steps": 28, "default_guidance": 3.5},
+    "flux.1-schnell": {"default_steps": 4, "default_guidance": 0.0},
+    "sd3.5-medium": {"default_steps": 40, "default_guidance": 4.5},
+    "sd3.5-large": {"default_steps": 28, "default_guidance": 3.5},
     "wan2.1-t2v-1.3b": {
         "default_width": 832,
         "default_height": 480,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -71,7 +73,9 @@ def random_diffusers_components(
 
     Each is initialised from a seed of its own (the CRC-32 of its name) on `device`, so two
     processes that build the same directory get the same weights: a benchmark's reference
-    and the server compute the same images.
+    and the server compute the same images. Each is built in `dtype` directly (FLUX.1's 12B
+    transformer would take 48 GB in float32 first); what a module makes in float32 on its own
+    (a positional table) is cast after.
     """
     import diffusers
     import transformers
@@ -91,16 +95,27 @@ def random_diffusers_components(
             and issubclass(getattr(diffusers, cls_name), diffusers.ModelMixin)
         ):
             cls = getattr(diffusers, cls_name)
-            with torch.device(device):
+            with torch.device(device), default_dtype(dtype):
                 components[name] = cls.from_config(cls.load_config(sub)).to(dtype)
         elif library == "transformers" and issubclass(
             getattr(transformers, cls_name), transformers.PreTrainedModel
         ):
             cls = getattr(transformers, cls_name)
             config = transformers.AutoConfig.from_pretrained(sub, local_files_only=True)
-            with torch.device(device):
+            with torch.device(device), default_dtype(dtype):
                 components[name] = cls(config).to(dtype)
     return components
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Floating tensors made meanwhile (a module's parameters) are `dtype`."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def tensor_to_uint8(media: torch.Tensor) -> np.ndarray:

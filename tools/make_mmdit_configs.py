@@ -1,0 +1,199 @@
+"""Write the MMDiT architecture configs shipped in vllm_omni_like/assets/archs/ (no weights).
+
+    python tools/make_mmdit_configs.py
+
+FLUX.1-dev and FLUX.1-schnell (a 12B rectified-flow transformer, 19 double and 38 single
+blocks; CLIP ViT-L/14 and T5-v1.1-XXL text encoders; a 16-channel KL VAE; dev with its
+guidance embedding and a shift by the image's length, schnell with neither), SD3.5-large (8.1B
+MMDiT, 38 blocks) and SD3.5-medium (2.5B MMDiT-X, 24 blocks, dual attention in the first 13):
+two CLIPs with projections and T5-XXL, FlowMatch Euler with shift 3. Their text encoders are
+real modules (random weights with `--load-format dummy`); the tokenizers are the package's
+word-level one at each encoder's length (CLIP 77, T5 512 or 256), so nothing is downloaded.
+Published sizes are checked by tests/models/test_mmdit_archs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+from make_arch_configs import CLIP_BIG_G, CLIP_L, OUT, _clip, _index
+
+# T5-v1.1-XXL's encoder (FLUX.1's and SD3's third text encoder): 4.76B parameters
+T5_XXL = dict(
+    vocab_size=32128,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    layer_norm_epsilon=1e-6,
+    feed_forward_proj="gated-gelu",
+    tie_word_embeddings=False,
+)
+
+
+def _t5(out: str, folder: str, tokenizer) -> None:
+    from transformers import T5Config
+
+    T5Config(
+        **T5_XXL,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        architectures=["T5EncoderModel"],
+    ).save_pretrained(os.path.join(out, folder))
+
+
+def _vae16(out: str, scaling: float, shift: float) -> None:
+    """The 16-channel KL VAE of FLUX.1 and SD3 (no quant convs; its scale and shift)."""
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        layers_per_block=2,
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        sample_size=1024,
+        scaling_factor=scaling,
+        shift_factor=shift,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        force_upcast=True,
+    ).save_config(os.path.join(out, "vae"))
+
+
+def _tokenizers(out: str, folders: dict[str, int]) -> None:
+    from vllm_omni_like.models.tiny import build_tokenizer
+
+    for folder, length in folders.items():
+        build_tokenizer(max_length=length).save_pretrained(os.path.join(out, folder))
+
+
+def flux(out: str, dev: bool) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    from vllm_omni_like.models.tiny import build_tokenizer
+
+    with torch.device("meta"):
+        FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=dev,
+            axes_dims_rope=(16, 56, 56),
+        ).save_config(os.path.join(out, "transformer"))
+        _vae16(out, scaling=0.3611, shift=0.1159)
+    tokenizer = build_tokenizer(max_length=77)
+    _clip(out, "text_encoder", tokenizer, "CLIPTextModel", **CLIP_L)
+    _t5(out, "text_encoder_2", tokenizer)
+    _tokenizers(out, {"tokenizer": 77, "tokenizer_2": 512 if dev else 256})
+    shift = {"shift": 3.0, "use_dynamic_shifting": True} if dev else {"shift": 1.0}
+    FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        num_train_timesteps=1000,
+        **shift,
+    ).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "FluxPipeline",
+        transformer=["diffusers", "FluxTransformer2DModel"],
+        vae=["diffusers", "AutoencoderKL"],
+        text_encoder=["transformers", "CLIPTextModel"],
+        text_encoder_2=["transformers", "T5EncoderModel"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        tokenizer_2=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        image_encoder=[None, None],
+        feature_extractor=[None, None],
+    )
+
+
+def sd35(out: str, large: bool) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from vllm_omni_like.models.tiny import build_tokenizer
+
+    size = (
+        dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432)
+        if large
+        else dict(
+            num_layers=24,
+            num_attention_heads=24,
+            caption_projection_dim=1536,
+            dual_attention_layers=tuple(range(13)),
+        )
+    )
+    with torch.device("meta"):
+        SD3Transformer2DModel(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            attention_head_dim=64,
+            joint_attention_dim=4096,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=192 if large else 384,
+            qk_norm="rms_norm",
+            **size,
+        ).save_config(os.path.join(out, "transformer"))
+        _vae16(out, scaling=1.5305, shift=0.0609)
+    tokenizer = build_tokenizer(max_length=77)
+    _clip(out, "text_encoder", tokenizer, "CLIPTextModelWithProjection", **CLIP_L)
+    _clip(out, "text_encoder_2", tokenizer, "CLIPTextModelWithProjection", **CLIP_BIG_G)
+    _t5(out, "text_encoder_3", tokenizer)
+    _tokenizers(out, {"tokenizer": 77, "tokenizer_2": 77, "tokenizer_3": 256})
+    FlowMatchEulerDiscreteScheduler(shift=3.0, num_train_timesteps=1000).save_config(
+        os.path.join(out, "scheduler")
+    )
+    _index(
+        out,
+        "StableDiffusion3Pipeline",
+        transformer=["diffusers", "SD3Transformer2DModel"],
+        vae=["diffusers", "AutoencoderKL"],
+        text_encoder=["transformers", "CLIPTextModelWithProjection"],
+        text_encoder_2=["transformers", "CLIPTextModelWithProjection"],
+        text_encoder_3=["transformers", "T5EncoderModel"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        tokenizer_2=["transformers", "TokenizersBackend"],
+        tokenizer_3=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        image_encoder=[None, None],
+        feature_extractor=[None, None],
+    )
+
+
+ARCHS = {
+    "flux.1-dev": lambda out: flux(out, dev=True),
+    "flux.1-schnell": lambda out: flux(out, dev=False),
+    "sd3.5-medium": lambda out: sd35(out, large=False),
+    "sd3.5-large": lambda out: sd35(out, large=True),
+}
+
+
+def main() -> None:
+    for name, build in ARCHS.items():
+        out = os.path.join(OUT, name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        build(out)
+        print("wrote", os.path.normpath(out), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
