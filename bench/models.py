@@ -1,0 +1,239 @@
+"""Today's image models served against plain diffusers at its best, batch-1 latency (#37, #38).
+
+    python bench/models.py --model flux.1-dev --parts reference      # one GPU call
+    python bench/models.py --model flux.1-dev --parts server         # the next, same machine
+    python bench/models.py --model /tmp/tiny-flux --tiny             # a CPU smoke run
+
+One model per GPU sitting (its weights take most of the GPU: the reference and the server run
+one after the other, the reference's images kept in `--state` for the image check). Random
+weights (`--load-format dummy`'s seeded recipe: both compute the same images), bf16, batch 1,
+the model's published settings (`SETTINGS`; `--steps`, `--guidance`, `--size` override).
+- reference: the diffusers pipeline, eager (`diffusers_s`), then compiled at its best
+  (`diffusers_compiled_s`): fused QKV projections, the transformer and the VAE decoder under
+  `torch.compile(fullgraph=True, dynamic=False)` in the same mode as the server, and the
+  fastest of diffusers' attention backends available (each timed after a warm-up: `attention`).
+- server: `vllm-omni-like serve <model> --load-format dummy --dtype bf16 --compile` (warm-up
+  at the size), the same requests over HTTP, end to end (`server_s`: the median).
+Writes `bench/results/models-<device>.json`: `models.<name>` with `server_s`, `diffusers_s`,
+`diffusers_compiled_s`, `ratio_vs_compiled`, `peer_s` and `peer_source` (a peer's published
+figure at the same settings, where there is one), `images_equal` (PSNR >= 35 dB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.compare import psnr
+from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
+from bench.server_proc import Server
+from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
+
+# the issue's settings per model: steps, guidance, side; a peer's figure where published
+SETTINGS: dict[str, dict[str, Any]] = {
+    "flux.1-dev": {"steps": 28, "guidance": 3.5, "size": 1024, "peer_s": 4.30},
+    "flux.1-schnell": {"steps": 4, "guidance": 0.0, "size": 1024},
+    "sd3.5-large": {"steps": 28, "guidance": 3.5, "size": 1024},
+    "sd3.5-medium": {"steps": 40, "guidance": 4.5, "size": 1024},
+}
+PEER_SOURCE = "xDiT's published FLUX.1-dev 1024x1024 28-step latency on one H100"
+ATTENTION = ("native", "_native_cudnn", "_native_flash", "flash")  # diffusers' backends
+
+
+def build(model: str, dtype: torch.dtype, device: str) -> Any:
+    from vllm_omni_like.stages.torch_utils import dummy_pipeline
+
+    path = arch_path(model) if model in ARCH_OPTIONS else model
+    pipe = dummy_pipeline(path, torch.device(device), dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def text_length(pipe: Any) -> int | None:
+    """The T5 length the server's adapter pads prompts to (None: a family without one)."""
+    from vllm_omni_like.models.adapter import adapter_for
+    from vllm_omni_like.models.registry import family_for
+
+    adapter = adapter_for(pipe, family_for({"_class_name": type(pipe).__name__}))
+    return adapter.text_length() if hasattr(adapter, "text_length") else None
+
+
+def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
+    """One image through the pipeline: (pixels, seconds)."""
+    device = pipe.device
+    kwargs: dict[str, Any] = {}
+    if "negative_prompt" in pipe.__call__.__code__.co_varnames and s["guidance"] > 1:
+        kwargs["negative_prompt"] = [""]  # (the server's: an empty negative prompt)
+    if s.get("text_length"):  # T5's tokens, as the server pads them
+        kwargs["max_sequence_length"] = s["text_length"]
+    sync()
+    t0 = time.perf_counter()
+    out = pipe(
+        prompt=[PROMPT],
+        generator=[torch.Generator(device=device).manual_seed(seed)],
+        num_inference_steps=s["steps"],
+        guidance_scale=s["guidance"],
+        height=s["size"],
+        width=s["size"],
+        output_type="np",
+        **kwargs,
+    ).images
+    sync()
+    return (out[0] * 255).round().astype(np.uint8), time.perf_counter() - t0
+
+
+def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray]]:
+    call(pipe, 0, s)  # warm-up (compiles, if compiled)
+    times, images = [], {}
+    for seed in range(runs):
+        images[seed], seconds = call(pipe, seed, s)
+        times.append(seconds)
+    return statistics.median(times), images
+
+
+def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
+    """The fastest attention backend diffusers runs here for this model (one eager step)."""
+    best, name = float("inf"), "native"
+    one = {**s, "steps": 1}
+    for backend in ATTENTION:
+        try:
+            pipe.transformer.set_attention_backend(backend)
+            call(pipe, 0, one)
+            seconds = min(call(pipe, 0, one)[1] for _ in range(2))
+        except Exception as exc:  # not installed, not for this GPU or these shapes
+            print(f"attention {backend}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        print(f"attention {backend}: {seconds:.3f} s a step", file=sys.stderr)
+        if seconds < best:
+            best, name = seconds, backend
+    pipe.transformer.set_attention_backend(name)
+    return name
+
+
+def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipe = build(args.model, DTYPES[args.dtype], device)
+    s["text_length"] = text_length(pipe)
+    eager_s, _ = timed(pipe, s, args.runs)
+    print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
+    result = {"diffusers_s": round(eager_s, 3)}
+    if not args.tiny:
+        result["attention"] = fastest_attention(pipe, s)
+        pipe.transformer.fuse_qkv_projections()
+        options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
+        pipe.transformer = torch.compile(pipe.transformer, **options)
+        pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)
+        compiled_s, images = timed(pipe, s, args.runs)
+        print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)
+        result["diffusers_compiled_s"] = round(compiled_s, 3)
+    else:
+        _, images = timed(pipe, s, args.runs)
+    np.savez(args.state, **{str(k): v for k, v in images.items()})
+    del pipe
+    free()
+    return result
+
+
+def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    side = f"{s['size']}x{s['size']}"
+    flags = [args.model, "--load-format", "dummy", "--dtype", args.dtype]
+    flags += ["--max-side", str(max(s["size"], 64)), "--gpu-memory-fraction", "0.9"]
+    if not args.tiny:
+        flags += ["--compile", "--compile-mode", args.compile_mode, "--batch-buckets", "1"]
+        flags += ["--warmup-size", side]
+    server = Server(flags, args.log, 1800)
+    try:
+        body = {"prompt": PROMPT, "size": side, "num_inference_steps": s["steps"]}
+        body |= {"guidance_scale": s["guidance"], "response_format": "b64_json"}
+        times, got = [], {}
+        for seed in [0, *range(args.runs)]:  # (the first: a warm-up)
+            t0 = time.perf_counter()
+            r = httpx.post(
+                f"{server.url}/v1/images/generations", json={**body, "seed": seed}, timeout=600
+            )
+            r.raise_for_status()
+            times.append(time.perf_counter() - t0)
+            got[seed] = pixels(r)
+    finally:
+        server.stop()
+    result: dict[str, Any] = {"server_s": round(statistics.median(times[1:]), 3)}
+    result["server_start_s"] = round(server.start_s, 1)
+    if os.path.exists(args.state):
+        ref = np.load(args.state)
+        values = [psnr(got[int(k)], ref[k]) for k in ref.files if int(k) in got]
+        result["psnr_db"] = [round(v, 2) if np.isfinite(v) else "inf" for v in values]
+        result["images_equal"] = all(v >= 35 for v in values)
+    return result
+
+
+def pixels(r: httpx.Response) -> np.ndarray:
+    from PIL import Image
+
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """Merge `entry` into `models.<name>` of models-<device>.json; the ratio once both sides
+    are in."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"models-{device_name()}.json")
+    data: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "models": {},
+    }
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    merged = {**data["models"].get(name, {}), **entry}
+    if "server_s" in merged and "diffusers_compiled_s" in merged:
+        merged["ratio_vs_compiled"] = round(merged["server_s"] / merged["diffusers_compiled_s"], 4)
+    data["models"][name] = merged
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return merged
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="flux.1-dev")
+    ap.add_argument("--parts", default="reference,server")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--guidance", type=float)
+    ap.add_argument("--size", type=int)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compile-mode", default="default")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model directory on the CPU")
+    ap.add_argument("--state", default="/tmp/models-reference.npz")
+    ap.add_argument("--log", default="models.log")
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    base = SETTINGS.get(args.model, {"steps": 4, "guidance": 3.5, "size": 64})
+    given = {"steps": args.steps, "guidance": args.guidance, "size": args.size}
+    s = {**base, **{k: v for k, v in given.items() if v is not None}}
+    name = os.path.basename(os.path.normpath(args.model))
+    entry: dict[str, Any] = {"steps": s["steps"], "guidance": s["guidance"], "size": s["size"]}
+    entry["dtype"], entry["compile_mode"] = args.dtype, args.compile_mode
+    if "peer_s" in s:
+        entry["peer_s"], entry["peer_source"] = s["peer_s"], PEER_SOURCE
+    for part in args.parts.split(","):
+        entry.update((part_reference if part == "reference" else part_server)(args, s))
+        print(json.dumps(write(name, entry, args.out_dir)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
