@@ -30,14 +30,16 @@ def plain_stage():
     return stage
 
 
-def _compiled_stage(max_batch: int, buckets: tuple[int, ...]) -> DiffusionStage:
-    """The tiny model compiled with the eager backend (real dynamo tracing and guards, no C
+def _compiled_stage(
+    max_batch: int, buckets: tuple[int, ...], model: str = "tiny-image"
+) -> DiffusionStage:
+    """A tiny model compiled with the eager backend (real dynamo tracing and guards, no C
     compiler needed), loaded: its buckets compiled and warmed up."""
     stage = DiffusionStage(
         StageConfig(
             name="diffusion",
             kind="diffusion",
-            model="tiny-image",
+            model=model,
             compile=True,
             max_batch_size=max_batch,
             batch_buckets=buckets,
@@ -91,3 +93,25 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
     h.add(3, _req("e", 5, 2, width=48, height=48))  # a size not warmed up: it compiles
     h.steps()
     assert counters["stats"]["unique_graphs"] > graphs
+
+
+@pytest.mark.slow
+def test_a_compiled_flux_set_pads_rows_not_cfg_pairs_and_never_recompiles():
+    """FLUX.1's guidance is embedded: a row is one model row (buckets not doubled); rows with
+    their own guidance scales and steps joining a compiled set run on the warm-up's graphs."""
+    from torch._dynamo.utils import counters
+
+    from tests.models.tiny_mmdit import tiny_flux_path
+    from tests.stages.test_running_set import _Harness, _req
+
+    stage = _compiled_stage(4, (1, 4), tiny_flux_path())
+    assert stage.denoise.buckets == (1, 4)
+    graphs = counters["stats"]["unique_graphs"]
+    h = _Harness(stage, lanes=1, group=(2, 0.0))
+    h.add(1, _req("a", 1, 4, guidance_scale=2.0), _req("b", 2, 3))
+    h.steps(1)
+    h.add(2, _req("c", 3, 3, guidance_scale=5.0))  # joins at step 1: 3 rows, padded to 4
+    h.steps()
+    assert sorted(h.outputs) == ["a", "b", "c"]
+    assert all(o.error is None for o in h.outputs.values())
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
