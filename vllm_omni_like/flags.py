@@ -21,6 +21,7 @@ from vllm_omni_like.config import (
     faults_from_env,
 )
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import add_batching_args, stage_flag
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
@@ -79,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="*",
         default=[],
-        help="built-in pipeline name, architecture (sd15, sdxl, wan2.1-t2v-1.3b), YAML pipeline "
+        help=f"built-in pipeline name, architecture ({', '.join(ARCH_OPTIONS)}), YAML pipeline "
         "file or local diffusers directory (repeatable; default: tiny-omni tiny-image tiny-video)",
     )
     parser.add_argument(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.adapter import Adapter, Guidance
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,13 @@ def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:
         return tuple(sorted({int(b) for b in configured}))
     found = tuple(b for b in DEFAULT_BUCKETS if b < max_rows)
     return (*found, max_rows)
+
+
+def model_row_buckets(adapter: Adapter, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The model rows a compiled denoiser is warmed up for at each bucket of images: two per
+    image with classifier-free guidance, one where it is embedded (FLUX.1) or absent."""
+    per_row = 1 if adapter.guidance in (Guidance.DISTILLED, Guidance.NONE) else 2
+    return tuple(per_row * b for b in buckets)
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ import torch
 from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models import limits as model_limits
-from vllm_omni_like.models.adapter import Guidance, adapter_for
+from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.registry import FAMILIES, family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel import cfg_parallel
@@ -131,14 +131,11 @@ class DiffusionStage(OwnLoop, PipelineCall):
             logger.info("stage %s: compiled %s (%s)", self.name, ", ".join(compiled), backend)
             configured = config.batch_buckets or opts.batch_buckets
             self.buckets = accel.buckets_for(config.max_batch_size, configured)
-        # model rows: two per row with guidance (one where it is embedded: FLUX.1); a compiled
-        # denoiser's buckets count them
-        per_row = 1 if adapter.guidance in (Guidance.DISTILLED, Guidance.NONE) else 2
         self.denoise = DenoiseLoop(
             adapter,
             self.device,
             self._embed,
-            tuple(per_row * b for b in self.buckets),
+            accel.model_row_buckets(adapter, self.buckets),
             config.batched_cfg,
         )
         self.leader: cfg_parallel.Leader | None = None
