@@ -102,8 +102,16 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 1
 
 
-@pytest.mark.parametrize("path", [lambda: tiny_flux_path(False), tiny_flux_path, tiny_sd3_path])
-def test_other_sizes_and_schnell_equal_the_pipeline(path):
+SHAPES = [
+    lambda: tiny_flux_path(False),
+    tiny_flux_path,
+    tiny_sd3_path,
+    lambda: tiny_sd3_path(False),
+]
+
+
+@pytest.mark.parametrize("path", SHAPES, ids=["schnell", "dev", "sd3.5-medium", "sd3.5-large"])
+def test_other_sizes_and_schnell_and_sd35_large_equal_the_pipeline(path):
     path = path()
     stage, pipe = _stage(path), _pipeline(path)
     adapter = adapter_for(pipe, family_of(path))

@@ -123,8 +123,9 @@ def tiny_flux_path(guidance_embeds: bool = True) -> str:
 
 
 @functools.cache
-def tiny_sd3_path() -> str:
-    """SD3.5-medium's shape: MMDiT-X (a dual-attention layer), RMS-normed q/k, two CLIPs."""
+def tiny_sd3_path(dual: bool = True) -> str:
+    """SD3.5-medium's shape: MMDiT-X (a dual-attention layer), RMS-normed q/k, two CLIPs;
+    `dual` False: SD3.5-large's (plain MMDiT blocks)."""
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -146,7 +147,7 @@ def tiny_sd3_path() -> str:
         pooled_projection_dim=64,  # both CLIPs' projections
         pos_embed_max_size=16,
         qk_norm="rms_norm",
-        dual_attention_layers=(0,),
+        dual_attention_layers=(0,) if dual else (),
     )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
@@ -154,4 +155,4 @@ def tiny_sd3_path() -> str:
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         **_texts(64, True, 2),
     )
-    return _save(pipe, "tiny-sd3")
+    return _save(pipe, "tiny-sd3" if dual else "tiny-sd3-large")
