@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
 from vllm_omni_like.config import StageConfig
@@ -184,3 +185,50 @@ def test_edits_run_the_familys_image_to_image_and_inpaint_pipelines(path):
     mask[:, :32] = 255
     inpaint = StageRequest("m", "a blue square", params, mode="edit", images=[image], mask=mask)
     assert _run(stage, [inpaint])["m"].shape == (64, 64, 3)
+
+
+# what makes the host wait for the device on a GPU: a tensor's value read on the host
+WAITS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"}
+WAITS |= {"aten::masked_select", "aten::_unique2", "aten::unique_consecutive"}
+
+
+class WaitSpy(TorchDispatchMode):
+    """Records every op run meanwhile that reads a tensor's value on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in WAITS:
+            self.waits.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", [tiny_flux_path, tiny_sd3_path], ids=["flux", "sd3"])
+def test_a_step_never_waits_on_the_device(path):
+    """Rows with their own guidance (SD3: one without CFG) and steps: every op of three steps
+    (the forward, the guidance, each row's scheduler update) runs without reading a value back."""
+    from vllm_omni_like.stages.own_set import OwnLoopSet
+
+    stage = _stage(path())
+    rowset, control = OwnLoopSet(stage), StageControl(FaultInjector((), "diffusion"))
+    requests = [
+        StageRequest("a", "a red circle", GenerationParams(seed=1, num_inference_steps=5)),
+        StageRequest(
+            "b",
+            "a blue square",
+            GenerationParams(seed=2, num_inference_steps=6, guidance_scale=1.0),
+        ),
+    ]
+    rowset.join(requests, control)
+    sanity = WaitSpy()
+    with sanity:
+        torch.tensor([1.0]).item()
+    assert sanity.waits == ["aten::_local_scalar_dense"]  # (the spy sees a wait)
+    spy = WaitSpy()
+    with spy:
+        for _ in range(3):
+            assert rowset.step(control)
+    assert [r.state.index for r in rowset.set.rows] == [3, 3]
+    assert spy.waits == []
