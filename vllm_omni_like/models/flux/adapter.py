@@ -1,9 +1,8 @@
 """The FLUX.1 family in a worker (FLUX.1-dev, FLUX.1-schnell).
 
-Our loop keeps FLUX's latents unpacked, (rows, 16, 2h, 2w) as the VAE sees them: every update
-of the loop is elementwise, so it commutes with the pipeline's 2x2 packing, and a row's noise
-is the pipeline's draw before it packs. `predict` packs them into tokens for the transformer
-(with the image's position ids, made once a size) and unpacks its velocity. The timestep goes
+Our loop keeps FLUX's latents unpacked (models/packing.py). `predict` packs them into tokens
+for the transformer (with the image's position ids, made once a size) and unpacks its
+velocity. The timestep goes
 in as the pipeline gives it (in the latents' dtype, / 1000), the guidance scale of each row
 into the guidance embedding (FLUX.1-dev; schnell has none). The schedule: the pipeline's
 sigmas (1 down to 1/steps), shifted by the image's token count (`mu`) where the scheduler
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm_omni_like.models.adapter import (
@@ -26,22 +24,9 @@ from vllm_omni_like.models.adapter import (
     vae_decoder_target,
 )
 from vllm_omni_like.models.flux import FAMILY
+from vllm_omni_like.models.packing import latent_side, pack, shifted_flow_schedule, unpack
 
 MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 x W/2, 4C): FluxPipeline._pack_latents."""
-    b, c, h, w = latents.shape
-    tokens = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return tokens.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """(B, H/2 x W/2, 4C) -> (B, C, H, W): FluxPipeline._unpack_latents (H, W: latent rows)."""
-    b, _, channels = tokens.shape
-    grid = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return grid.reshape(b, channels // 4, h, w)
 
 
 class FluxAdapter(Adapter):
@@ -82,35 +67,18 @@ class FluxAdapter(Adapter):
 
     def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
         """FluxPipeline's `sigmas` and `mu` for a `width` x `height` image."""
-        config = scheduler.config
-        if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
-            return {}
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        args: dict[str, Any] = {}
-        if not config.get("use_flow_sigmas", False):
-            args["sigmas"] = np.linspace(1.0, 1 / steps, steps).tolist()
-        factor = 2 * self.pipe.vae_scale_factor
-        tokens = (height // factor) * (width // factor)
-        args["mu"] = calculate_shift(
-            tokens,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        return args
+        return shifted_flow_schedule(scheduler, steps, width, height, self.pipe.vae_scale_factor)
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
-        factor = 2 * self.pipe.vae_scale_factor
+        factor = self.pipe.vae_scale_factor
         channels = self.pipe.transformer.config.in_channels // 4
-        return (rows, channels, 2 * (height // factor), 2 * (width // factor))
+        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
 
     def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
         if latents.dim() != 3:
             return latents
-        factor = 2 * self.pipe.vae_scale_factor
-        return unpack(latents, 2 * (height // factor), 2 * (width // factor))
+        factor = self.pipe.vae_scale_factor
+        return unpack(latents, latent_side(height, factor), latent_side(width, factor))
 
     def predict(
         self,
