@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
+from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Guidance, adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
+from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.registry import FAMILIES, family_of
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.params import GenerationParams
@@ -38,8 +40,11 @@ TINY = {
     "stable-diffusion-xl": tiny_sdxl_path,
     "stable-diffusion-3": tiny_sd3_path,
     "flux": tiny_flux_path,
+    "qwen-image": tiny_qwen_image_path,
     "wan": "tiny-video",
 }
+# options of a tiny model whose family's native size is a real model's (Qwen-Image: 1024)
+OPTIONS = {"qwen-image": {"default_size": 64}}
 SEED, STEPS, FRAMES = 3, 3, 5
 
 
@@ -52,6 +57,7 @@ class Case:
 
     def stage(self, **config) -> DiffusionStage:
         config = {"name": "diffusion", "kind": "diffusion", "model": self.model, **config}
+        config.setdefault("options", OPTIONS.get(self.name, {}))
         stage = DiffusionStage(StageConfig(**config))
         stage.load("cpu")
         return stage
@@ -66,25 +72,28 @@ class Case:
         return pipe
 
     def limits(self):
-        return diffusion_limits(StageConfig(name="d", kind="diffusion", model=self.model))
+        options = OPTIONS.get(self.name, {})
+        return diffusion_limits(
+            StageConfig(name="d", kind="diffusion", model=self.model, options=options)
+        )
 
     def call(self, pipe, **kw):
-        """The pipeline's own call, as the stage asks it (prompt, size, seed, steps, guidance)."""
+        """The pipeline's own call, as the stage asks it (prompt, size, seed, steps, guidance):
+        its text and guidance arguments are the adapter's, as the stage's pipeline call makes
+        them (T5's length; Qwen-Image's true CFG scale and negative prompt)."""
         limits = self.limits()
+        adapter = adapter_for(pipe, family_of(self.path))
         kwargs = dict(
             width=limits.default_width,
             height=limits.default_height,
-            prompt=["a red circle"],
             num_inference_steps=STEPS,
-            guidance_scale=family_of(self.path).default_guidance,
             generator=[torch.Generator().manual_seed(SEED)],
             output_type="pt",
+            **adapter.text_kwargs(["a red circle"], [""], getattr(pipe, "tokenizer", None)),
+            **adapter.guidance_kwargs(family_of(self.path).default_guidance),
         )
-        if self.video:  # the stage passes its tokenizer's length
-            kwargs.update(num_frames=FRAMES, max_sequence_length=pipe.tokenizer.model_max_length)
-        adapter = adapter_for(pipe, family_of(self.path))
-        if hasattr(adapter, "text_length"):  # the MMDiTs': T5's tokens
-            kwargs["max_sequence_length"] = adapter.text_length()
+        if self.video:
+            kwargs["num_frames"] = FRAMES
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
@@ -151,7 +160,7 @@ def test_the_adapter_decodes_and_shapes_latents_as_the_pipeline_does(case):
     assert np.array_equal(decoded, _pixels(case, case.call(pipe)))  # byte for byte
 
 
-CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.DISTILLED: 1}
+CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.TRUE_CFG: 2, Guidance.DISTILLED: 1}
 
 
 def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
@@ -164,16 +173,17 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
         calls.append((args[0] if args else kwargs["hidden_states"], kwargs, out[0]))
 
     handle = expert.model.register_forward_hook(record, with_kwargs=True)
-    try:
-        case.call(pipe, num_inference_steps=1, output_type="latent")
+    try:  # (two steps: one is degenerate where the schedule stretches to a terminal sigma)
+        case.call(pipe, num_inference_steps=2, output_type="latent")
     finally:
         handle.remove()
     # one forward over both halves (SD, SD3) or with the guidance embedded (FLUX.1), or one per
-    # branch (Wan)
+    # branch (Wan, Qwen-Image's true CFG); the first step's
+    calls = calls[: CALLS[adapter.guidance]]
     assert len(calls) == CALLS[adapter.guidance]
     limits = case.limits()
     size = (limits.default_width, limits.default_height)
-    timestep = pipe.scheduler.timesteps[0]  # (the one step's, as the scheduler has it)
+    timestep = pipe.scheduler.timesteps[0]  # (the first step's, as the scheduler has it)
     outs = []
     with torch.inference_mode():
         for latents, kwargs, out in calls:
@@ -183,6 +193,12 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
                 text = {"embeds": text, "pooled": added["text_embeds"]}
             if "pooled_projections" in kwargs:  # the MMDiTs'
                 text = {"embeds": text, "pooled": kwargs["pooled_projections"]}
+            if "encoder_hidden_states_mask" in kwargs:  # texts of their own lengths (Qwen)
+                mask = kwargs["encoder_hidden_states_mask"]
+                text = {
+                    "embeds": text,
+                    "mask": torch.ones(text.shape[:2]) if mask is None else mask,
+                }
             latents, out = adapter.loop_latents(latents, *size), adapter.loop_latents(out, *size)
             per_row = timestep.float().reshape(1).expand(latents.shape[0]).cpu()
             got = adapter.predict(latents, per_row, text, guidance=kwargs.get("guidance"))
@@ -192,8 +208,12 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     if adapter.guidance is Guidance.DISTILLED:
         return
     uncond, cond = (outs[0].chunk(2)) if len(outs) == 1 else (outs[1], outs[0])
-    guided = adapter.guide(cond, uncond, 5.0)
-    assert torch.allclose(guided, uncond + 5.0 * (cond - uncond))
+    want = uncond + 5.0 * (cond - uncond)
+    if adapter.guidance is Guidance.TRUE_CFG:  # QwenImagePipeline's: each token's norm kept
+        c, g = pack(cond), pack(want)
+        ratio = torch.norm(c, dim=-1, keepdim=True) / torch.norm(g, dim=-1, keepdim=True)
+        want = unpack(g * ratio, *cond.shape[-2:])
+    assert torch.allclose(adapter.guide(cond, uncond, 5.0), want)
 
 
 def test_the_limits_are_what_the_pipeline_accepts(case):
@@ -203,14 +223,14 @@ def test_the_limits_are_what_the_pipeline_accepts(case):
     pipe = case.pipeline()
     width = limits.default_width + limits.size_multiple
     assert limits.supports(width, limits.default_height)
-    case.call(pipe, num_inference_steps=1, width=width, output_type="latent")  # accepted
+    case.call(pipe, num_inference_steps=2, width=width, output_type="latent")  # accepted
     assert not limits.supports(width + 1, limits.default_height)
-    if family.name == "flux":  # FluxPipeline makes what the limits refuse a smaller size
-        out = case.call(pipe, num_inference_steps=1, width=width + 1)
+    if family.name in ("flux", "qwen-image"):  # their pipelines make it a smaller size instead
+        out = case.call(pipe, num_inference_steps=2, width=width + 1)
         assert out.images.shape[-1] == width
     else:
         with pytest.raises(ValueError):  # what the limits refuse, the pipeline's check refuses
-            case.call(pipe, num_inference_steps=1, width=width + 1)
+            case.call(pipe, num_inference_steps=2, width=width + 1)
     if case.video:
         assert limits.frame_multiple == pipe.vae_scale_factor_temporal
 
@@ -233,7 +253,7 @@ class LocalLeader:
 
 
 def test_the_cfg_parallel_split_reproduces_one_rank(case):
-    if case.name == "flux":  # one forward a step: nothing to split
+    if case.name in ("flux", "qwen-image"):  # one forward a step; branches of two lengths
         with pytest.raises(ValueError, match="CFG-parallel does not run"):
             case.stage().adapter.split_cfg(LocalLeader(torch.nn.Identity()))
         return

@@ -190,6 +190,10 @@ class Adapter:
         kwargs["max_sequence_length"] = tokenizer.model_max_length if tokenizer else 512
         return kwargs
 
+    def guidance_kwargs(self, scale: float) -> dict[str, Any]:
+        """The call's argument for a request's guidance scale (Qwen-Image: `true_cfg_scale`)."""
+        return {"guidance_scale": scale}
+
     def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
         """(prompt embeddings, negative prompt embeddings) for a batched-CFG call."""
         raise NotImplementedError(f"{self.family.name}: its guidance is not batched here")
@@ -275,6 +279,20 @@ def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
         vae.to(memory_format=torch.channels_last)
         done = True
     return done
+
+
+def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A masked text's tensors (those with a token axis: the embeddings, the mask) padded with
+    zeros to `length` tokens; a padded token is masked out, so a row's result is unchanged."""
+    have = text["mask"].shape[1]
+    if have == length:
+        return text
+    out = {}
+    for k, v in text.items():
+        if v.dim() >= 2 and v.shape[1] == have:
+            v = torch.cat([v, v.new_zeros((v.shape[0], length - have, *v.shape[2:]))], dim=1)
+        out[k] = v
+    return out
 
 
 def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:

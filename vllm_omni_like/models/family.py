@@ -44,6 +44,8 @@ class Family:
     own_loop: tuple[str, ...] = ()
     schedulers: tuple[str, ...] = ()
     default_frames: int | None = None  # videos: frames when neither request nor options say
+    native_side: int | None = None  # images: the side it draws by default where neither its
+    # denoiser's config nor its VAE's says (Qwen-Image: 1024)
 
     def adapter_class(self) -> Any:
         """The torch side (imports torch and diffusers)."""

@@ -133,6 +133,7 @@ def _geometry(path: str) -> dict[str, Any]:
     native = int(sample) * spatial if isinstance(sample, int) and not video else None
     if native is None and not video and isinstance(vae.get("sample_size"), int):
         native = int(vae["sample_size"])  # (a denoiser that does not say: FLUX.1's VAE does)
+    native = native or family.native_side
     rope = net.get("rope_max_seq_len")
     # SD3's learned positions: a grid of `pos_embed_max_size` patches a side at most
     grid = net.get("pos_embed_max_size")

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from vllm_omni_like.models import flux, sd3, stable_diffusion, wan
+from vllm_omni_like.models import flux, qwen_image, sd3, stable_diffusion, wan
 from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.models.generic import generic_family
 from vllm_omni_like.models.schedulers import unsupported
@@ -16,6 +16,7 @@ FAMILIES: tuple[Family, ...] = (
     stable_diffusion.XL_FAMILY,
     sd3.FAMILY,
     flux.FAMILY,
+    qwen_image.FAMILY,
     wan.FAMILY,
 )
 

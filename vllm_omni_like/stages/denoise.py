@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models import row_schedulers as rs
-from vllm_omni_like.models.adapter import Adapter, Guidance
+from vllm_omni_like.models.adapter import Adapter, Guidance, pad_tokens
 from vllm_omni_like.models.columns import column, mul, to_device
 from vllm_omni_like.stages.acceleration import bucket_for
 from vllm_omni_like.wire import StageRequest
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
-# (SDXL's embeddings and pooled embeddings)
+# (SDXL's embeddings and pooled embeddings; a "mask" where texts keep their own lengths)
 Text = torch.Tensor | dict[str, torch.Tensor]
 # texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros)
 Embed = Callable[[list[str | None]], Text]
@@ -56,6 +56,9 @@ def pad_rows(value: Text, pad: int) -> Text:
 
 def cat_rows(a: Text, b: Text) -> Text:
     if isinstance(a, dict) and isinstance(b, dict):
+        if "mask" in a:  # texts of their own lengths: both padded to the longer, masked
+            length = max(a["mask"].shape[1], b["mask"].shape[1])
+            a, b = pad_tokens(a, length), pad_tokens(b, length)
         return {k: torch.cat([a[k], b[k]]) for k in a}
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return torch.cat([a, b])

@@ -83,7 +83,7 @@ class PipelineCall(DiffusionState):
     def _run(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
         """One pipeline call; with CFG, both halves in one forward on a two-call pipeline, or
         on two ranks (CFG-parallel)."""
-        if self.cfg is not None and kwargs["guidance_scale"] > 1.0:
+        if self.cfg is not None and kwargs.get("guidance_scale", 0.0) > 1.0:
             if self.cfg.needs_embeddings and "prompt_embeds" not in kwargs:  # the negative half
                 kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = (
                     self.adapter.encode_prompt(kwargs, self.device)
@@ -112,7 +112,7 @@ class PipelineCall(DiffusionState):
     ) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "num_inference_steps": steps,
-            "guidance_scale": guidance,
+            **self.adapter.guidance_kwargs(guidance),
             "output_type": "pt",
             "generator": generators,
         }

@@ -1,0 +1,30 @@
+"""The Qwen-Image family (Qwen-Image and its architecture `qwen-image`): torch-free
+description; the adapter is models/qwen_image/adapter.py.
+
+A 60-block MMDiT over 2x2-packed latent tokens of a causal video VAE run on one frame, its text
+from Qwen2.5-VL's last hidden states under a chat template whose system prompt is cut off:
+prompts keep their own token counts (padded within a batch, with a mask). True classifier-free
+guidance: the negative prompt runs its own forward at its own length, and the guided velocity
+is rescaled to the conditional one's norm per token.
+"""
+
+from vllm_omni_like.models.family import Config, Family
+
+
+def qwen_vae_factors(vae: Config) -> tuple[int, int | None]:
+    """AutoencoderKLQwenImage halves the image once per `temperal_downsample` entry."""
+    return 2 ** len(vae.get("temperal_downsample", [False, True, True])), None
+
+
+FAMILY = Family(
+    name="qwen-image",
+    pipelines=("QwenImagePipeline",),
+    output="image",
+    size_base=16,  # QwenImagePipeline.check_inputs: the VAE's factor x the 2x2 packing
+    default_guidance=4.0,  # the true CFG scale Qwen-Image is shown with
+    adapter="vllm_omni_like.models.qwen_image.adapter",
+    vae_factors=qwen_vae_factors,
+    own_loop=("text2img",),
+    schedulers=("flow-euler",),
+    native_side=1024,  # QwenImagePipeline.default_sample_size (128) x the VAE's factor
+)

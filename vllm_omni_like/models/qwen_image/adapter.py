@@ -1,0 +1,131 @@
+"""The Qwen-Image family in a worker.
+
+Text: the pipeline's own encoding (its chat template, Qwen2.5-VL's last hidden states, the
+system prompt's tokens cut off), each prompt at its own length with a mask, padded with masked
+zeros to a length bucket (`TEXT_BUCKETS`), so rows of many requests share one forward and a
+compiled transformer sees few shapes; a padded token is masked out, so a row's result does not
+depend on its neighbours' lengths. A negative prompt not given is " " (what Qwen-Image is shown
+with: the pipeline runs true CFG only with a negative prompt). Latents: unpacked in our loop,
+packed per forward (models/packing.py), one frame of the video VAE. Guidance: true CFG, both
+branches in one forward (their lengths differ: the mask), the guided velocity rescaled per
+token to the conditional one's norm, as the pipeline does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni_like.models.adapter import Adapter, Decoder, Guidance, pad_tokens
+from vllm_omni_like.models.packing import latent_side, pack, shifted_flow_schedule, unpack
+from vllm_omni_like.models.qwen_image import FAMILY
+
+MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
+TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest that holds it)
+NO_NEGATIVE = " "
+
+
+class QwenImageAdapter(Adapter):
+    family = FAMILY
+    guidance = Guidance.TRUE_CFG
+
+    def text_embed_dim(self) -> int:
+        return int(self.pipe.transformer.config.joint_attention_dim)
+
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=[NO_NEGATIVE if t is None else t for t in texts],
+            device=device,
+            num_images_per_prompt=1,
+            max_sequence_length=MAX_TEXT_TOKENS,
+        )
+        if mask is None:  # (every token is a prompt's: the pipeline leaves the mask out)
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        length = next((b for b in TEXT_BUCKETS if b >= embeds.shape[1]), embeds.shape[1])
+        return pad_tokens({"embeds": embeds, "mask": mask}, length)
+
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
+        return {
+            "prompt": prompts,
+            "negative_prompt": [n or NO_NEGATIVE for n in negatives],
+            "max_sequence_length": MAX_TEXT_TOKENS,
+        }
+
+    def guidance_kwargs(self, scale: float) -> dict[str, Any]:
+        return {"true_cfg_scale": scale}
+
+    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
+        return shifted_flow_schedule(scheduler, steps, width, height, self.pipe.vae_scale_factor)
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        channels = self.pipe.transformer.config.in_channels // 4
+        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
+
+    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        if latents.dim() != 3:
+            return latents
+        factor = self.pipe.vae_scale_factor
+        return unpack(latents, latent_side(height, factor), latent_side(width, factor))
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
+    ) -> Any:
+        rows, _, h, w = latents.shape
+        out = self.pipe.transformer(
+            hidden_states=pack(latents),
+            timestep=timestep.to(latents.dtype) / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=text["mask"],
+            encoder_hidden_states=text["embeds"],
+            img_shapes=[[(1, h // 2, w // 2)]] * rows,
+            return_dict=False,
+        )[0]
+        return unpack(out, h, w)
+
+    def guide(
+        self, cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """True CFG, then each token's guided velocity scaled to the conditional one's norm."""
+        guided = super().guide(cond, uncond, scale)
+        h, w = cond.shape[-2:]
+        tokens, guided_tokens = pack(cond), pack(guided)
+        ratio = torch.norm(tokens, dim=-1, keepdim=True) / torch.norm(
+            guided_tokens, dim=-1, keepdim=True
+        )
+        return unpack(guided_tokens * ratio, h, w)
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        return lambda latents: _decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        return self.decoder(pipe)
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return [(self.pipe, "transformer")]
+
+
+def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """QwenImagePipeline's decode: one frame of the video VAE, un-normalised by its mean and
+    spread, then the post-processing."""
+    vae = pipe.vae
+    latents = latents.unsqueeze(2).to(vae.dtype)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(
+        latents.device, latents.dtype
+    )
+    image = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+    pixels: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
+    return pixels
+
+
+ADAPTER = QwenImageAdapter
