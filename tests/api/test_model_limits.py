@@ -51,6 +51,7 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "max_side": 128,  # twice the 64x64 it was trained for
         "max_pixels": 4 * 128 * 128,
         "max_steps": 60,  # the override
+        "min_steps": 1,
         "default_steps": 20,
         "size_multiple": 8,
         "default_width": 64,

@@ -43,6 +43,7 @@ class ModelLimits:
     frame_multiple: int | None = None  # frames are k x this + 1
     default_fps: int | None = None
     schedulers: tuple[str, ...] = ()  # the names a request's `scheduler` may take
+    min_steps: int = 1  # 2 where one step is undefined (a schedule stretched to a terminal sigma)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -134,6 +135,7 @@ def _geometry(path: str) -> dict[str, Any]:
     if native is None and not video and isinstance(vae.get("sample_size"), int):
         native = int(vae["sample_size"])  # (a denoiser that does not say: FLUX.1's VAE does)
     native = native or family.native_side
+    scheduler = read_config(path, "scheduler", "scheduler_config.json")
     rope = net.get("rope_max_seq_len")
     # SD3's learned positions: a grid of `pos_embed_max_size` patches a side at most
     grid = net.get("pos_embed_max_size")
@@ -145,6 +147,8 @@ def _geometry(path: str) -> dict[str, Any]:
         # rotary positions per axis bound the latent grid a transformer can place
         "side_cap": int(rope or grid or 0) * spatial * patch_hw or None,
         "frames_cap": (int(rope) - 1) * (temporal or 4) + 1 if rope else None,
+        # FlowMatchEuler's stretch to `shift_terminal` divides by 1 - sigma: zero at one step
+        "min_steps": 2 if scheduler.get("shift_terminal") else 1,
     }
 
 
@@ -187,6 +191,7 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         frame_multiple=g["temporal"] if video else None,
         default_fps=fps,
         schedulers=family_of(path).schedulers,
+        min_steps=g["min_steps"],
     )
 
 

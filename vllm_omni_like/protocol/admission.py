@@ -27,6 +27,13 @@ def check_prompt(prompt: str, limits: Limits) -> None:
 
 def check_steps(params: GenerationParams, model: ModelLimits, name: str) -> None:
     steps = params.num_inference_steps
+    if steps is not None and steps < model.min_steps:
+        raise InvalidRequestError(
+            f"num_inference_steps {steps} is under {name}'s minimum of {model.min_steps} (its "
+            "schedule stretches to a terminal sigma: one step is undefined)",
+            param="num_inference_steps",
+            code="invalid_value",
+        )
     if steps is not None and steps > model.max_steps:
         raise InvalidRequestError(
             f"num_inference_steps {steps} is over {name}'s limit of {model.max_steps} (max_steps)",

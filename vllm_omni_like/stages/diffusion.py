@@ -234,9 +234,10 @@ class DiffusionStage(OwnLoop, PipelineCall):
         if p.width is not None or p.height is not None:
             size = (p.width or self.default_width, p.height or self.default_height)
             lim.check_size(self.config.model or "the model", *size)
-        if p.num_inference_steps is not None and not 1 <= p.num_inference_steps <= lim.max_steps:
+        steps = p.num_inference_steps
+        if steps is not None and not lim.min_steps <= steps <= lim.max_steps:
             raise InvalidRequestError(
-                f"num_inference_steps must be within 1..{lim.max_steps}",
+                f"num_inference_steps must be within {lim.min_steps}..{lim.max_steps}",
                 stage=self.name,
                 param="num_inference_steps",
             )
