@@ -9,7 +9,8 @@ MMDiT, 38 blocks) and SD3.5-medium (2.5B MMDiT-X, 24 blocks, dual attention in t
 two CLIPs with projections and T5-XXL, FlowMatch Euler with shift 3. Their text encoders are
 real modules (random weights with `--load-format dummy`); the tokenizers are the package's
 word-level one at each encoder's length (CLIP 77, T5 512 or 256), so nothing is downloaded.
-Published sizes are checked by tests/models/test_mmdit_archs.py.
+Qwen-Image: the 20.4B MMDiT with Qwen2.5-VL-7B as its text encoder. Published sizes are
+checked by tests/models/test_mmdit.py.
 """
 
 from __future__ import annotations
@@ -178,11 +179,87 @@ def sd35(out: str, large: bool) -> None:
     )
 
 
+def qwen_image(out: str) -> None:
+    """Qwen-Image: the 20.4B MMDiT (60 blocks), its video VAE run on one frame, Qwen2.5-VL-7B
+    as text encoder (8.3B with its vision tower), the chat-shaped tokenizer (the pipeline cuts
+    its template's first 34 tokens), FlowMatch Euler shifted by the image's length."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig
+
+    from vllm_omni_like.models.tiny import build_chat_tokenizer
+
+    with torch.device("meta"):
+        QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=60,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=3584,
+            axes_dims_rope=(16, 56, 56),
+        ).save_config(os.path.join(out, "transformer"))
+        AutoencoderKLQwenImage().save_config(os.path.join(out, "vae"))
+    tokenizer = build_chat_tokenizer(max_length=1024)
+    tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=128000,
+            rope_theta=1000000.0,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        tie_word_embeddings=False,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+    ).save_pretrained(os.path.join(out, "text_encoder"))
+    FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+        use_dynamic_shifting=True,
+    ).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "QwenImagePipeline",
+        transformer=["diffusers", "QwenImageTransformer2DModel"],
+        vae=["diffusers", "AutoencoderKLQwenImage"],
+        text_encoder=["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    )
+
+
 ARCHS = {
     "flux.1-dev": lambda out: flux(out, dev=True),
     "flux.1-schnell": lambda out: flux(out, dev=False),
     "sd3.5-medium": lambda out: sd35(out, large=False),
     "sd3.5-large": lambda out: sd35(out, large=True),
+    "qwen-image": qwen_image,
 }
 
 

@@ -42,6 +42,9 @@ PUBLISHED = {
     ("flux.1-dev", "text_encoder"): 123_060_480,  # CLIP ViT-L/14's text model
     ("sd3.5-large", "text_encoder_2"): 694.7e6,  # OpenCLIP ViT-bigG/14's, with projection
     ("flux.1-dev", "vae"): 83_819_683,
+    ("qwen-image", "transformer"): 20.43e9,  # "20B MMDiT"
+    ("qwen-image", "text_encoder"): 8.29e9,  # Qwen2.5-VL-7B-Instruct
+    ("qwen-image", "vae"): 126.9e6,
 }
 
 

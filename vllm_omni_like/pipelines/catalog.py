@@ -46,6 +46,7 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     "flux.1-schnell": {"default_steps": 4, "default_guidance": 0.0},
     "sd3.5-medium": {"default_steps": 40, "default_guidance": 4.5},
     "sd3.5-large": {"default_steps": 28, "default_guidance": 3.5},
+    "qwen-image": {"default_steps": 50, "default_guidance": 4.0},
     "wan2.1-t2v-1.3b": {
         "default_width": 832,
         "default_height": 480,
