@@ -9,7 +9,8 @@ MMDiT, 38 blocks) and SD3.5-medium (2.5B MMDiT-X, 24 blocks, dual attention in t
 two CLIPs with projections and T5-XXL, FlowMatch Euler with shift 3. Their text encoders are
 real modules (random weights with `--load-format dummy`); the tokenizers are the package's
 word-level one at each encoder's length (CLIP 77, T5 512 or 256), so nothing is downloaded.
-Qwen-Image: the 20.4B MMDiT with Qwen2.5-VL-7B as its text encoder. Published sizes are
+Qwen-Image: the 20.4B MMDiT with Qwen2.5-VL-7B as its text encoder; Z-Image-Turbo: the 6B
+single-stream DiT with Qwen3-4B. Published sizes are
 checked by tests/models/test_mmdit.py.
 """
 
@@ -190,7 +191,7 @@ def qwen_image(out: str) -> None:
     )
     from transformers import Qwen2_5_VLConfig
 
-    from vllm_omni_like.models.tiny import build_chat_tokenizer
+    from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
 
     with torch.device("meta"):
         QwenImageTransformer2DModel(
@@ -254,12 +255,56 @@ def qwen_image(out: str) -> None:
     )
 
 
+def z_image_turbo(out: str) -> None:
+    """Z-Image-Turbo: the 6.15B single-stream DiT, FLUX's 16-channel VAE, Qwen3-4B as text
+    encoder, the chat-shaped tokenizer with Qwen3's template, FlowMatch Euler (shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config
+
+    from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
+
+    with torch.device("meta"):
+        ZImageTransformer2DModel().save_config(os.path.join(out, "transformer"))
+        _vae16(out, scaling=0.3611, shift=0.1159)
+    tokenizer = build_chat_tokenizer(max_length=512)
+    tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3Model"],
+    ).save_pretrained(os.path.join(out, "text_encoder"))
+    FlowMatchEulerDiscreteScheduler(shift=3.0, num_train_timesteps=1000).save_config(
+        os.path.join(out, "scheduler")
+    )
+    _index(
+        out,
+        "ZImagePipeline",
+        transformer=["diffusers", "ZImageTransformer2DModel"],
+        vae=["diffusers", "AutoencoderKL"],
+        text_encoder=["transformers", "Qwen3Model"],
+        tokenizer=["transformers", "TokenizersBackend"],
+        scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    )
+
+
 ARCHS = {
     "flux.1-dev": lambda out: flux(out, dev=True),
     "flux.1-schnell": lambda out: flux(out, dev=False),
     "sd3.5-medium": lambda out: sd35(out, large=False),
     "sd3.5-large": lambda out: sd35(out, large=True),
     "qwen-image": qwen_image,
+    "z-image-turbo": z_image_turbo,
 }
 
 

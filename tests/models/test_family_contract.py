@@ -18,6 +18,7 @@ import torch
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
 from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_sdxl import tiny_sdxl_path
+from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Guidance, adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
@@ -41,6 +42,7 @@ TINY = {
     "stable-diffusion-3": tiny_sd3_path,
     "flux": tiny_flux_path,
     "qwen-image": tiny_qwen_image_path,
+    "z-image": tiny_z_image_path,
     "wan": "tiny-video",
 }
 # options of a tiny model whose family's native size is a real model's (Qwen-Image: 1024)
@@ -170,7 +172,7 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     calls = []
 
     def record(module, args, kwargs, out):
-        calls.append((args[0] if args else kwargs["hidden_states"], kwargs, out[0]))
+        calls.append((args, kwargs, out[0]))
 
     handle = expert.model.register_forward_hook(record, with_kwargs=True)
     try:  # (two steps: one is degenerate where the schedule stretches to a terminal sigma)
@@ -179,14 +181,25 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
         handle.remove()
     # one forward over both halves (SD, SD3) or with the guidance embedded (FLUX.1), or one per
     # branch (Wan, Qwen-Image's true CFG); the first step's
-    calls = calls[: CALLS[adapter.guidance]]
-    assert len(calls) == CALLS[adapter.guidance]
+    guided = family_of(case.path).default_guidance > adapter.cfg_above
+    want = CALLS[adapter.guidance] if guided else 1
+    if isinstance(calls[0][0][0] if calls[0][0] else None, list):  # one list holds both
+        want = 1  # branches (Z-Image)
+    calls = calls[:want]
+    assert len(calls) == want
     limits = case.limits()
     size = (limits.default_width, limits.default_height)
     timestep = pipe.scheduler.timesteps[0]  # (the first step's, as the scheduler has it)
     outs = []
     with torch.inference_mode():
-        for latents, kwargs, out in calls:
+        for args, kwargs, out in calls:
+            if args and isinstance(args[0], list):  # Z-Image: lists of frames and texts
+                latents, text, out = _listed(args, out)
+                got = adapter.predict(latents, timestep.float().expand(len(args[0])), text)
+                assert torch.allclose(got, out, atol=1e-6)
+                outs.append(out)
+                continue
+            latents = args[0] if args else kwargs["hidden_states"]
             text = kwargs["encoder_hidden_states"]
             added = kwargs.get("added_cond_kwargs")
             if added:  # SDXL's pooled embedding (its size conditioning is the adapter's own)
@@ -205,7 +218,7 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
             assert torch.allclose(got, out, atol=1e-6)
             outs.append(out)
     assert set(adapter.schedulers()) >= {type(pipe.scheduler).__name__}
-    if adapter.guidance is Guidance.DISTILLED:
+    if adapter.guidance is Guidance.DISTILLED or not guided:
         return
     uncond, cond = (outs[0].chunk(2)) if len(outs) == 1 else (outs[1], outs[0])
     want = uncond + 5.0 * (cond - uncond)
@@ -214,6 +227,19 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
         ratio = torch.norm(c, dim=-1, keepdim=True) / torch.norm(g, dim=-1, keepdim=True)
         want = unpack(g * ratio, *cond.shape[-2:])
     assert torch.allclose(adapter.guide(cond, uncond, 5.0), want)
+
+
+def _listed(args: tuple, out: list) -> tuple:
+    """A list-input transformer's call (Z-Image's: each row's frame and text tokens) as our
+    loop's rows: latents, texts padded with their counts, and the negated velocity."""
+    frames, texts = args[0], args[2]
+    lengths = [t.shape[0] for t in texts]
+    longest = max(lengths)
+    embeds = torch.stack(
+        [torch.cat([t, t.new_zeros(longest - t.shape[0], t.shape[1])]) for t in texts]
+    )
+    text = {"embeds": embeds, "lengths": torch.tensor(lengths)}
+    return torch.stack(frames).squeeze(2), text, -torch.stack([o.float() for o in out]).squeeze(2)
 
 
 def test_the_limits_are_what_the_pipeline_accepts(case):
@@ -253,7 +279,7 @@ class LocalLeader:
 
 
 def test_the_cfg_parallel_split_reproduces_one_rank(case):
-    if case.name in ("flux", "qwen-image"):  # one forward a step; branches of two lengths
+    if case.name in ("flux", "qwen-image", "z-image"):  # one forward; branches of two lengths
         with pytest.raises(ValueError, match="CFG-parallel does not run"):
             case.stage().adapter.split_cfg(LocalLeader(torch.nn.Identity()))
         return

@@ -16,9 +16,9 @@ from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.stages.test_running_set import _alone, _Harness, _req
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.qwen_image.adapter import TEXT_BUCKETS
-from vllm_omni_like.models.tiny import build_chat_tokenizer
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.protocol.admission import check_steps
 from vllm_omni_like.stages.diffusion import DiffusionStage

@@ -21,7 +21,7 @@ def tiny_qwen_image_path() -> str:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_omni_like.models.tiny import build_chat_tokenizer
+    from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_chat_tokenizer()

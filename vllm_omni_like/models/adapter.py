@@ -66,6 +66,7 @@ class Adapter:
     family: Family  # (a class's, or the generic adapter's model's own)
     guidance: ClassVar[Guidance]
     image_conditions: ClassVar[tuple[str, ...]] = ()  # "edit", "inpaint", "image" (I2V)
+    cfg_above: ClassVar[float] = 1.0  # a guidance scale above this runs the negative branch
 
     def __init__(self, pipe: Any, family: Family | None = None) -> None:
         self.pipe = pipe
@@ -323,7 +324,7 @@ def shifted_vae_decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     """The MMDiT pipelines' decode (FLUX.1's unpacked, SD3's): the latents un-scaled and
     un-shifted by the VAE's config, the VAE, the post-processing."""
     config = pipe.vae.config
-    latents = latents / config.scaling_factor + config.shift_factor
+    latents = latents.to(pipe.vae.dtype) / config.scaling_factor + config.shift_factor
     image = pipe.vae.decode(latents, return_dict=False)[0]
     pixels: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
     return pixels

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from vllm_omni_like.models import flux, qwen_image, sd3, stable_diffusion, wan
+from vllm_omni_like.models import flux, qwen_image, sd3, stable_diffusion, wan, z_image
 from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.models.generic import generic_family
 from vllm_omni_like.models.schedulers import unsupported
@@ -17,6 +17,7 @@ FAMILIES: tuple[Family, ...] = (
     sd3.FAMILY,
     flux.FAMILY,
     qwen_image.FAMILY,
+    z_image.FAMILY,
     wan.FAMILY,
 )
 

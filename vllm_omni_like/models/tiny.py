@@ -171,42 +171,6 @@ def build_tokenizer(max_length: int = MAX_TEXT_TOKENS) -> Any:
     )
 
 
-CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# the words of the Qwen-Image pipelines' chat templates
-CHAT_WORDS = "system user assistant describe by detailing color size texture quantity text spatial"
-CHAT_WORDS += " relationships objects"
-
-
-def build_chat_tokenizer(max_length: int = 1024) -> Any:
-    """A word-level tokenizer in the shape of Qwen2's chat tokenizer, for the Qwen-Image
-    architectures: `<|im_start|>`, `<|im_end|>` and each line break are tokens of their own, words
-    and punctuation one token each (unknown words `<unk>`), no BOS or EOS, padding with
-    `<|endoftext|>` on the right. The pipelines cut a fixed count of tokens off the front of
-    their chat template (QwenImagePipeline: 34, the length of its system prompt under Qwen2's
-    tokenizer); this one makes that prefix the same 34 tokens (tests/models/test_qwen_image.py).
-    """
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [*CHAT_SPECIALS, "<unk>", *vocabulary()[len(SPECIALS) :], *CHAT_WORDS.split()]
-    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(words))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
-    )
-    tok.add_special_tokens([AddedToken(t, normalized=False) for t in CHAT_SPECIALS])
-    tok.add_tokens([AddedToken("\n", normalized=False)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        model_max_length=max_length,
-        padding_side="right",
-    )
-
-
 def _clip_text_encoder(vocab_size: int, tokenizer: Any) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 

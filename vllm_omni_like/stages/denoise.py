@@ -37,9 +37,13 @@ Text = torch.Tensor | dict[str, torch.Tensor]
 Embed = Callable[[list[str | None]], Text]
 
 
-def take(text: Text, index: torch.Tensor) -> Text:
+def take(text: Text, rows: list[int], device: torch.device) -> Text:
+    """The text rows `rows` (a value kept on the host - Z-Image's token counts - picked there:
+    nothing waits for the device)."""
+    index = row_index(rows, device)
     if isinstance(text, dict):
-        return {k: v[index] for k, v in text.items()}
+        host = torch.tensor(rows, dtype=torch.long)
+        return {k: v[index] if v.device == index.device else v[host] for k, v in text.items()}
     return text[index]
 
 
@@ -150,7 +154,7 @@ class DenoiseLoop:
             for i in range(settings.rows_per_request(r)):
                 gen = torch.Generator(device=self.device).manual_seed(base + i)
                 negative = None
-                if guidance > 1.0 and not self.distilled:
+                if guidance > self.adapter.cfg_above and not self.distilled:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
@@ -189,10 +193,10 @@ class DenoiseLoop:
         device = latents.device
         negatives = None
         if cfg and self.batched_cfg:
-            texts = take(embeds, row_index(text + negative, device))
+            texts = take(embeds, text + negative, device)
         else:
-            texts = take(embeds, row_index(text, device))
-            negatives = take(embeds, row_index(negative, device)) if cfg else None
+            texts = take(embeds, text, device)
+            negatives = take(embeds, negative, device) if cfg else None
         scales = [group[j].guidance for j in cfg]
         scale: float | torch.Tensor = 1.0
         if every_cfg and len(set(scales)) == 1:  # one scale: as the pipeline applies it

@@ -159,7 +159,7 @@ class DenoiseSet:
             row.text = where[row.text]
             row.negative = None if row.negative is None else where[row.negative]
         device = self.latents.device
-        self.text = take(self.text, row_index(used, device))
+        self.text = take(self.text, used, device)
         self.latents = self.latents[row_index(keep, device)]
         self.rows = rows
 

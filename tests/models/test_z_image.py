@@ -1,0 +1,91 @@
+"""Z-Image beyond the contract suite: with guidance (its own formula, above 0) the stage makes
+what ZImagePipeline makes; rows of their own token counts and guidance joining a set make what
+they make alone; a step hands each row its own tokens without reading a value back."""
+
+from __future__ import annotations
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from tests.models.test_mmdit import WaitSpy
+from tests.models.tiny_z_image import tiny_z_image_path
+from tests.stages.test_running_set import _alone, _Harness, _req
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.stages.own_set import OwnLoopSet
+from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.wire import StageRequest
+
+pytestmark = pytest.mark.slow
+LONG = "a red circle and a blue square " * 12  # past the first text bucket
+
+
+@pytest.fixture(scope="module")
+def stage() -> DiffusionStage:
+    stage = DiffusionStage(
+        StageConfig(name="diffusion", kind="diffusion", model=tiny_z_image_path())
+    )
+    stage.load("cpu")
+    return stage
+
+
+def test_with_guidance_the_stage_makes_what_the_pipeline_makes(stage):
+    params = GenerationParams(
+        seed=7, num_inference_steps=3, guidance_scale=0.5, negative_prompt="a green triangle"
+    )
+    (out,) = stage.execute(
+        [StageRequest("r", "a red circle", params)], StageControl(FaultInjector((), "d"))
+    )
+    assert out.error is None, out.error
+    pipe = diffusers.DiffusionPipeline.from_pretrained(
+        tiny_z_image_path(), local_files_only=True, dtype=torch.float32
+    )
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        want = pipe(
+            prompt=["a red circle"],
+            negative_prompt=["a green triangle"],
+            guidance_scale=0.5,  # (above 0: guided, unlike our other families' 1)
+            num_inference_steps=3,
+            generator=[torch.Generator().manual_seed(7)],
+            width=64,
+            height=64,
+            output_type="pt",
+        ).images
+    got, want = out.images[0].pixels.astype(int), tensor_to_uint8(want)[0].astype(int)
+    assert got.shape == (64, 64, 3) and np.abs(got - want).max() <= 1
+
+
+def test_rows_of_their_own_lengths_and_guidance_joining_a_set_make_what_they_make_alone(stage):
+    a = _req("a", seed=3, steps=5, prompt="a red circle", guidance_scale=2.0)
+    b = _req("b", seed=4, steps=4, prompt=LONG)  # no guidance, the second text bucket
+    c = _req("c", seed=5, steps=4, prompt="a blue square", guidance_scale=3.0, negative_prompt=LONG)
+    alone = {r.request_id: _alone(stage, r) for r in (a, b, c)}
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(1)
+    h.add(2, b, c)
+    h.steps()
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
+def test_a_step_hands_each_row_its_tokens_without_waiting(stage):
+    rowset, control = OwnLoopSet(stage), StageControl(FaultInjector((), "diffusion"))
+    requests = [
+        StageRequest("a", "a red circle", GenerationParams(seed=1, num_inference_steps=4)),
+        StageRequest(
+            "b", LONG, GenerationParams(seed=2, num_inference_steps=4, guidance_scale=2.0)
+        ),
+    ]
+    rowset.join(requests, control)
+    spy = WaitSpy()
+    with spy:
+        for _ in range(2):
+            assert rowset.step(control)
+    assert spy.waits == []

@@ -1,0 +1,22 @@
+"""The Z-Image family (Z-Image-Turbo and its architecture `z-image-turbo`): torch-free
+description; the adapter is models/z_image/adapter.py.
+
+A 6B single-stream DiT (S3-DiT) over 2x2 patches of a 16-channel KL VAE's latents, its text
+from Qwen3's second-to-last hidden states under Qwen3's chat template, each prompt at its own
+token count (the transformer takes a list: no padding between rows). Turbo runs a few steps
+without guidance; with guidance (above 0), the negative branch runs too and the velocity is
+`cond + scale x (cond - uncond)`.
+"""
+
+from vllm_omni_like.models.family import Family
+
+FAMILY = Family(
+    name="z-image",
+    pipelines=("ZImagePipeline",),
+    output="image",
+    size_base=16,  # the VAE's factor x the 2x2 patches
+    default_guidance=0.0,  # Turbo's: no guidance
+    adapter="vllm_omni_like.models.z_image.adapter",
+    own_loop=("text2img",),
+    schedulers=("flow-euler",),
+)

@@ -1,0 +1,122 @@
+"""The Z-Image family in a worker.
+
+Text: the pipeline's own encoding (Qwen3's chat template, its second-to-last hidden states),
+each prompt at its own token count: kept padded with zeros to a length bucket for the loop's
+row bookkeeping, with each row's count on the host (`lengths`), so a forward hands the
+transformer each row's own tokens (its list input) without reading anything back from the
+device. Latents: float32, (rows, C, h, w) as the pipeline keeps them; a forward gives each row
+one frame in the transformer's dtype and its timestep as `(1000 - t) / 1000`; the velocity comes
+back negated, as the pipeline negates it. Guidance above 0: `cond + scale x (cond - uncond)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni_like.models.adapter import (
+    Adapter,
+    Decoder,
+    Guidance,
+    pad_tokens,
+    shifted_vae_decode,
+    vae_decoder_target,
+)
+from vllm_omni_like.models.packing import latent_side
+from vllm_omni_like.models.z_image import FAMILY
+
+MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
+TEXT_BUCKETS = (64, 128, 256, 512)
+
+
+class ZImageAdapter(Adapter):
+    family = FAMILY
+    guidance = Guidance.TRUE_CFG  # (branches of their own lengths: one list a forward)
+    cfg_above = 0.0  # ZImagePipeline guides at any scale above 0
+
+    def text_embed_dim(self) -> int:
+        return int(self.pipe.transformer.config.cap_feat_dim)
+
+    def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        rows = self.pipe._encode_prompt(
+            prompt=[t or "" for t in texts], device=device, max_sequence_length=MAX_TEXT_TOKENS
+        )
+        lengths = [int(r.shape[0]) for r in rows]  # (the tokenizer's counts: on the host)
+        longest = max(lengths)
+        bucket = next((b for b in TEXT_BUCKETS if b >= longest), longest)
+        embeds = torch.stack(
+            [torch.cat([r, r.new_zeros((bucket - r.shape[0], r.shape[1]))]) for r in rows]
+        )
+        mask = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        text = {"embeds": embeds, "mask": mask, "lengths": torch.tensor(lengths)}
+        return pad_tokens(text, bucket)
+
+    def text_kwargs(
+        self, prompts: list[str], negatives: list[str], tokenizer: Any
+    ) -> dict[str, Any]:
+        return {"prompt": prompts, "negative_prompt": negatives}
+
+    def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # ZImagePipeline.prepare_latents
+
+    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
+        """ZImagePipeline's sigmas (torch's linspace, 1 down to 1/steps) and shift `mu`."""
+        if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
+            return {}
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
+        config, factor = scheduler.config, self.pipe.vae_scale_factor
+        tokens = (latent_side(height, factor) // 2) * (latent_side(width, factor) // 2)
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": get_default_z_image_sigmas(steps), "mu": mu}
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        channels = self.pipe.transformer.in_channels
+        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        at: Any = None,
+        guidance: torch.Tensor | None = None,
+    ) -> Any:
+        transformer = self.pipe.transformer
+        frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))
+        embeds = text["embeds"]
+        tokens = [embeds[i, :n] for i, n in enumerate(text["lengths"].tolist())]
+        out = transformer(frames, (1000 - timestep) / 1000, tokens, return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    def guide(
+        self, cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """ZImagePipeline's guidance: from the conditional branch, away from the other."""
+        diff = cond - uncond
+        if isinstance(scale, torch.Tensor):
+            return cond + (scale * diff).to(diff.dtype)
+        return cond + scale * diff
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        return lambda latents: shifted_vae_decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        return self.decoder(pipe)
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
+
+
+ADAPTER = ZImageAdapter
