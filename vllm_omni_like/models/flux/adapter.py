@@ -15,24 +15,17 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import (
-    Adapter,
-    Decoder,
-    Guidance,
-    auto_edit_pipelines,
-    shifted_vae_decode,
-    vae_decoder_target,
-)
+from vllm_omni_like.models.adapter import Guidance
 from vllm_omni_like.models.flux import FAMILY
-from vllm_omni_like.models.packing import latent_side, pack, shifted_flow_schedule, unpack
+from vllm_omni_like.models.mmdit import MMDiT, PackedLatents
+from vllm_omni_like.models.packing import pack, unpack
 
 MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
 
 
-class FluxAdapter(Adapter):
+class FluxAdapter(MMDiT, PackedLatents):
     family = FAMILY
     guidance = Guidance.DISTILLED  # (schnell: the embedding is absent, the scale unused)
-    image_conditions = ("edit", "inpaint")
 
     def __init__(self, pipe: Any, family: Any = None) -> None:
         super().__init__(pipe, family)
@@ -65,21 +58,6 @@ class FluxAdapter(Adapter):
         # (no negative prompt: FLUX.1's guidance is its embedding; true CFG is not served)
         return {"prompt": prompts, "max_sequence_length": self.text_length()}
 
-    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
-        """FluxPipeline's `sigmas` and `mu` for a `width` x `height` image."""
-        return shifted_flow_schedule(scheduler, steps, width, height, self.pipe.vae_scale_factor)
-
-    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
-        factor = self.pipe.vae_scale_factor
-        channels = self.pipe.transformer.config.in_channels // 4
-        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
-
-    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
-        if latents.dim() != 3:
-            return latents
-        factor = self.pipe.vae_scale_factor
-        return unpack(latents, latent_side(height, factor), latent_side(width, factor))
-
     def predict(
         self,
         latents: torch.Tensor,
@@ -111,22 +89,6 @@ class FluxAdapter(Adapter):
             ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
             self._image_ids[key] = ids
         return self._image_ids[key]
-
-    def decoder(self, pipe: Any) -> Decoder | None:
-        return lambda latents: shifted_vae_decode(pipe, latents)
-
-    def preview(self, pipe: Any) -> Decoder | None:
-        return self.decoder(pipe)
-
-    def edit_pipelines(self, stage: str) -> dict[str, Any]:
-        return auto_edit_pipelines(self.pipe, stage)
-
-    def fuse_qkv(self) -> bool:
-        self.pipe.transformer.fuse_qkv_projections()
-        return True
-
-    def compile_targets(self) -> list[tuple[Any, str]]:
-        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
 
 
 ADAPTER = FluxAdapter

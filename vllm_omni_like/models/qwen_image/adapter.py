@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Adapter, Decoder, Guidance, pad_tokens
-from vllm_omni_like.models.packing import latent_side, pack, shifted_flow_schedule, unpack
+from vllm_omni_like.models.adapter import Decoder, Guidance, pad_tokens
+from vllm_omni_like.models.mmdit import PackedLatents
+from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
@@ -26,7 +27,7 @@ TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest t
 NO_NEGATIVE = " "
 
 
-class QwenImageAdapter(Adapter):
+class QwenImageAdapter(PackedLatents):
     family = FAMILY
     guidance = Guidance.TRUE_CFG
 
@@ -56,20 +57,6 @@ class QwenImageAdapter(Adapter):
 
     def guidance_kwargs(self, scale: float) -> dict[str, Any]:
         return {"true_cfg_scale": scale}
-
-    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
-        return shifted_flow_schedule(scheduler, steps, width, height, self.pipe.vae_scale_factor)
-
-    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
-        factor = self.pipe.vae_scale_factor
-        channels = self.pipe.transformer.config.in_channels // 4
-        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
-
-    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
-        if latents.dim() != 3:
-            return latents
-        factor = self.pipe.vae_scale_factor
-        return unpack(latents, latent_side(height, factor), latent_side(width, factor))
 
     def predict(
         self,

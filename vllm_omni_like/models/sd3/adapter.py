@@ -13,24 +13,17 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import (
-    Adapter,
-    Decoder,
-    Guidance,
-    auto_edit_pipelines,
-    shifted_vae_decode,
-    vae_decoder_target,
-)
+from vllm_omni_like.models.adapter import Guidance
+from vllm_omni_like.models.mmdit import MMDiT
 from vllm_omni_like.models.sd3 import FAMILY
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
 
 MAX_TEXT_TOKENS = 256  # StableDiffusion3Pipeline's default T5 length
 
 
-class SD3Adapter(Adapter):
+class SD3Adapter(MMDiT):
     family = FAMILY
     guidance = Guidance.BATCHED
-    image_conditions = ("edit", "inpaint")
 
     def text_embed_dim(self) -> int:
         return int(self.pipe.transformer.config.joint_attention_dim)
@@ -82,22 +75,6 @@ class SD3Adapter(Adapter):
         factor = self.pipe.vae_scale_factor
         channels = self.pipe.transformer.config.in_channels
         return (rows, channels, height // factor, width // factor)
-
-    def decoder(self, pipe: Any) -> Decoder | None:
-        return lambda latents: shifted_vae_decode(pipe, latents)
-
-    def preview(self, pipe: Any) -> Decoder | None:
-        return self.decoder(pipe)
-
-    def edit_pipelines(self, stage: str) -> dict[str, Any]:
-        return auto_edit_pipelines(self.pipe, stage)
-
-    def fuse_qkv(self) -> bool:
-        self.pipe.transformer.fuse_qkv_projections()
-        return True
-
-    def compile_targets(self) -> list[tuple[Any, str]]:
-        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
 
     def split_cfg(self, leader: Leader) -> SplitCFG:
         """The pipeline doubles its batch: each rank runs one half."""

@@ -15,14 +15,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import (
-    Adapter,
-    Decoder,
-    Guidance,
-    pad_tokens,
-    shifted_vae_decode,
-    vae_decoder_target,
-)
+from vllm_omni_like.models.adapter import Guidance, pad_tokens
+from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
 from vllm_omni_like.models.z_image import FAMILY
 
@@ -30,7 +24,7 @@ MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 TEXT_BUCKETS = (64, 128, 256, 512)
 
 
-class ZImageAdapter(Adapter):
+class ZImageAdapter(ShiftedVAE):
     family = FAMILY
     guidance = Guidance.TRUE_CFG  # (branches of their own lengths: one list a forward)
     cfg_above = 0.0  # ZImagePipeline guides at any scale above 0
@@ -108,15 +102,6 @@ class ZImageAdapter(Adapter):
         if isinstance(scale, torch.Tensor):
             return cond + (scale * diff).to(diff.dtype)
         return cond + scale * diff
-
-    def decoder(self, pipe: Any) -> Decoder | None:
-        return lambda latents: shifted_vae_decode(pipe, latents)
-
-    def preview(self, pipe: Any) -> Decoder | None:
-        return self.decoder(pipe)
-
-    def compile_targets(self) -> list[tuple[Any, str]]:
-        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
 
 
 ADAPTER = ZImageAdapter

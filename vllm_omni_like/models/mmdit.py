@@ -1,0 +1,64 @@
+"""What the transformer image families share in a worker (SD3, FLUX.1, Z-Image; Qwen-Image's
+packed latents): adapter parts, one place each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni_like.models.adapter import (
+    Adapter,
+    Decoder,
+    auto_edit_pipelines,
+    shifted_vae_decode,
+    vae_decoder_target,
+)
+from vllm_omni_like.models.packing import latent_side, shifted_flow_schedule, unpack
+
+
+class ShiftedVAE(Adapter):
+    """A 16-channel KL VAE scaled and shifted (SD3, FLUX.1, Z-Image): the pipeline's decode for
+    images and previews; the transformer and the VAE's decoder compiled."""
+
+    def decoder(self, pipe: Any) -> Decoder | None:
+        return lambda latents: shifted_vae_decode(pipe, latents)
+
+    def preview(self, pipe: Any) -> Decoder | None:
+        return self.decoder(pipe)
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
+
+
+class MMDiT(ShiftedVAE):
+    """SD3 and FLUX.1: edits through the family's img2img and inpaint pipelines, diffusers'
+    fused QKV projections."""
+
+    image_conditions = ("edit", "inpaint")
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        return auto_edit_pipelines(self.pipe, stage)
+
+    def fuse_qkv(self) -> bool:
+        self.pipe.transformer.fuse_qkv_projections()
+        return True
+
+
+class PackedLatents(Adapter):
+    """FLUX.1 and Qwen-Image: 2x2-packed latents kept unpacked in our loop (models/packing.py),
+    a flow schedule given the pipeline's sigmas and shifted by the image's token count."""
+
+    def schedule_args(self, scheduler: Any, steps: int, width: int, height: int) -> dict[str, Any]:
+        return shifted_flow_schedule(scheduler, steps, width, height, self.pipe.vae_scale_factor)
+
+    def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        channels = self.pipe.transformer.config.in_channels // 4
+        return (rows, channels, latent_side(height, factor), latent_side(width, factor))
+
+    def loop_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        if latents.dim() != 3:
+            return latents
+        factor = self.pipe.vae_scale_factor
+        return unpack(latents, latent_side(height, factor), latent_side(width, factor))
