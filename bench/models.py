@@ -11,7 +11,7 @@ the model's published settings (`SETTINGS`; `--steps`, `--guidance`, `--size` ov
 - reference: the diffusers pipeline, eager (`diffusers_s`), then compiled at its best
   (`diffusers_compiled_s`): fused QKV projections, the transformer and the VAE decoder under
   `torch.compile(fullgraph=True, dynamic=False)` in the same mode as the server, and the
-  fastest of diffusers' attention backends available (each timed after a warm-up: `attention`).
+  fastest of diffusers' attention backends available (two eager steps each: `attention`).
 - server: `vllm-omni-like serve <model> --load-format dummy --dtype bf16 --compile` (warm-up
   at the size), the same requests over HTTP, end to end (`server_s`: the median).
 Writes `bench/results/models-<device>.json`: `models.<name>` with `server_s`, `diffusers_s`,
@@ -47,8 +47,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "flux.1-schnell": {"steps": 4, "guidance": 0.0, "size": 1024},
     "sd3.5-large": {"steps": 28, "guidance": 3.5, "size": 1024},
     "sd3.5-medium": {"steps": 40, "guidance": 4.5, "size": 1024},
+    "qwen-image": {"steps": 50, "guidance": 4.0, "size": 1024, "peer_s": 12.8},
+    "z-image-turbo": {"steps": 8, "guidance": 0.0, "size": 1024},
 }
-PEER_SOURCE = "xDiT's published FLUX.1-dev 1024x1024 28-step latency on one H100"
+PEER_SOURCE = {
+    "flux.1-dev": "xDiT's published FLUX.1-dev 1024x1024 28-step latency on one H100",
+    "qwen-image": "a peer's published Qwen-Image 1024x1024 50-step CFG 4 latency on one H100",
+}
 ATTENTION = ("native", "_native_cudnn", "_native_flash", "flash")  # diffusers' backends
 
 
@@ -61,34 +66,29 @@ def build(model: str, dtype: torch.dtype, device: str) -> Any:
     return pipe
 
 
-def text_length(pipe: Any) -> int | None:
-    """The T5 length the server's adapter pads prompts to (None: a family without one)."""
+def call_kwargs(pipe: Any, guidance: float) -> dict[str, Any]:
+    """The text and guidance arguments the server's adapter gives the pipeline for one prompt
+    (T5's length, an empty negative prompt, Qwen-Image's true CFG scale and " " negative)."""
     from vllm_omni_like.models.adapter import adapter_for
     from vllm_omni_like.models.registry import family_for
 
     adapter = adapter_for(pipe, family_for({"_class_name": type(pipe).__name__}))
-    return adapter.text_length() if hasattr(adapter, "text_length") else None
+    kwargs = adapter.text_kwargs([PROMPT], [""], getattr(pipe, "tokenizer", None))
+    return {**kwargs, **adapter.guidance_kwargs(guidance)}
 
 
 def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
-    """One image through the pipeline: (pixels, seconds)."""
+    """One image through the pipeline, as the server asks it: (pixels, seconds)."""
     device = pipe.device
-    kwargs: dict[str, Any] = {}
-    if "negative_prompt" in pipe.__call__.__code__.co_varnames and s["guidance"] > 1:
-        kwargs["negative_prompt"] = [""]  # (the server's: an empty negative prompt)
-    if s.get("text_length"):  # T5's tokens, as the server pads them
-        kwargs["max_sequence_length"] = s["text_length"]
     sync()
     t0 = time.perf_counter()
     out = pipe(
-        prompt=[PROMPT],
         generator=[torch.Generator(device=device).manual_seed(seed)],
         num_inference_steps=s["steps"],
-        guidance_scale=s["guidance"],
         height=s["size"],
         width=s["size"],
         output_type="np",
-        **kwargs,
+        **s["call"],
     ).images
     sync()
     return (out[0] * 255).round().astype(np.uint8), time.perf_counter() - t0
@@ -104,9 +104,9 @@ def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.
 
 
 def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
-    """The fastest attention backend diffusers runs here for this model (one eager step)."""
+    """The fastest attention backend diffusers runs here for this model (two eager steps)."""
     best, name = float("inf"), "native"
-    one = {**s, "steps": 1}
+    one = {**s, "steps": 2}  # (one step is undefined for some schedules)
     for backend in ATTENTION:
         try:
             pipe.transformer.set_attention_backend(backend)
@@ -125,7 +125,7 @@ def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
 def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = build(args.model, DTYPES[args.dtype], device)
-    s["text_length"] = text_length(pipe)
+    s["call"] = call_kwargs(pipe, s["guidance"])
     eager_s, _ = timed(pipe, s, args.runs)
     print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
     result = {"diffusers_s": round(eager_s, 3)}
@@ -228,7 +228,7 @@ def main() -> int:
     entry: dict[str, Any] = {"steps": s["steps"], "guidance": s["guidance"], "size": s["size"]}
     entry["dtype"], entry["compile_mode"] = args.dtype, args.compile_mode
     if "peer_s" in s:
-        entry["peer_s"], entry["peer_source"] = s["peer_s"], PEER_SOURCE
+        entry["peer_s"], entry["peer_source"] = s["peer_s"], PEER_SOURCE[name]
     for part in args.parts.split(","):
         entry.update((part_reference if part == "reference" else part_server)(args, s))
         print(json.dumps(write(name, entry, args.out_dir)), flush=True)
