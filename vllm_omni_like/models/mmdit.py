@@ -36,6 +36,17 @@ class MMDiT(ShiftedVAE):
     fused QKV projections."""
 
     image_conditions = ("edit", "inpaint")
+    t5_tokenizer: str  # the pipeline's attribute holding T5's tokenizer
+    max_text_tokens: int  # the pipeline's T5 length (its default or its limit)
+
+    def text_embed_dim(self) -> int:
+        return int(self.pipe.transformer.config.joint_attention_dim)
+
+    def text_length(self) -> int:
+        """T5's tokens a prompt is padded to: its tokenizer's length, at most the pipeline's."""
+        tokenizer = getattr(self.pipe, self.t5_tokenizer, None)
+        length = getattr(tokenizer, "model_max_length", self.max_text_tokens)
+        return min(int(length), self.max_text_tokens)
 
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
         return auto_edit_pipelines(self.pipe, stage)

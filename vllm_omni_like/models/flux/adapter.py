@@ -25,6 +25,7 @@ MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
 
 class FluxAdapter(MMDiT, PackedLatents):
     family = FAMILY
+    t5_tokenizer, max_text_tokens = "tokenizer_2", MAX_TEXT_TOKENS
     guidance = Guidance.DISTILLED  # (schnell: the embedding is absent, the scale unused)
 
     def __init__(self, pipe: Any, family: Any = None) -> None:
@@ -32,15 +33,6 @@ class FluxAdapter(MMDiT, PackedLatents):
         self._image_ids: dict[tuple[Any, ...], torch.Tensor] = {}
         transformer = getattr(pipe, "transformer", None)
         self._embeds_guidance = bool(transformer and transformer.config.guidance_embeds)
-
-    def text_embed_dim(self) -> int:
-        return int(self.pipe.transformer.config.joint_attention_dim)
-
-    def text_length(self) -> int:
-        """T5's tokens a prompt is padded to: its tokenizer's length, at most the pipeline's."""
-        tokenizer = getattr(self.pipe, "tokenizer_2", None)
-        length = getattr(tokenizer, "model_max_length", MAX_TEXT_TOKENS)
-        return min(int(length), MAX_TEXT_TOKENS)
 
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         embeds, pooled, _ = self.pipe.encode_prompt(

@@ -23,16 +23,8 @@ MAX_TEXT_TOKENS = 256  # StableDiffusion3Pipeline's default T5 length
 
 class SD3Adapter(MMDiT):
     family = FAMILY
+    t5_tokenizer, max_text_tokens = "tokenizer_3", MAX_TEXT_TOKENS
     guidance = Guidance.BATCHED
-
-    def text_embed_dim(self) -> int:
-        return int(self.pipe.transformer.config.joint_attention_dim)
-
-    def text_length(self) -> int:
-        """T5's tokens a prompt is padded to: the pipeline's default, at most its tokenizer's."""
-        tokenizer = getattr(self.pipe, "tokenizer_3", None)
-        length = getattr(tokenizer, "model_max_length", MAX_TEXT_TOKENS)
-        return min(int(length), MAX_TEXT_TOKENS)
 
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
