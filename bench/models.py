@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import itertools
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -39,7 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.compare import psnr
 from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
 from bench.server_proc import Server
+from bench.step_profile import step_timeline
+from vllm_omni_like.media import PNG_COMPRESS_LEVEL
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
+from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV as TRACE_BATCHES
+from vllm_omni_like.stages.trace import TRACE_DIR_ENV as TRACE_DIR
 
 # the issue's settings per model: steps, guidance, side; a peer's figure where published
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -54,6 +60,7 @@ PEER_SOURCE = {
     "flux.1-dev": "xDiT's published FLUX.1-dev 1024x1024 28-step latency on one H100",
     "qwen-image": "a peer's published Qwen-Image 1024x1024 50-step CFG 4 latency on one H100",
 }
+STEP_MS: list[float] = []  # the last call's steps on the device (from the second step's end)
 ATTENTION = ("native", "_native_cudnn", "_native_flash", "flash")  # diffusers' backends
 
 
@@ -78,8 +85,19 @@ def call_kwargs(pipe: Any, guidance: float) -> dict[str, Any]:
 
 
 def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
-    """One image through the pipeline, as the server asks it: (pixels, seconds)."""
-    device = pipe.device
+    """One image through the pipeline, as the server asks it, and its PNG as a diffusers user
+    writes it (PIL, the server's default level): (pixels, seconds). Each step's end is an
+    event on the device's clock (`STEP_MS` gets the steps' durations)."""
+    from PIL import Image
+
+    device, marks = pipe.device, []
+
+    def on_step_end(pipe: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if device.type == "cuda":
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        return kwargs
+
     sync()
     t0 = time.perf_counter()
     out = pipe(
@@ -88,19 +106,25 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
         height=s["size"],
         width=s["size"],
         output_type="np",
+        callback_on_step_end=on_step_end,
         **s["call"],
     ).images
-    sync()
-    return (out[0] * 255).round().astype(np.uint8), time.perf_counter() - t0
+    pixels = (out[0] * 255).round().astype(np.uint8)
+    Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    seconds = time.perf_counter() - t0
+    STEP_MS[:] = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    return pixels, seconds
 
 
-def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray]]:
+def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray], float]:
+    """(median seconds, images by seed, median step ms on the device of all runs)."""
     call(pipe, 0, s)  # warm-up (compiles, if compiled)
-    times, images = [], {}
+    times, images, steps = [], {}, []
     for seed in range(runs):
         images[seed], seconds = call(pipe, seed, s)
         times.append(seconds)
-    return statistics.median(times), images
+        steps += STEP_MS
+    return statistics.median(times), images, statistics.median(steps) if steps else 0.0
 
 
 def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
@@ -126,7 +150,7 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = build(args.model, DTYPES[args.dtype], device)
     s["call"] = call_kwargs(pipe, s["guidance"])
-    eager_s, _ = timed(pipe, s, args.runs)
+    eager_s, _, _ = timed(pipe, s, args.runs)
     print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
     result = {"diffusers_s": round(eager_s, 3)}
     if not args.tiny:
@@ -135,11 +159,12 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
         pipe.transformer = torch.compile(pipe.transformer, **options)
         pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)
-        compiled_s, images = timed(pipe, s, args.runs)
+        compiled_s, images, step_ms = timed(pipe, s, args.runs)
         print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)
         result["diffusers_compiled_s"] = round(compiled_s, 3)
+        result["diffusers_compiled_step_ms"] = round(step_ms, 2)
     else:
-        _, images = timed(pipe, s, args.runs)
+        _, images, _ = timed(pipe, s, args.runs)
     np.savez(args.state, **{str(k): v for k, v in images.items()})
     del pipe
     free()
@@ -153,29 +178,71 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     if not args.tiny:
         flags += ["--compile", "--compile-mode", args.compile_mode, "--batch-buckets", "1"]
         flags += ["--warmup-size", side]
-    server = Server(flags, args.log, 1800)
+    timeline = tempfile.mkdtemp(prefix="models-timeline-")  # each step on the device
+    env = {**os.environ, TRACE_DIR: timeline, TRACE_BATCHES: ""}  # (no profiled batch)
+    server = Server(flags, args.log, 1800, env=env)
+    since = float("inf")
+    # one client for all (a client's creation alone takes ~50 ms: its TLS context)
+    client = httpx.Client(timeout=600)
     try:
         body = {"prompt": PROMPT, "size": side, "num_inference_steps": s["steps"]}
         body |= {"guidance_scale": s["guidance"], "response_format": "b64_json"}
-        times, got = [], {}
+        times, got, before = [], {}, {}
         for seed in [0, *range(args.runs)]:  # (the first: a warm-up)
+            if len(times) == 1:
+                before = histograms(server.url)
             t0 = time.perf_counter()
-            r = httpx.post(
-                f"{server.url}/v1/images/generations", json={**body, "seed": seed}, timeout=600
-            )
+            r = client.post(f"{server.url}/v1/images/generations", json={**body, "seed": seed})
             r.raise_for_status()
             times.append(time.perf_counter() - t0)
             got[seed] = pixels(r)
+            since = min(since, time.monotonic())  # (the timed requests' sets begin after)
+        after = histograms(server.url)
     finally:
+        client.close()
         server.stop()
     result: dict[str, Any] = {"server_s": round(statistics.median(times[1:]), 3)}
     result["server_start_s"] = round(server.start_s, 1)
+    # where a request's time went, server side (means of the timed requests, /metrics)
+    result["server_parts_s"] = {
+        k: round((after[k][0] - before.get(k, (0, 0))[0]) / n, 4)
+        for k in after
+        if (n := after[k][1] - before.get(k, (0, 0))[1])
+    }
+    by_rows = step_timeline(timeline, s["steps"], since)["step_ms_by_rows"]
+    if 1 in by_rows:
+        result["server_step_ms"] = by_rows[1]
     if os.path.exists(args.state):
         ref = np.load(args.state)
         values = [psnr(got[int(k)], ref[k]) for k in ref.files if int(k) in got]
         result["psnr_db"] = [round(v, 2) if np.isfinite(v) else "inf" for v in values]
         result["images_equal"] = all(v >= 35 for v in values)
     return result
+
+
+PARTS = {  # the /metrics histograms of a request's parts
+    "e2e_latency_seconds": "engine",  # the engine's end to end (before the API's encoding)
+    "stage_latency_seconds": "worker",  # in the stage's worker
+    "batch_phase_seconds": "",  # the worker's phases: denoise, finish (the decode)
+}
+
+
+def histograms(url: str) -> dict[str, tuple[float, float]]:
+    """{part: (sum, count)} of the request parts' histograms, summed over their other labels."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for name, part in PARTS.items():
+            for kind in ("_sum", "_count"):
+                if name + kind not in line or line.startswith("#"):
+                    continue
+                labels, value = line.rsplit(" ", 1)
+                key = part or labels.split('phase="')[1].split('"')[0]
+                total, count = out.get(key, (0.0, 0.0))
+                if kind == "_sum":
+                    out[key] = (total + float(value), count)
+                else:
+                    out[key] = (total, count + float(value))
+    return out
 
 
 def pixels(r: httpx.Response) -> np.ndarray:

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -58,7 +58,8 @@ async def _respond(
         )
     (output,) = await run_to_outputs(request, server, [omni])
     write = asyncio.to_thread(image_response, server, output, body, str(request.base_url), omni)
-    return JSONResponse(await server.engine.store(omni, write, "image"))
+    content = await server.engine.store(omni, write, "image")
+    return Response(content, media_type="application/json")
 
 
 @router.post("/v1/images/generations")

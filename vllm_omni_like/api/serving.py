@@ -145,8 +145,9 @@ def image_response(
     body: ImageRequest,
     base_url: str,
     omni: OmniRequest,
-) -> dict[str, Any]:
-    """Encode and package the images (CPU work: runs in a thread)."""
+) -> bytes:
+    """Encode and package the images as the response's JSON (CPU work: runs in a thread, so
+    the megabytes of a large image's JSON are not written on the event loop)."""
     as_url = body.response_format == "url"
     items = image_items(output, body.output_format, body.output_compression, as_b64=not as_url)
     if as_url:
@@ -154,12 +155,32 @@ def image_response(
             name = server.files.put(item.pop("bytes"), body.output_format, omni)
             item["url"] = f"{base_url}v1/files/{name}"
     first = output.result.images[0].pixels
-    return {
-        "created": int(time.time()),
-        "data": items,
-        "size": f"{first.shape[1]}x{first.shape[0]}",
-        "output_format": body.output_format,
-    }
+    return images_json(
+        {
+            "created": int(time.time()),
+            "data": items,
+            "size": f"{first.shape[1]}x{first.shape[0]}",
+            "output_format": body.output_format,
+        }
+    )
+
+
+def images_json(payload: dict[str, Any]) -> bytes:
+    """`payload` as JSON, each item's base64 image spliced in as it is: its alphabet needs no
+    escaping, and json.dumps would scan the megabytes of a large image for nothing (25 ms for
+    a 1024x1024 PNG on a 2-core CPU, against 1 ms)."""
+    items = []
+    for item in payload["data"]:
+        if "b64_json" not in item:
+            items.append(json.dumps(item))
+            continue
+        rest = json.dumps({k: v for k, v in item.items() if k != "b64_json"})[1:-1]
+        items.append(
+            '{"b64_json": "' + item["b64_json"] + '"' + (", " + rest if rest else "") + "}"
+        )
+    head = json.dumps({k: v for k, v in payload.items() if k != "data"})[:-1]
+    data = '"data": [' + ", ".join(items) + "]}"
+    return (head + (", " if len(head) > 1 else "") + data).encode()
 
 
 def sse(event: str | None, data: dict[str, Any] | str) -> str:
