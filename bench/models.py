@@ -7,7 +7,9 @@
 One model per GPU sitting (its weights take most of the GPU: the reference and the server run
 one after the other, the reference's images kept in `--state` for the image check). Random
 weights (`--load-format dummy`'s seeded recipe: both compute the same images), bf16, batch 1,
-the model's published settings (`SETTINGS`; `--steps`, `--guidance`, `--size` override).
+the model's published settings (`SETTINGS`; `--steps`, `--guidance`, `--size` override). An
+edit-only model (Qwen-Image-Edit) edits `edit_source`: the pipeline gets it as an image, the
+server as a PNG upload to /v1/images/edits.
 - reference: the diffusers pipeline, eager (`diffusers_s`), then compiled at its best
   (`diffusers_compiled_s`): fused QKV projections, the transformer and the VAE decoder under
   `torch.compile(fullgraph=True, dynamic=False)` in the same mode as the server, and the
@@ -43,6 +45,7 @@ from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
 from bench.server_proc import Server
 from bench.step_profile import step_timeline
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL
+from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV as TRACE_BATCHES
 from vllm_omni_like.stages.trace import TRACE_DIR_ENV as TRACE_DIR
@@ -55,6 +58,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "sd3.5-medium": {"steps": 40, "guidance": 4.5, "size": 1024},
     "qwen-image": {"steps": 50, "guidance": 4.0, "size": 1024, "peer_s": 12.8},
     "z-image-turbo": {"steps": 8, "guidance": 0.0, "size": 1024},
+    # edits `edit_source` by instruction, at the upload's size (its pipeline fits the image to
+    # about a megapixel for the VAE: 1024x1024 here)
+    "qwen-image-edit": {"steps": 50, "guidance": 4.0, "size": 1024},
 }
 PEER_SOURCE = {
     "flux.1-dev": "xDiT's published FLUX.1-dev 1024x1024 28-step latency on one H100",
@@ -68,7 +74,8 @@ def build(model: str, dtype: torch.dtype, device: str) -> Any:
     from vllm_omni_like.stages.torch_utils import dummy_pipeline
 
     path = arch_path(model) if model in ARCH_OPTIONS else model
-    pipe = dummy_pipeline(path, torch.device(device), dtype).to(device)
+    own = family_of(path).adapter_class().own_components(path)  # (Qwen-Image-Edit's processor)
+    pipe = dummy_pipeline(path, torch.device(device), dtype, own).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -108,12 +115,21 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
         output_type="np",
         callback_on_step_end=on_step_end,
         **s["call"],
+        **({"image": [Image.fromarray(edit_source(s["size"]))]} if s.get("edit") else {}),
     ).images
     pixels = (out[0] * 255).round().astype(np.uint8)
     Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     seconds = time.perf_counter() - t0
     STEP_MS[:] = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
     return pixels, seconds
+
+
+def edit_source(side: int) -> np.ndarray:
+    """The image an edit model edits: smooth colour ramps with a disc (deterministic)."""
+    yy, xx = np.mgrid[0:side, 0:side] / side
+    disc = ((xx - 0.5) ** 2 + (yy - 0.5) ** 2 < 0.1) * 0.5
+    rgb = np.stack([xx, yy, np.clip(1 - xx - yy + disc, 0, 1)], -1)
+    return (rgb * 255).round().astype(np.uint8)
 
 
 def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray], float]:
@@ -188,11 +204,17 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         body = {"prompt": PROMPT, "size": side, "num_inference_steps": s["steps"]}
         body |= {"guidance_scale": s["guidance"], "response_format": "b64_json"}
         times, got, before = [], {}, {}
+        source = png_bytes(edit_source(s["size"])) if s.get("edit") else b""
         for seed in [0, *range(args.runs)]:  # (the first: a warm-up)
             if len(times) == 1:
                 before = histograms(server.url)
             t0 = time.perf_counter()
-            r = client.post(f"{server.url}/v1/images/generations", json={**body, "seed": seed})
+            if s.get("edit"):  # the same fields as a form, the image as a PNG upload
+                form = {k: str(v) for k, v in {**body, "seed": seed}.items()}
+                files = {"image": ("source.png", source, "image/png")}
+                r = client.post(f"{server.url}/v1/images/edits", data=form, files=files)
+            else:
+                r = client.post(f"{server.url}/v1/images/generations", json={**body, "seed": seed})
             r.raise_for_status()
             times.append(time.perf_counter() - t0)
             got[seed] = pixels(r)
@@ -245,6 +267,14 @@ def histograms(url: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def png_bytes(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def pixels(r: httpx.Response) -> np.ndarray:
     from PIL import Image
 
@@ -291,6 +321,8 @@ def main() -> int:
     base = SETTINGS.get(args.model, {"steps": 4, "guidance": 3.5, "size": 64})
     given = {"steps": args.steps, "guidance": args.guidance, "size": args.size}
     s = {**base, **{k: v for k, v in given.items() if v is not None}}
+    path = arch_path(args.model) if args.model in ARCH_OPTIONS else args.model
+    s["edit"] = family_of(path).needs_image  # an edit-only model edits `edit_source`
     name = os.path.basename(os.path.normpath(args.model))
     entry: dict[str, Any] = {"steps": s["steps"], "guidance": s["guidance"], "size": s["size"]}
     entry["dtype"], entry["compile_mode"] = args.dtype, args.compile_mode

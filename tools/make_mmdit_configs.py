@@ -9,7 +9,8 @@ MMDiT, 38 blocks) and SD3.5-medium (2.5B MMDiT-X, 24 blocks, dual attention in t
 two CLIPs with projections and T5-XXL, FlowMatch Euler with shift 3. Their text encoders are
 real modules (random weights with `--load-format dummy`); the tokenizers are the package's
 word-level one at each encoder's length (CLIP 77, T5 512 or 256), so nothing is downloaded.
-Qwen-Image: the 20.4B MMDiT with Qwen2.5-VL-7B as its text encoder; Z-Image-Turbo: the 6B
+Qwen-Image (and Qwen-Image-Edit): the 20.4B MMDiT with Qwen2.5-VL-7B as its text encoder;
+Z-Image-Turbo: the 6B
 single-stream DiT with Qwen3-4B. Published sizes are
 checked by tests/models/test_mmdit.py.
 """
@@ -180,18 +181,23 @@ def sd35(out: str, large: bool) -> None:
     )
 
 
-def qwen_image(out: str) -> None:
+def qwen_image(out: str, edit: bool = False) -> None:
     """Qwen-Image: the 20.4B MMDiT (60 blocks), its video VAE run on one frame, Qwen2.5-VL-7B
     as text encoder (8.3B with its vision tower), the chat-shaped tokenizer (the pipeline cuts
-    its template's first 34 tokens), FlowMatch Euler shifted by the image's length."""
+    its template's first 34 tokens), FlowMatch Euler shifted by the image's length.
+    Qwen-Image-Edit (`edit`): the same models; the text encoder's vision tokens are the
+    tokenizer's, and the processor folder (Qwen2VLProcessor's files: the image processor at the
+    real model's settings and the tokenizer) lets Qwen2.5-VL see the image (the pipeline cuts
+    64 tokens)."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImageTransformer2DModel,
     )
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLImageProcessor
 
     from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
+    from vllm_omni_like.models.qwen_image.vl_processor import VisionTextProcessor
 
     with torch.device("meta"):
         QwenImageTransformer2DModel(
@@ -207,6 +213,14 @@ def qwen_image(out: str) -> None:
         AutoencoderKLQwenImage().save_config(os.path.join(out, "vae"))
     tokenizer = build_chat_tokenizer(max_length=1024)
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    vision_ids = {}
+    if edit:
+        images = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
+        VisionTextProcessor(images, tokenizer).save_pretrained(os.path.join(out, "processor"))
+        for name in ("vision_start", "vision_end"):
+            vision_ids[f"{name}_token_id"] = tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+        vision_ids["image_token_id"] = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        vision_ids["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video_pad|>")
     Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=152064,
@@ -233,6 +247,7 @@ def qwen_image(out: str) -> None:
         ),
         tie_word_embeddings=False,
         architectures=["Qwen2_5_VLForConditionalGeneration"],
+        **vision_ids,
     ).save_pretrained(os.path.join(out, "text_encoder"))
     FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256,
@@ -244,14 +259,16 @@ def qwen_image(out: str) -> None:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     ).save_config(os.path.join(out, "scheduler"))
+    parts = {"processor": ["transformers", "Qwen2VLProcessor"]} if edit else {}
     _index(
         out,
-        "QwenImagePipeline",
+        "QwenImageEditPipeline" if edit else "QwenImagePipeline",
         transformer=["diffusers", "QwenImageTransformer2DModel"],
         vae=["diffusers", "AutoencoderKLQwenImage"],
         text_encoder=["transformers", "Qwen2_5_VLForConditionalGeneration"],
         tokenizer=["transformers", "TokenizersBackend"],
         scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        **parts,
     )
 
 
@@ -304,6 +321,7 @@ ARCHS = {
     "sd3.5-medium": lambda out: sd35(out, large=False),
     "sd3.5-large": lambda out: sd35(out, large=True),
     "qwen-image": qwen_image,
+    "qwen-image-edit": lambda out: qwen_image(out, edit=True),
     "z-image-turbo": z_image_turbo,
 }
 

@@ -58,6 +58,8 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "default_height": 64,
         # the names a request's `scheduler` may take (models/schedulers.py)
         "schedulers": ["ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"],
+        "needs_image": False,  # it makes images from text too
+        "edit_strength": True,  # its edits (img2img) take a strength
     }
     video = client.models.retrieve("tiny-video").model_dump()["limits"]
     assert video["schedulers"] == ["unipc", "flow-euler"]

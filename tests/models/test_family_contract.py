@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
-from tests.models.tiny_qwen import tiny_qwen_image_path
+from tests.models.tiny_qwen import tiny_qwen_image_edit_path, tiny_qwen_image_path
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
+from vllm_omni_like.models import registry
 from vllm_omni_like.models.adapter import Guidance, adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.packing import pack, unpack
@@ -42,12 +43,16 @@ TINY = {
     "stable-diffusion-3": tiny_sd3_path,
     "flux": tiny_flux_path,
     "qwen-image": tiny_qwen_image_path,
+    "qwen-image-edit": tiny_qwen_image_edit_path,
     "z-image": tiny_z_image_path,
     "wan": "tiny-video",
 }
 # options of a tiny model whose family's native size is a real model's (Qwen-Image: 1024)
-OPTIONS = {"qwen-image": {"default_size": 64}}
+OPTIONS = {"qwen-image": {"default_size": 64}, "qwen-image-edit": {"default_size": 64}}
 SEED, STEPS, FRAMES = 3, 3, 5
+# what an edit-only family edits: an upload of another size and aspect than the output's
+EDIT_IMAGE = np.stack([*np.meshgrid(np.arange(80), np.arange(48)), np.full((48, 80), 90)], -1)
+EDIT_IMAGE = (EDIT_IMAGE * 3 % 256).astype(np.uint8)
 
 
 @dataclasses.dataclass
@@ -56,6 +61,7 @@ class Case:
     model: str
     path: str
     video: bool
+    edit: bool  # it only edits an image (its requests and calls carry EDIT_IMAGE)
 
     def stage(self, **config) -> DiffusionStage:
         config = {"name": "diffusion", "kind": "diffusion", "model": self.model, **config}
@@ -69,6 +75,7 @@ class Case:
             self.path,
             local_files_only=True,
             dtype=torch.float32,  # the stage's on a CPU
+            **family_of(self.path).adapter_class().own_components(self.path),
         )
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -96,6 +103,10 @@ class Case:
         )
         if self.video:
             kwargs["num_frames"] = FRAMES
+        if self.edit:
+            from PIL import Image
+
+            kwargs["image"] = [Image.fromarray(EDIT_IMAGE)]
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
@@ -104,6 +115,10 @@ class Case:
         params = GenerationParams(seed=SEED, num_inference_steps=STEPS)
         if self.video:
             params = dataclasses.replace(params, num_frames=FRAMES)
+        if self.edit:  # (the output's size: the limits' default, as `call` asks)
+            side = self.limits().default_width
+            params = dataclasses.replace(params, width=side, height=side)
+            return StageRequest("r", "a red circle", params, mode="edit", images=[EDIT_IMAGE])
         mode = "text2video" if self.video else "text2img"
         return StageRequest("r", "a red circle", params, mode=mode)
 
@@ -117,7 +132,8 @@ def _model(entry) -> str:
 def case(request) -> Case:
     model = _model(TINY[request.param])
     path = model if os.path.isdir(model) else ensure_tiny_model(model)
-    return Case(request.param, model, path, family_of(path).output == "video")
+    family = family_of(path)
+    return Case(request.param, model, path, family.output == "video", family.needs_image)
 
 
 def _run(stage: DiffusionStage, request: StageRequest) -> np.ndarray:
@@ -166,6 +182,10 @@ CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.TRUE_CFG: 2, Guida
 
 
 def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
+    if case.edit:  # its only mode runs the pipeline's call: the adapter never calls it
+        assert registry.loops_for(case.path)["edit"][0] == "pipeline"
+        assert not family_of(case.path).own_loop
+        return
     pipe = case.pipeline()
     adapter = adapter_for(pipe, family_of(case.path))
     (expert,) = adapter.experts()
@@ -251,7 +271,7 @@ def test_the_limits_are_what_the_pipeline_accepts(case):
     assert limits.supports(width, limits.default_height)
     case.call(pipe, num_inference_steps=2, width=width, output_type="latent")  # accepted
     assert not limits.supports(width + 1, limits.default_height)
-    if family.name in ("flux", "qwen-image"):  # their pipelines make it a smaller size instead
+    if family.name in ("flux", "qwen-image", "qwen-image-edit"):  # they make it smaller instead
         out = case.call(pipe, num_inference_steps=2, width=width + 1)
         assert out.images.shape[-1] == width
     else:
@@ -279,7 +299,8 @@ class LocalLeader:
 
 
 def test_the_cfg_parallel_split_reproduces_one_rank(case):
-    if case.name in ("flux", "qwen-image", "z-image"):  # one forward; branches of two lengths
+    # one forward, or branches of two lengths: no split
+    if case.name in ("flux", "qwen-image", "qwen-image-edit", "z-image"):
         with pytest.raises(ValueError, match="CFG-parallel does not run"):
             case.stage().adapter.split_cfg(LocalLeader(torch.nn.Identity()))
         return

@@ -45,6 +45,8 @@ PUBLISHED = {
     ("qwen-image", "transformer"): 20.43e9,  # "20B MMDiT"
     ("qwen-image", "text_encoder"): 8.29e9,  # Qwen2.5-VL-7B-Instruct
     ("qwen-image", "vae"): 126.9e6,
+    ("qwen-image-edit", "transformer"): 20.43e9,  # Qwen-Image's, fine-tuned to edit
+    ("qwen-image-edit", "text_encoder"): 8.29e9,
     ("z-image-turbo", "transformer"): 6.15e9,  # "6B"
     ("z-image-turbo", "text_encoder"): 4.02e9,  # Qwen3-4B
 }

@@ -1,22 +1,54 @@
-"""A tiny Qwen-Image pipeline for the tests (random weights, built once per test process): its
-own classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage, a Qwen2.5-VL text encoder with
-a one-block vision tower) at a few layers, the package's chat-shaped tokenizer
-(`build_chat_tokenizer`: the template prefix the pipeline cuts is its 34 tokens)."""
+"""Tiny Qwen-Image and Qwen-Image-Edit pipelines for the tests (random weights, built once per
+test process): their own classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage, a
+Qwen2.5-VL text encoder with a one-block vision tower) at a few layers, the package's
+chat-shaped tokenizer (`build_chat_tokenizer`: the template prefixes the pipelines cut are its
+34 and 64 tokens); the edit model's processor folder as the real one's (Qwen2VLProcessor's
+files: the image processor's config and the tokenizer), its vision limited to a few patches."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 
 
 @functools.cache
 def tiny_qwen_image_path() -> str:
+    from diffusers import QwenImagePipeline
+
+    path = os.path.join(tempfile.mkdtemp(prefix="tiny-qwen-image-"), "tiny-qwen-image")
+    QwenImagePipeline(**_components()).save_pretrained(path)
+    return path
+
+
+@functools.cache
+def tiny_qwen_image_edit_path() -> str:
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor
+
+    from vllm_omni_like.models.qwen_image.vl_processor import VisionTextProcessor
+
+    parts = _components(vision=True)
+    path = os.path.join(tempfile.mkdtemp(prefix="tiny-qwen-edit-"), "tiny-qwen-image-edit")
+    tokenizer = parts["tokenizer"]
+    QwenImageEditPipeline(**parts, processor=None).save_pretrained(path)
+    images = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56)  # 4 patches at most
+    VisionTextProcessor(images, tokenizer).save_pretrained(os.path.join(path, "processor"))
+    index_file = os.path.join(path, "model_index.json")
+    with open(index_file) as f:
+        index = json.load(f)
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]  # (as the real model's)
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    return path
+
+
+def _components(vision: bool = False) -> dict:
     import torch
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -38,7 +70,7 @@ def tiny_qwen_image_path() -> str:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(
+    tower = dict(
         depth=1,
         hidden_size=16,
         intermediate_size=32,
@@ -46,8 +78,14 @@ def tiny_qwen_image_path() -> str:
         out_hidden_size=32,
         fullatt_block_indexes=[0],
     )
+    ids = {  # where the vision tokens are in this tokenizer
+        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+        for name in ("vision_start", "vision_end")
+    }
+    ids["image_token_id"] = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video_pad|>")
     encoder = Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+        Qwen2_5_VLConfig(text_config=text, vision_config=tower, **(ids if vision else {}))
     )
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -59,12 +97,15 @@ def tiny_qwen_image_path() -> str:
         joint_attention_dim=32,
         axes_dims_rope=(4, 6, 6),
     )
+    # (the edit model's: 16x down, so the megapixel its pipeline fits the image to for the VAE
+    # is 32x32 tokens, not 128x128)
+    down = [False, True, True, True] if vision else [False, True]
     vae = AutoencoderKLQwenImage(
-        base_dim=16,
+        base_dim=8 if vision else 16,
         z_dim=16,
-        dim_mult=[1, 2, 2],
+        dim_mult=[1] + [2] * len(down),
         num_res_blocks=1,
-        temperal_downsample=[False, True],
+        temperal_downsample=down,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's own settings
         base_image_seq_len=256,
@@ -76,13 +117,10 @@ def tiny_qwen_image_path() -> str:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     )
-    pipe = QwenImagePipeline(
+    return dict(
         scheduler=scheduler,
         vae=vae,
         text_encoder=encoder,
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    path = os.path.join(tempfile.mkdtemp(prefix="tiny-qwen-image-"), "tiny-qwen-image")
-    pipe.save_pretrained(path)
-    return path

@@ -112,6 +112,8 @@ def test_r1_recoverable_faults_under_load(tmp_path_factory):
     base.check(fd_slack=10)
 
 
+# (the suite's time: -m drill; the same faults under load on null stages run by default)
+@pytest.mark.drill
 def test_r1_share_on_the_tiny_model(tmp_path_factory):
     faults = "stage=diffusion,point=step,kind=raise,p=0.1,seed=21"
     rules = parse_faults(faults)

@@ -42,6 +42,9 @@ class EngineIds:
         return self.map.get(rid)
 
 
+# (the suite's time: -m drill; tests/api/test_errors.py and test_uvicorn_contract.py
+# disconnect one request at a time)
+@pytest.mark.drill
 def test_r5_random_disconnects_abort_everywhere(tmp_path_factory):
     base = Baseline()
     rng = random.Random(5)

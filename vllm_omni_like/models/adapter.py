@@ -210,6 +210,12 @@ class Adapter:
         by default (FLUX.1 packs 2x2 patches into tokens: unpacked)."""
         return latents
 
+    @classmethod
+    def own_components(cls, path: str) -> dict[str, Any]:
+        """Components of the pipeline at `path` this family loads itself (by name), instead of
+        the class its model_index.json names."""
+        return {}
+
     # ---- decode, previews, video hooks, edits ----------------------------------------------
     def decoder(self, pipe: Any) -> Decoder | None:
         """The pipeline's own latent decode for `pipe` (this pipeline or an edit variant), done

@@ -46,6 +46,8 @@ class Family:
     default_frames: int | None = None  # videos: frames when neither request nor options say
     native_side: int | None = None  # images: the side it draws by default where neither its
     # denoiser's config nor its VAE's says (Qwen-Image: 1024)
+    needs_image: bool = False  # it only edits an input image (Qwen-Image-Edit): no text2img
+    edit_strength: bool = True  # its edits take a strength (img2img); False: by instruction
 
     def adapter_class(self) -> Any:
         """The torch side (imports torch and diffusers)."""
@@ -53,4 +55,6 @@ class Family:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return ("text2video",) if self.output == "video" else ("text2img", "edit")
+        if self.output == "video":
+            return ("text2video",)
+        return ("edit",) if self.needs_image else ("text2img", "edit")

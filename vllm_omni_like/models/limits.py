@@ -44,6 +44,8 @@ class ModelLimits:
     default_fps: int | None = None
     schedulers: tuple[str, ...] = ()  # the names a request's `scheduler` may take
     min_steps: int = 1  # 2 where one step is undefined (a schedule stretched to a terminal sigma)
+    needs_image: bool = False  # it only edits (a generation without an image is refused)
+    edit_strength: bool = True  # its edits take a strength (False: edits by instruction)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -140,6 +142,7 @@ def _geometry(path: str) -> dict[str, Any]:
     # SD3's learned positions: a grid of `pos_embed_max_size` patches a side at most
     grid = net.get("pos_embed_max_size")
     return {
+        "family": family,
         "video": video,
         "multiple": math.lcm(base, spatial * patch_hw),
         "native": native,
@@ -190,8 +193,10 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         default_frames=default_frames,
         frame_multiple=g["temporal"] if video else None,
         default_fps=fps,
-        schedulers=family_of(path).schedulers,
+        schedulers=g["family"].schedulers,
         min_steps=g["min_steps"],
+        needs_image=g["family"].needs_image,
+        edit_strength=g["family"].edit_strength,
     )
 
 

@@ -17,6 +17,7 @@ FAMILIES: tuple[Family, ...] = (
     sd3.FAMILY,
     flux.FAMILY,
     qwen_image.FAMILY,
+    qwen_image.EDIT_FAMILY,
     z_image.FAMILY,
     wan.FAMILY,
 )

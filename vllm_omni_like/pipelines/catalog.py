@@ -47,6 +47,7 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     "sd3.5-medium": {"default_steps": 40, "default_guidance": 4.5},
     "sd3.5-large": {"default_steps": 28, "default_guidance": 3.5},
     "qwen-image": {"default_steps": 50, "default_guidance": 4.0},
+    "qwen-image-edit": {"default_steps": 50, "default_guidance": 4.0},
     "z-image-turbo": {"default_steps": 9, "default_guidance": 0.0},  # its published use
     "wan2.1-t2v-1.3b": {
         "default_width": 832,

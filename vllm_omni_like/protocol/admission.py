@@ -98,6 +98,15 @@ def edit_params(
     if params.width is None:
         width, height = fit_upload(*upload, model, params.n)
         params = replace(params, width=width, height=height)
+    if not model.edit_strength:  # an instruction edit: the image conditions every step
+        if params.strength is not None:
+            raise InvalidRequestError(
+                f"{name} edits by instruction and takes no strength",
+                param="strength",
+                code="invalid_value",
+            )
+        check_pixels(params, model, name)
+        return params
     strength = params.strength if params.strength is not None else DEFAULT_STRENGTH
     steps = params.num_inference_steps or model.default_steps
     if int(steps * strength) < 1:

@@ -52,6 +52,12 @@ def image_request(
     model = engine.model_limits(pipeline)
     if images:
         params = edit_params(body, limits, model, pipeline, images[0].shape[1::-1])
+    elif model.needs_image:
+        raise InvalidRequestError(
+            f"{pipeline} edits an input image: send it one through /v1/images/edits",
+            param="model",
+            code="image_required",
+        )
     else:
         params = image_params(body, limits, model, pipeline)
     return OmniRequest(

@@ -66,16 +66,17 @@ class DiffusionStage(OwnLoop, PipelineCall):
         self.link = self._connect_ranks()
         self.tracer = BatchTracer(self.name, self.ranks.rank, self.device)
         self._check_text_encoder(path)
+        self.family = family_of(path)
+        own = self.family.adapter_class().own_components(path)
         if self.config.load_format == "dummy":
-            pipe = dummy_pipeline(path, self.device, self.dtype)
+            pipe = dummy_pipeline(path, self.device, self.dtype, own)
         else:
             pipe = diffusers.DiffusionPipeline.from_pretrained(
-                path, local_files_only=True, dtype=self.dtype
+                path, local_files_only=True, dtype=self.dtype, **own
             )
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(self.device)
         accel.pin_execution_device(pipe, self.device)
-        self.family = family_of(path)
         self.adapter = adapter = adapter_for(pipe, self.family)
         if self.family.name == "generic":
             logger.warning(
@@ -225,11 +226,18 @@ class DiffusionStage(OwnLoop, PipelineCall):
             raise InvalidRequestError("this model makes images, not videos", stage=self.name)
         if request.mode in ("text2img", "edit") and self.is_video:
             raise InvalidRequestError("this model makes videos, not images", stage=self.name)
-        if (
-            request.mode == "edit"
-            and ("inpaint" if request.mask is not None else "edit") not in self.edit_pipes
-        ):
+        if request.mode == "text2img" and self.family.needs_image:
+            raise InvalidRequestError(
+                "this model edits an input image: send it one", stage=self.name
+            )
+        if request.mode == "edit" and "edit" not in self.edit_pipes:
             raise InvalidRequestError("this model does not support image edits", stage=self.name)
+        if request.mode == "edit" and request.mask is not None and "inpaint" not in self.edit_pipes:
+            raise InvalidRequestError("this model's edits take no mask", stage=self.name)
+        if request.mode == "edit" and p.strength is not None and not self.family.edit_strength:
+            raise InvalidRequestError(
+                "this model edits by instruction and takes no strength", stage=self.name
+            )
         lim = self.limits
         if p.width is not None or p.height is not None:
             size = (p.width or self.default_width, p.height or self.default_height)

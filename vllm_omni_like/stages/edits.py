@@ -9,12 +9,19 @@ from vllm_omni_like.wire import StageRequest
 
 
 def edit_inputs(
-    batch: list[StageRequest], kwargs: dict[str, Any], pad: int, size_multiple: int
+    batch: list[StageRequest],
+    kwargs: dict[str, Any],
+    pad: int,
+    size_multiple: int,
+    strength: bool = True,
 ) -> str:
     """Put the batch's images (and masks) into `kwargs`; returns 'edit' or 'inpaint'.
 
     Sizes default to the first image's, rounded down to `size_multiple`; `pad` filler rows
-    (a compiled stage's bucket padding) repeat the last image.
+    (a compiled stage's bucket padding) repeat the last image. `strength`: the pipeline takes
+    one (img2img: the image, resized to the output, is where the steps start); else it edits
+    by instruction: the image goes as uploaded (one size a batch: the batching key), for the
+    pipeline to fit by its model's rules.
     """
     from PIL import Image
 
@@ -25,7 +32,9 @@ def edit_inputs(
     width = first.params.width or max(m, first.images[0].shape[1] // m * m)
     kwargs.update(height=height, width=width)
     for r in batch:
-        image = Image.fromarray(r.images[0]).convert("RGB").resize((width, height))
+        image = Image.fromarray(r.images[0]).convert("RGB")
+        if strength:
+            image = image.resize((width, height))
         for _ in range(r.params.n):
             images.append(image)
             if r.mask is not None:
@@ -33,6 +42,8 @@ def edit_inputs(
     images += images[-1:] * pad
     masks += masks[-1:] * pad
     kwargs["image"] = images
+    if not strength:
+        return "edit"
     kwargs["strength"] = first.params.strength if first.params.strength is not None else 0.8
     # diffusers runs int(steps x strength) steps and fails on none: run one at least (the API
     # already asks for enough steps; this covers the Python API)

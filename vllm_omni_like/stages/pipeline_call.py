@@ -28,7 +28,13 @@ class PipelineCall(DiffusionState):
         kwargs.update(width=width, height=height)
         if self.is_video:
             kwargs["num_frames"] = self.default_frames
-        self._run(self.pipe, kwargs)
+        pipe = self.pipe
+        if self.family.needs_image:  # (an edit-only model: a blank image to edit)
+            from PIL import Image
+
+            kwargs["image"] = [Image.new("RGB", (width, height))] * rows
+            pipe = self.edit_pipes["edit"]
+        self._run(pipe, kwargs)
 
     def _prepare(
         self, batch: list[StageRequest], control: StageControl
@@ -59,7 +65,8 @@ class PipelineCall(DiffusionState):
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
         if first.mode == "edit":
-            mode = edits.edit_inputs(batch, kwargs, len(prompts) - rows, self.limits.size_multiple)
+            pad, multiple = len(prompts) - rows, self.limits.size_multiple
+            mode = edits.edit_inputs(batch, kwargs, pad, multiple, self.family.edit_strength)
             pipe = self.edit_pipes[mode]
         # the batch's scheduler (one per batch here: the batching key holds it)
         pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler

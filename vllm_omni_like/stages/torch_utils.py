@@ -146,12 +146,15 @@ class BatchDimProbe:
         module.register_forward_pre_hook(self, with_kwargs=True)
 
 
-def dummy_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Any:
+def dummy_pipeline(
+    path: str, device: torch.device, dtype: torch.dtype, own: dict[str, Any] | None = None
+) -> Any:
     """The pipeline of a diffusers directory with random models (`--load-format dummy`).
 
     Built by calling the pipeline class itself: `from_pretrained` would still look for weight
     files of the components a pipeline marks optional (Wan's transformer, for one). Schedulers
-    and tokenizers load from their folders; config values of model_index.json are passed on.
+    and tokenizers load from their folders; config values of model_index.json are passed on;
+    `own`: components the family loaded itself (by name).
     """
     import inspect
 
@@ -171,6 +174,8 @@ def dummy_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Any:
             kwargs[name] = spec
         elif spec[0] is None:
             kwargs[name] = None
+        elif name in (own or {}):
+            kwargs[name] = (own or {})[name]
         elif name in models:
             kwargs[name] = models[name]
         else:

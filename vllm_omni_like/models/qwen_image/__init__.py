@@ -6,6 +6,11 @@ from Qwen2.5-VL's last hidden states under a chat template whose system prompt i
 prompts keep their own token counts (padded within a batch, with a mask). True classifier-free
 guidance: the negative prompt runs its own forward at its own length, and the guided velocity
 is rescaled to the conditional one's norm per token.
+
+Qwen-Image-Edit (`EDIT_FAMILY`, its architecture `qwen-image-edit`): the same transformer and
+VAE; it edits an input image by instruction (no strength): Qwen2.5-VL reads the prompt with
+the image, and the image's latents join the noise's tokens at every step. It makes no image
+from text alone.
 """
 
 from vllm_omni_like.models.family import Config, Family
@@ -27,4 +32,19 @@ FAMILY = Family(
     own_loop=("text2img",),
     schedulers=("flow-euler",),
     native_side=1024,  # QwenImagePipeline.default_sample_size (128) x the VAE's factor
+)
+
+
+EDIT_FAMILY = Family(
+    name="qwen-image-edit",
+    pipelines=("QwenImageEditPipeline",),
+    output="image",
+    size_base=16,
+    default_guidance=4.0,  # the true CFG scale Qwen-Image-Edit is shown with
+    adapter="vllm_omni_like.models.qwen_image.edit",
+    vae_factors=qwen_vae_factors,
+    schedulers=(),  # (the pipeline's call: its own scheduler)
+    native_side=1024,
+    needs_image=True,
+    edit_strength=False,
 )

@@ -1,0 +1,122 @@
+"""Qwen-Image-Edit beyond the contract suite: the template prefix its pipeline cuts is 64 tokens
+of the synthesized tokenizer, the processor expands each image's pad as Qwen2VLProcessor does,
+and over HTTP it edits through /v1/images/edits (the openai SDK), refuses a generation, a
+strength and a mask with a 400 that says why, and keeps the upload's aspect for its image."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+import re
+import time
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.api.conftest import live_server
+from tests.models.tiny_qwen import tiny_qwen_image_edit_path
+from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
+from vllm_omni_like.models.qwen_image.vl_processor import (
+    IMAGE_TOKEN,
+    VisionTextProcessor,
+    expand_image_tokens,
+)
+
+pytestmark = pytest.mark.slow
+UPLOAD = (np.indices((48, 80)).sum(0) * 5 % 256).astype(np.uint8)[..., None].repeat(3, -1)
+
+
+def _png(array: np.ndarray, mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array, mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_the_template_prefix_the_pipeline_cuts_is_its_system_prompt():
+    from diffusers import QwenImageEditPipeline
+
+    source = inspect.getsource(QwenImageEditPipeline.__init__)
+    template = re.search(r'prompt_template_encode = "(.*)"', source).group(1)
+    template = template.encode().decode("unicode_escape")
+    cut = int(re.search(r"prompt_template_encode_start_idx = (\d+)", source).group(1))
+    tokenizer = build_chat_tokenizer()
+    prefix = template[: template.index("<|vision_start|>")]
+    assert cut == 64 and len(tokenizer(prefix).input_ids) == cut
+    prompt = template.format("make the circle red")
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(prompt).input_ids)
+    assert tokens[cut : cut + 3] == ["<|vision_start|>", IMAGE_TOKEN, "<|vision_end|>"]
+    assert tokens[cut + 3 : cut + 7] == ["make", "the", "circle", "red"]
+    assert "<unk>" not in tokens  # its words are all known
+
+
+def test_the_processor_gives_each_image_its_patches():
+    processor = VisionTextProcessor.load(f"{tiny_qwen_image_edit_path()}/processor")
+    images = [Image.fromarray(UPLOAD), Image.fromarray(UPLOAD[:28, :28])]
+    texts = [f"<|vision_start|>{IMAGE_TOKEN}<|vision_end|>edit {i}" for i in range(2)]
+    out = processor(text=texts, images=images, padding=True, return_tensors="pt")
+    grids = out["image_grid_thw"].tolist()
+    assert grids[1] == [1, 2, 2]  # 28x28: 2x2 patches of 14, merged 2x2 into one token
+    pad = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    counts = (out["input_ids"] == pad).sum(dim=1).tolist()
+    assert counts == [g[0] * g[1] * g[2] // 4 for g in grids]
+    assert out["pixel_values"].shape[0] == sum(g[0] * g[1] * g[2] for g in grids)
+    with pytest.raises(ValueError, match="more images"):
+        expand_image_tokens(["no image here"], [1])
+    with pytest.raises(ValueError, match=r"more <\|image_pad\|>"):
+        expand_image_tokens([IMAGE_TOKEN * 2], [1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with live_server(
+        tmp_path_factory,
+        tiny_qwen_image_edit_path(),
+        stage_kw={"options": {"default_size": 64}},
+    ) as s:
+        yield s
+
+
+def test_edits_by_instruction_over_http(server):
+    client = server.client()
+    model = client.models.retrieve(client.models.list().data[0].id).model_dump()
+    assert model["limits"]["needs_image"] is True and model["limits"]["edit_strength"] is False
+    upload = ("a.png", _png(UPLOAD), "image/png")
+    body = {"seed": 5, "num_inference_steps": 2}
+    res = client.images.edit(image=upload, prompt="make it red", extra_body=body)
+    out = np.asarray(Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))))
+    assert out.shape == (32, 64, 3)  # the upload's 80x48 down to the tiny model's multiple, 32
+    again = client.images.edit(image=upload, prompt="make it red", extra_body=body)
+    assert again.data[0].b64_json == res.data[0].b64_json  # the seed decides it
+    other = client.images.edit(image=upload, prompt="make it blue", extra_body=body)
+    assert other.data[0].b64_json != res.data[0].b64_json  # the instruction counts
+
+
+def test_what_it_cannot_do_is_a_400_that_says_why(server):
+    client = server.client()
+    name = client.models.list().data[0].id
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.generate(prompt="a red circle", model=name)
+    assert time.monotonic() - started < 2.0  # refused at admission
+    err = exc.value.body
+    assert (err["param"], err["code"]) == ("model", "image_required")
+    assert err["message"] == f"{name} edits an input image: send it one through /v1/images/edits"
+    upload = ("a.png", _png(UPLOAD), "image/png")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.edit(image=upload, prompt="x", extra_body={"strength": 0.5})
+    err = exc.value.body
+    assert (err["param"], err["message"]) == (
+        "strength",
+        f"{name} edits by instruction and takes no strength",
+    )
+    mask = np.zeros((48, 80, 4), np.uint8)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.edit(
+            image=upload, mask=("m.png", _png(mask, "RGBA"), "image/png"), prompt="x"
+        )
+    assert "this model's edits take no mask" in exc.value.body["message"]
+    snap = server.engine.stats.snapshot()
+    assert sum(snap["final"].values()) == snap["requests_total"]  # nothing left behind
