@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -194,6 +195,71 @@ def wan_1_3b(out: str) -> None:
     )
 
 
+# Wan's transformers at their published sizes (patch 1x2x2, UMT5-XXL's 4096-wide text, 128-wide
+# heads): Wan2.1-14B (also each expert of Wan2.2-A14B) 14.29B, Wan2.2-TI2V-5B 5.00B
+WAN_14B = dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16)
+WAN_5B = dict(num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48)
+
+
+def wan(out: str, model: str) -> None:
+    """Wan2.1-T2V-14B (UniPC, shift 5 for 720p), Wan2.2-T2V-A14B (two 14B experts, the
+    high-noise one down to timestep 875, shift 12) and Wan2.2-TI2V-5B (a timestep per latent
+    token, Wan2.2's VAE: residual, on 2x2 pixel patches, 48 channels, 16x down; shift 5).
+    UMT5-XXL is left out as for 1.3B (random prompt embeddings). Wan2.2's VAE latent mean and
+    spread are not the trained ones (0 and 1: the weights are random anyway)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    size = WAN_5B if model == "wan2.2-ti2v-5b" else WAN_14B
+    channels = size["in_channels"]
+    experts = model == "wan2.2-t2v-a14b"
+    with torch.device("meta"):
+        for name in ("transformer", "transformer_2") if experts else ("transformer",):
+            WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                attention_head_dim=128,
+                out_channels=channels,
+                text_dim=4096,
+                freq_dim=256,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                eps=1e-6,
+                **size,
+            ).save_config(os.path.join(out, name))
+        if channels == 48:
+            AutoencoderKLWan(
+                base_dim=160,
+                decoder_base_dim=256,
+                z_dim=48,
+                is_residual=True,
+                in_channels=12,
+                out_channels=12,
+                patch_size=2,
+                scale_factor_spatial=16,
+                latents_mean=[0.0] * 48,
+                latents_std=[1.0] * 48,
+            ).save_config(os.path.join(out, "vae"))
+        else:
+            AutoencoderKLWan(base_dim=96, z_dim=16).save_config(os.path.join(out, "vae"))
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=12.0 if experts else 5.0,
+        num_train_timesteps=1000,
+    ).save_config(os.path.join(out, "scheduler"))
+    _index(
+        out,
+        "WanPipeline",
+        transformer=["diffusers", "WanTransformer3DModel"],
+        vae=["diffusers", "AutoencoderKLWan"],
+        scheduler=["diffusers", "UniPCMultistepScheduler"],
+        text_encoder=[None, None],
+        tokenizer=[None, None],
+        transformer_2=["diffusers", "WanTransformer3DModel"] if experts else [None, None],
+        boundary_ratio=0.875 if experts else None,
+        expand_timesteps=channels == 48,
+    )
+
+
 def _index(out: str, cls: str, **entries: object) -> None:
     import diffusers
 
@@ -204,7 +270,14 @@ def _index(out: str, cls: str, **entries: object) -> None:
 
 
 def main() -> None:
-    for name, build in (("sd15", sd15), ("sdxl", sdxl), ("wan2.1-t2v-1.3b", wan_1_3b)):
+    builds: list[tuple[str, Callable[[str], None]]] = [
+        ("sd15", sd15),
+        ("sdxl", sdxl),
+        ("wan2.1-t2v-1.3b", wan_1_3b),
+    ]
+    for model in ("wan2.1-t2v-14b", "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"):
+        builds.append((model, lambda out, model=model: wan(out, model)))
+    for name, build in builds:
         out = os.path.join(OUT, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)

@@ -62,10 +62,11 @@ class Case:
     path: str
     video: bool
     edit: bool  # it only edits an image (its requests and calls carry EDIT_IMAGE)
+    options: dict = dataclasses.field(default_factory=dict)  # the stage's (OPTIONS)
 
     def stage(self, **config) -> DiffusionStage:
         config = {"name": "diffusion", "kind": "diffusion", "model": self.model, **config}
-        config.setdefault("options", OPTIONS.get(self.name, {}))
+        config.setdefault("options", self.options)
         stage = DiffusionStage(StageConfig(**config))
         stage.load("cpu")
         return stage
@@ -81,9 +82,8 @@ class Case:
         return pipe
 
     def limits(self):
-        options = OPTIONS.get(self.name, {})
         return diffusion_limits(
-            StageConfig(name="d", kind="diffusion", model=self.model, options=options)
+            StageConfig(name="d", kind="diffusion", model=self.model, options=self.options)
         )
 
     def call(self, pipe, **kw):
@@ -133,7 +133,8 @@ def case(request) -> Case:
     model = _model(TINY[request.param])
     path = model if os.path.isdir(model) else ensure_tiny_model(model)
     family = family_of(path)
-    return Case(request.param, model, path, family.output == "video", family.needs_image)
+    options = OPTIONS.get(request.param, {})
+    return Case(request.param, model, path, family.output == "video", family.needs_image, options)
 
 
 def _run(stage: DiffusionStage, request: StageRequest) -> np.ndarray:

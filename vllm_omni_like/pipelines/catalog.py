@@ -37,6 +37,15 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+WAN_720P = {
+    "default_width": 1280,
+    "default_height": 720,
+    "default_frames": 81,
+    "max_side": 1280,
+    "max_frames": 81,
+    "default_fps": 16,
+    "max_sequence_length": 512,
+}
 # architecture configs shipped without weights (vllm_omni_like/assets/archs, for benchmarks)
 ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     "sd15": {"default_steps": 30, "default_guidance": 7.5},
@@ -56,6 +65,22 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
         "max_side": 1280,  # 720p, the largest it was trained for
         "max_frames": 81,
         "default_steps": 20,
+        "default_guidance": 5.0,
+        "max_sequence_length": 512,
+    },
+    # 720p, 81 frames at 16 fps (Wan2.2-A14B: its high-noise expert's scale; the low-noise
+    # one's 3.0 is not served: one scale a request)
+    "wan2.1-t2v-14b": {**WAN_720P, "default_steps": 50, "default_guidance": 5.0},
+    "wan2.2-t2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 4.0},
+    # 1280x704, 121 frames at 24 fps
+    "wan2.2-ti2v-5b": {
+        "default_width": 1280,
+        "default_height": 704,
+        "default_frames": 121,
+        "max_side": 1280,
+        "max_frames": 121,
+        "default_fps": 24,
+        "default_steps": 50,
         "default_guidance": 5.0,
         "max_sequence_length": 512,
     },
