@@ -158,58 +158,27 @@ def sdxl(out: str) -> None:
     )
 
 
-def wan_1_3b(out: str) -> None:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-
-    with torch.device("meta"):
-        WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=12,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=8960,
-            num_layers=30,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-        ).save_config(os.path.join(out, "transformer"))
-        AutoencoderKLWan(base_dim=96, z_dim=16).save_config(os.path.join(out, "vae"))
-    UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        flow_shift=3.0,  # Wan's value for 480p
-        num_train_timesteps=1000,
-    ).save_config(os.path.join(out, "scheduler"))
-    _index(
-        out,
-        "WanPipeline",
-        transformer=["diffusers", "WanTransformer3DModel"],
-        vae=["diffusers", "AutoencoderKLWan"],
-        scheduler=["diffusers", "UniPCMultistepScheduler"],
-        text_encoder=[None, None],
-        tokenizer=[None, None],
-        transformer_2=[None, None],
-    )
-
-
-# Wan's transformers at their published sizes (patch 1x2x2, UMT5-XXL's 4096-wide text, 128-wide
-# heads): Wan2.1-14B (also each expert of Wan2.2-A14B) 14.29B, Wan2.2-TI2V-5B 5.00B
-WAN_14B = dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16)
-WAN_5B = dict(num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48)
+# Wan's transformers (patch 1x2x2, UMT5-XXL's 4096-wide text, 128-wide heads) at their
+# published sizes: Wan2.1-1.3B 1.42B, Wan2.1-14B (also each expert of Wan2.2-A14B) 14.29B,
+# Wan2.2-TI2V-5B 5.00B; and the flow shift each ships with (480p: 3; 720p: 5; A14B: 12)
+WAN = {
+    "wan2.1-t2v-1.3b": dict(num_attention_heads=12, ffn_dim=8960, num_layers=30, in_channels=16),
+    "wan2.1-t2v-14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16),
+    "wan2.2-t2v-a14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16),
+    "wan2.2-ti2v-5b": dict(num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48),
+}
+WAN_SHIFT = {"wan2.1-t2v-1.3b": 3.0, "wan2.2-t2v-a14b": 12.0}  # (others: 5)
 
 
 def wan(out: str, model: str) -> None:
-    """Wan2.1-T2V-14B (UniPC, shift 5 for 720p), Wan2.2-T2V-A14B (two 14B experts, the
-    high-noise one down to timestep 875, shift 12) and Wan2.2-TI2V-5B (a timestep per latent
-    token, Wan2.2's VAE: residual, on 2x2 pixel patches, 48 channels, 16x down; shift 5).
-    UMT5-XXL is left out as for 1.3B (random prompt embeddings). Wan2.2's VAE latent mean and
-    spread are not the trained ones (0 and 1: the weights are random anyway)."""
+    """Wan2.1-T2V-1.3B and -14B, Wan2.2-T2V-A14B (two 14B experts, the high-noise one down to
+    timestep 875) and Wan2.2-TI2V-5B (a timestep per latent token, Wan2.2's VAE: residual, on
+    2x2 pixel patches, 48 channels, 16x down), all with UniPC over the flow. UMT5-XXL is left
+    out (random prompt embeddings). Wan2.2's VAE latent mean and spread are not the trained
+    ones (0 and 1: the weights are random anyway)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
-    size = WAN_5B if model == "wan2.2-ti2v-5b" else WAN_14B
+    size = WAN[model]
     channels = size["in_channels"]
     experts = model == "wan2.2-t2v-a14b"
     with torch.device("meta"):
@@ -243,9 +212,12 @@ def wan(out: str, model: str) -> None:
     UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=12.0 if experts else 5.0,
+        flow_shift=WAN_SHIFT.get(model, 5.0),
         num_train_timesteps=1000,
     ).save_config(os.path.join(out, "scheduler"))
+    config: dict[str, object] = {"boundary_ratio": 0.875} if experts else {}
+    if channels == 48:
+        config["expand_timesteps"] = True
     _index(
         out,
         "WanPipeline",
@@ -255,8 +227,7 @@ def wan(out: str, model: str) -> None:
         text_encoder=[None, None],
         tokenizer=[None, None],
         transformer_2=["diffusers", "WanTransformer3DModel"] if experts else [None, None],
-        boundary_ratio=0.875 if experts else None,
-        expand_timesteps=channels == 48,
+        **config,
     )
 
 
@@ -270,12 +241,8 @@ def _index(out: str, cls: str, **entries: object) -> None:
 
 
 def main() -> None:
-    builds: list[tuple[str, Callable[[str], None]]] = [
-        ("sd15", sd15),
-        ("sdxl", sdxl),
-        ("wan2.1-t2v-1.3b", wan_1_3b),
-    ]
-    for model in ("wan2.1-t2v-14b", "wan2.2-t2v-a14b", "wan2.2-ti2v-5b"):
+    builds: list[tuple[str, Callable[[str], None]]] = [("sd15", sd15), ("sdxl", sdxl)]
+    for model in WAN:
         builds.append((model, lambda out, model=model: wan(out, model)))
     for name, build in builds:
         out = os.path.join(OUT, name)
