@@ -24,6 +24,8 @@ class GenerationParams:
     n: int = 1
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    # two experts (Wan2.2-A14B): the low-noise expert's scale (None: guidance_scale)
+    guidance_scale_2: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
     strength: float | None = None
@@ -60,6 +62,7 @@ class GenerationParams:
             self.num_frames,
             self.num_inference_steps,
             self.guidance_scale,
+            self.guidance_scale_2,
             self.strength,
             self.negative_prompt is None,
             self.scheduler,

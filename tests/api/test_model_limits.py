@@ -59,6 +59,7 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         # the names a request's `scheduler` may take (models/schedulers.py)
         "schedulers": ["ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"],
         "needs_image": False,  # it makes images from text too
+        "experts": 1,  # one denoiser (Wan2.2-A14B: 2)
         "edit_strength": True,  # its edits (img2img) take a strength
     }
     video = client.models.retrieve("tiny-video").model_dump()["limits"]
@@ -94,6 +95,18 @@ def test_work_past_the_models_limits_is_a_400_at_admission(tiny):
             json={"prompt": "red circle", "size": "128x64", "num_inference_steps": 2},
         )
         assert r.status_code == 200 and r.json()["size"] == "128x64"
+    snap = tiny.engine.stats.snapshot()
+    assert sum(snap["final"].values()) == snap["requests_total"]
+
+
+def test_a_second_guidance_scale_for_one_denoiser_is_a_400_at_admission(tiny):
+    with tiny.http() as http:
+        started = time.monotonic()
+        r = http.post("/v1/videos", json={"prompt": "red circle", "guidance_scale_2": 3.0})
+        assert time.monotonic() - started < 1.0  # refused before anything ran
+        assert _error(r, 400, "guidance_scale_2", "invalid_value") == (
+            "guidance_scale_2 is the low-noise expert's scale; tiny-video has one denoiser"
+        )
     snap = tiny.engine.stats.snapshot()
     assert sum(snap["final"].values()) == snap["requests_total"]
 

@@ -16,6 +16,7 @@ from tests.models import test_family_contract as contract
 from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
 from tests.stages.test_running_set import _Harness
 from vllm_omni_like.config import StageConfig
+from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.registry import family_of
@@ -112,8 +113,8 @@ def test_requests_of_other_step_counts_sharing_a_set_make_what_they_make_alone()
     )
     stage.load("cpu")
 
-    def request(rid: str, seed: int, steps: int) -> StageRequest:
-        params = GenerationParams(seed=seed, num_inference_steps=steps, num_frames=5)
+    def request(rid: str, seed: int, steps: int, **more) -> StageRequest:
+        params = GenerationParams(seed=seed, num_inference_steps=steps, num_frames=5, **more)
         return StageRequest(rid, "a red circle", params, mode="text2video")
 
     def frames(h: _Harness, rid: str) -> np.ndarray:
@@ -122,8 +123,9 @@ def test_requests_of_other_step_counts_sharing_a_set_make_what_they_make_alone()
         return out.video.frames.astype(np.int16)
 
     a, b = request("a", 3, 6), request("b", 4, 3)
+    c = request("c", 5, 4, guidance_scale_2=1.5)  # its own low-noise scale, beside a's and b's
     alone = {}
-    for r in (a, b):
+    for r in (a, b, c):
         h = _Harness(stage)
         h.add(1, r)
         h.steps()
@@ -131,7 +133,7 @@ def test_requests_of_other_step_counts_sharing_a_set_make_what_they_make_alone()
     h = _Harness(stage)
     h.add(1, a)
     h.steps(2)  # a is past the boundary (its third timestep is under 875); b joins at its first
-    h.add(2, b)
+    h.add(2, b, c)
     h.steps()
     for rid, video in alone.items():
         assert np.abs(frames(h, rid) - video).max() <= 1, rid
@@ -169,3 +171,34 @@ def test_the_architectures_limits_are_their_published_settings():
     a14b = limits("wan2.2-t2v-a14b")  # 720p, 81 frames at 16 fps
     assert (a14b.default_width, a14b.default_height, a14b.default_frames) == (1280, 720, 81)
     assert (a14b.size_multiple, a14b.default_steps) == (16, 40)
+
+
+def test_the_low_noise_expert_takes_its_own_scale():
+    """`guidance_scale_2` as WanPipeline applies it: from the step the low-noise expert takes
+    over; a model of one denoiser refuses it."""
+    case = contract.Case("wan", *[tiny_wan22_experts_path()] * 2, True, False, OPTIONS)
+    params = GenerationParams(seed=3, num_inference_steps=4, num_frames=5, guidance_scale_2=2.0)
+    request = StageRequest("r", "a red circle", params, mode="text2video")
+    got = contract._run(case.stage(), request)
+    pipe = case.pipeline()
+    want = contract._pixels(case, case.call(pipe, num_inference_steps=4, guidance_scale_2=2.0))
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    same = contract._pixels(case, case.call(pipe, num_inference_steps=4))
+    assert np.abs(want.astype(int) - same.astype(int)).max() > 1  # (the scale counts)
+    one = contract.Case("wan", *[tiny_wan22_ti2v_path()] * 2, True, False, OPTIONS).stage()
+    with pytest.raises(InvalidRequestError, match="one denoiser") as exc:
+        one.validate(request)
+    assert exc.value.param == "guidance_scale_2"
+
+
+def test_a_two_expert_model_says_where_its_experts_are(caplog):
+    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion")
+    config = StageConfig(
+        name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), options=OPTIONS
+    )
+    DiffusionStage(config).load("cpu")
+    said = [r.getMessage() for r in caplog.records if "two experts" in r.getMessage()]
+    assert said == [
+        "stage diffusion: two experts switched at timestep 875: transformer on cpu, "
+        "transformer_2 on cpu (none offloaded)"
+    ]

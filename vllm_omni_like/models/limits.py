@@ -45,6 +45,7 @@ class ModelLimits:
     schedulers: tuple[str, ...] = ()  # the names a request's `scheduler` may take
     min_steps: int = 1  # 2 where one step is undefined (a schedule stretched to a terminal sigma)
     needs_image: bool = False  # it only edits (a generation without an image is refused)
+    experts: int = 1  # denoisers switched by timestep (Wan2.2-A14B: 2, `guidance_scale_2`)
     edit_strength: bool = True  # its edits take a strength (False: edits by instruction)
 
     def as_dict(self) -> dict[str, Any]:
@@ -141,7 +142,9 @@ def _geometry(path: str) -> dict[str, Any]:
     rope = net.get("rope_max_seq_len")
     # SD3's learned positions: a grid of `pos_embed_max_size` patches a side at most
     grid = net.get("pos_embed_max_size")
+    second = (index.get("transformer_2") or [None])[0] and index.get("boundary_ratio")
     return {
+        "experts": 2 if second else 1,
         "family": family,
         "video": video,
         "multiple": math.lcm(base, spatial * patch_hw),
@@ -196,6 +199,7 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         schedulers=g["family"].schedulers,
         min_steps=g["min_steps"],
         needs_image=g["family"].needs_image,
+        experts=g["experts"],
         edit_strength=g["family"].edit_strength,
     )
 

@@ -162,6 +162,7 @@ def video_params(
         height=height,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
+        guidance_scale_2=body.guidance_scale_2,
         negative_prompt=body.negative_prompt,
         seed=body.seed,
         fps=fps,
@@ -170,4 +171,10 @@ def video_params(
     )
     check_steps(params, model, name)
     model.check_scheduler(name, params.scheduler)
+    if params.guidance_scale_2 is not None and model.experts < 2:
+        raise InvalidRequestError(
+            f"guidance_scale_2 is the low-noise expert's scale; {name} has one denoiser",
+            param="guidance_scale_2",
+            code="invalid_value",
+        )
     return params

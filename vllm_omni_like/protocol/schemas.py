@@ -59,6 +59,8 @@ class VideoRequest(_Sampling):
     size: str = "auto"
     fps: int | None = Field(default=None, ge=1, le=60)
     num_frames: int | None = Field(default=None, ge=1)
+    # a two-expert model's (Wan2.2-A14B) low-noise expert's scale; None: guidance_scale's
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0)
 
     @field_validator("size")
     @classmethod

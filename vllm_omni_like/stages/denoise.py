@@ -81,6 +81,7 @@ class LoopRow:
     state: rs.Row
     text: int  # its prompt's row of the batch's embeddings
     negative: int | None  # its negative prompt's (a row with guidance), else None
+    guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
 
     @property
     def cfg(self) -> bool:
@@ -100,6 +101,8 @@ class Plan:
     negatives: Text | None  # two forwards: the unconditional branch's
     scale: float | torch.Tensor  # one guidance scale, or a column of them (1: no guidance)
     embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
+    # two experts: each guided row's (scale, the low-noise expert's), where one differs
+    by_expert: list[tuple[float, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,9 @@ class DenoiseLoop:
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
-        self.host_times = len(adapter.experts()) > 1
+        experts = adapter.experts()
+        self.host_times = len(experts) > 1
+        self.boundary = experts[0].boundary  # (two experts: the low-noise one's below it)
         # a guidance embedding (FLUX.1): each row's scale goes into its one forward, no CFG
         self.distilled = adapter.guidance is Guidance.DISTILLED
 
@@ -158,7 +163,8 @@ class DenoiseLoop:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
-                rows.append(LoopRow(r, base + i, guidance, state, prompt, negative))
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, p.guidance_scale_2)
+                rows.append(row)
         text = self.embed(list(prompts))
         if negatives:
             for row in rows:  # (the negatives' rows follow the prompts')
@@ -206,6 +212,8 @@ class DenoiseLoop:
         embedded = None
         if self.distilled:
             embedded = to_device(torch.tensor([r.guidance for r in group]), device)
+        pairs = [(group[j].guidance, _or(group[j].guidance_2, group[j].guidance)) for j in cfg]
+        by_expert = pairs if any(a != b for a, b in pairs) else None
         return Plan(
             active=active,
             group=group,
@@ -216,6 +224,7 @@ class DenoiseLoop:
             negatives=negatives,
             scale=scale,
             embedded=embedded,
+            by_expert=by_expert,
         )
 
     def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
@@ -236,11 +245,25 @@ class DenoiseLoop:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             uncond = self._forward(uncond_rows, cfg_states, plan.negatives)
+        scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
-            return self.adapter.guide(cond, uncond, plan.scale)
+            return self.adapter.guide(cond, uncond, scale)
         out = cond.clone()
-        out[index] = self.adapter.guide(cond[index], uncond, plan.scale)
+        out[index] = self.adapter.guide(cond[index], uncond, scale)
         return out
+
+    def _expert_scale(self, plan: Plan, like: torch.Tensor) -> float | torch.Tensor:
+        """This step's scale of each guided row: its low-noise one where its timestep is under
+        the boundary (as WanPipeline switches `guidance_scale_2` in with `transformer_2`)."""
+        assert plan.by_expert is not None and self.boundary is not None
+        times = [float(plan.group[j].state.timestep) for j in plan.cfg]  # (host timesteps)
+        scales = [
+            low if t < self.boundary else high
+            for (high, low), t in zip(plan.by_expert, times, strict=True)
+        ]
+        if len(set(scales)) == 1 and len(plan.cfg) == len(plan.group):
+            return scales[0]
+        return column(scales, like)
 
     def _forward(
         self,
@@ -263,6 +286,10 @@ class DenoiseLoop:
             guidance = None if guidance is None else pad_tensor(guidance, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
         return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:

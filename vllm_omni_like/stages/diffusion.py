@@ -88,6 +88,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
                 ", ".join(f.name for f in FAMILIES),
             )
         self.is_video = self.family.output == "video"
+        self._say_experts()
         # per mode: our own denoising loop, or the pipeline's call (and why)
         self.loops = loops_for(path, self.config.cfg_parallel)
         self.own = {mode for mode, (loop, _) in self.loops.items() if loop == "own"}
@@ -184,6 +185,20 @@ class DiffusionStage(OwnLoop, PipelineCall):
         if self.leader is not None:
             self.leader.end(batch_id)
 
+    def _say_experts(self) -> None:
+        """A model of two experts (Wan2.2-A14B) says at start-up where each is (none is
+        offloaded: both must fit the device; an H200 holds the A14B pair)."""
+        experts = self.adapter.experts()
+        if len(experts) > 1:
+            where = ", ".join(f"{e.name} on {next(e.model.parameters()).device}" for e in experts)
+            boundary = experts[0].boundary
+            logger.info(
+                "stage %s: two experts switched at timestep %g: %s (none offloaded)",
+                self.name,
+                boundary,
+                where,
+            )
+
     def _check_text_encoder(self, path: str) -> None:
         with open(os.path.join(path, "model_index.json")) as f:
             entry = json.load(f).get("text_encoder", ["present"])
@@ -234,6 +249,12 @@ class DiffusionStage(OwnLoop, PipelineCall):
             raise InvalidRequestError("this model does not support image edits", stage=self.name)
         if request.mode == "edit" and request.mask is not None and "inpaint" not in self.edit_pipes:
             raise InvalidRequestError("this model's edits take no mask", stage=self.name)
+        if p.guidance_scale_2 is not None and len(self.adapter.experts()) < 2:
+            raise InvalidRequestError(
+                "guidance_scale_2 is the low-noise expert's scale; this model has one denoiser",
+                stage=self.name,
+                param="guidance_scale_2",
+            )
         if request.mode == "edit" and p.strength is not None and not self.family.edit_strength:
             raise InvalidRequestError(
                 "this model edits by instruction and takes no strength", stage=self.name

@@ -61,6 +61,8 @@ class PipelineCall(DiffusionState):
         guidance = self.default_guidance if p.guidance_scale is None else p.guidance_scale
         steps = p.num_inference_steps or self.default_steps
         kwargs = self._call_kwargs(prompts, negatives, generators, steps, guidance)
+        if p.guidance_scale_2 is not None:  # (one a batch: the batching key holds it)
+            kwargs["guidance_scale_2"] = p.guidance_scale_2
         if self.is_video:
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
