@@ -232,8 +232,14 @@ def test_a_death_reruns_its_batch_by_halves_and_charges_only_the_convicted_reque
         assert pool.replicas[0].restarts == 0  # all four were the culprit's: the budget is whole
         wait_for(lambda: pool.live_count == 1, 10, "the replica back after the fourth death")
         assert not e.errored
-        now = e.stats.snapshot()["batch_sizes"]
-        done = {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+
+        def ran() -> dict:  # the batches reported since `before`
+            now = e.stats.snapshot()["batch_sizes"]
+            return {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+
+        # (a batch's report reaches the stats after its outputs: wait for all eight rows')
+        wait_for(lambda: sum(int(k) * v for k, v in ran().items()) >= 8, 5, "the reports")
+        done = ran()
         done[1] -= 1  # the blocker's batch
         # the seven innocents ended in at most four batches (a cohort that ran clean, or the
         # cleared ones together), not seven batches of one
