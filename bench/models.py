@@ -282,11 +282,11 @@ def pixels(r: httpx.Response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    """Merge `entry` into `models.<name>` of models-<device>.json; the ratio once both sides
+def write(name: str, entry: dict[str, Any], out_dir: str, prefix: str = "models") -> dict[str, Any]:
+    """Merge `entry` into `models.<name>` of <prefix>-<device>.json; the ratio once both sides
     are in."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"models-{device_name()}.json")
+    path = os.path.join(out_dir, f"{prefix}-{device_name()}.json")
     data: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "models": {},

@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.compare import psnr
-from bench.models import ATTENTION
-from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, gpu_name, sync
+from bench.models import ATTENTION, write
+from bench.raw_diffusers import DTYPES, PROMPT, free, sync
 from bench.server_proc import Server
 from bench.step_profile import step_timeline
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
@@ -243,23 +243,6 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"video_models-{device_name()}.json")
-    data: dict[str, Any] = {"device": gpu_name() if torch.cuda.is_available() else "cpu"}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    models = data.setdefault("models", {})
-    merged = {**models.get(name, {}), **entry}
-    if "server_s" in merged and "diffusers_compiled_s" in merged:
-        merged["ratio_vs_compiled"] = round(merged["server_s"] / merged["diffusers_compiled_s"], 4)
-    models[name] = merged
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    return merged
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="wan2.2-ti2v-5b")
@@ -282,7 +265,7 @@ def main() -> int:
     entry["extrapolated"] = s["timed_steps"] < s["steps"]
     for part in args.parts.split(","):
         entry.update((part_reference if part == "reference" else part_server)(args, s))
-        print(json.dumps(write(name, entry, args.out_dir)), flush=True)
+        print(json.dumps(write(name, entry, args.out_dir, "video_models")), flush=True)
     return 0
 
 
