@@ -210,6 +210,10 @@ class Adapter:
         by default (FLUX.1 packs 2x2 patches into tokens: unpacked)."""
         return latents
 
+    def load_warning(self) -> str | None:
+        """What the stage warns of once loaded (None: nothing)."""
+        return None
+
     @classmethod
     def own_components(cls, path: str) -> dict[str, Any]:
         """Components of the pipeline at `path` this family loads itself (by name), instead of

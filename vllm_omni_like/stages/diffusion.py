@@ -17,7 +17,7 @@ from vllm_omni_like.config import parse_size
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import adapter_for
-from vllm_omni_like.models.registry import FAMILIES, family_of, loops_for
+from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
@@ -78,15 +78,8 @@ class DiffusionStage(OwnLoop, PipelineCall):
         self.pipe = pipe.to(self.device)
         accel.pin_execution_device(pipe, self.device)
         self.adapter = adapter = adapter_for(pipe, self.family)
-        if self.family.name == "generic":
-            logger.warning(
-                "stage %s: %s has no family adapter here: it runs through the pipeline's own "
-                "call, whole requests batched together, without the decode overlap, CFG "
-                "batching or streamed MP4 of the families (%s)",
-                self.name,
-                type(pipe).__name__,
-                ", ".join(f.name for f in FAMILIES),
-            )
+        if (warning := adapter.load_warning()) is not None:
+            logger.warning("stage %s: %s", self.name, warning)
         self.is_video = self.family.output == "video"
         self._say_experts()
         # per mode: our own denoising loop, or the pipeline's call (and why)

@@ -20,6 +20,15 @@ from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 class GenericAdapter(Adapter):
     guidance = Guidance.NONE  # not known here: the pipeline's call applies its own
 
+    def load_warning(self) -> str | None:
+        from vllm_omni_like.models.registry import FAMILIES
+
+        return (
+            f"{type(self.pipe).__name__} has no family adapter here: it runs through the "
+            "pipeline's own call, whole requests batched together, without the decode overlap, "
+            f"CFG batching or streamed MP4 of the families ({', '.join(f.name for f in FAMILIES)})"
+        )
+
     def fuse_qkv(self) -> bool:
         return fuse_unet_qkv(self.pipe)
 
