@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import httpx
 
@@ -78,3 +79,14 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def make_video(http: Any, body: dict[str, Any]) -> bytes:
+    """One video through `/v1/videos` as a client makes it: create, poll at 50 ms, content."""
+    job = http.post("/v1/videos", json=body).json()
+    while job["status"] in ("queued", "in_progress"):
+        time.sleep(0.05)
+        job = http.get(f"/v1/videos/{job['id']}").json()
+    if job["status"] != "completed":
+        raise RuntimeError(f"video failed: {job}")
+    return bytes(http.get(f"/v1/videos/{job['id']}/content").content)

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import raw_diffusers as ref
 from compare import PSNR_MIN_DB, db, psnr
-from server_proc import Server
+from server_proc import Server, make_video
 
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.video_codec import decode_video
@@ -54,13 +54,7 @@ def serve_video(args: argparse.Namespace, log: str) -> tuple[float, bytes, float
         with httpx.Client(base_url=server.url, timeout=900) as http:
             for run in range(1 + args.video_runs):  # the first one warms up
                 t0 = time.perf_counter()
-                job = http.post("/v1/videos", json=body).json()
-                while job["status"] in ("queued", "in_progress"):
-                    time.sleep(0.05)
-                    job = http.get(f"/v1/videos/{job['id']}").json()
-                if job["status"] != "completed":
-                    raise RuntimeError(f"video failed: {job}")
-                mp4 = http.get(f"/v1/videos/{job['id']}/content").content
+                mp4 = make_video(http, body)
                 if run:
                     times.append(time.perf_counter() - t0)
     finally:

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.compare import psnr
 from bench.models import ATTENTION, write
 from bench.raw_diffusers import DTYPES, PROMPT, free, sync
-from bench.server_proc import Server
+from bench.server_proc import Server, make_video
 from bench.step_profile import step_timeline
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
@@ -212,13 +212,7 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         with httpx.Client(base_url=server.url, timeout=1800) as http:
             for run in range(1 + args.runs):  # (the first: a warm-up)
                 t0 = time.perf_counter()
-                job = http.post("/v1/videos", json=body).json()
-                while job["status"] in ("queued", "in_progress"):
-                    time.sleep(0.05)
-                    job = http.get(f"/v1/videos/{job['id']}").json()
-                if job["status"] != "completed":
-                    raise RuntimeError(f"video failed: {job}")
-                mp4 = http.get(f"/v1/videos/{job['id']}/content").content
+                mp4 = make_video(http, body)
                 if run:
                     times.append(time.perf_counter() - t0)
                 since = min(since, time.monotonic())
