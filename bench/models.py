@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import inspect
 import io
 import itertools
 import json
@@ -166,9 +167,13 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = build(args.model, DTYPES[args.dtype], device)
     s["call"] = call_kwargs(pipe, s["guidance"])
-    eager_s, _, _ = timed(pipe, s, args.runs)
-    print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
-    result = {"diffusers_s": round(eager_s, 3)}
+    result = {}
+    if not args.no_eager:
+        eager_s, _, _ = timed(pipe, s, args.runs)
+        print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
+        result["diffusers_s"] = round(eager_s, 3)
+    if "encoder_hidden_states_mask" in inspect.signature(pipe.transformer.forward).parameters:
+        result["text_mask_cost_ms"] = mask_cost(pipe, s["size"], args.runs * 3)
     if not args.tiny:
         result["attention"] = fastest_attention(pipe, s)
         pipe.transformer.fuse_qkv_projections()
@@ -185,6 +190,33 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     del pipe
     free()
     return result
+
+
+def mask_cost(pipe: Any, side: int, runs: int) -> dict[str, float]:
+    """The eager transformer's forward of true CFG's two rows (a prompt of 34 tokens, " " of 6)
+    padded to the first text bucket, masked as the server runs it, against the same length
+    unmasked (no mask: every token attended; ms, medians on the device's clock)."""
+    from bench.masked_attention import clock
+    from vllm_omni_like.models.adapter import adapter_for
+    from vllm_omni_like.models.qwen_image.adapter import TEXT_BUCKETS
+    from vllm_omni_like.models.registry import family_for
+
+    adapter = adapter_for(pipe, family_for({"_class_name": type(pipe).__name__}))
+    config, dev, dtype = pipe.transformer.config, pipe.device, pipe.transformer.dtype
+    latents = torch.randn(2, config.in_channels // 4, side // 8, side // 8, device=dev, dtype=dtype)
+    embeds = torch.randn(2, TEXT_BUCKETS[0], config.joint_attention_dim, device=dev, dtype=dtype)
+    mask = torch.ones(2, TEXT_BUCKETS[0], dtype=torch.long, device=dev)
+    mask[0, 34:], mask[1, 6:] = 0, 0
+    t = torch.full((2,), 500.0, device=dev)
+    out = {}
+    with torch.inference_mode():
+        for name, m in (("masked", mask), ("unmasked", None)):
+            text = {"embeds": embeds, "mask": m}
+            out[name] = round(
+                clock(lambda text=text: adapter.predict(latents, t, text), runs, dev), 2
+            )
+    print(f"text mask: {out}", file=sys.stderr)
+    return out
 
 
 def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +345,7 @@ def main() -> int:
     ap.add_argument("--size", type=int)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compile-mode", default="default")
+    ap.add_argument("--no-eager", action="store_true", help="time the compiled reference only")
     ap.add_argument("--tiny", action="store_true", help="a tiny model directory on the CPU")
     ap.add_argument("--state", default="/tmp/models-reference.npz")
     ap.add_argument("--log", default="models.log")

@@ -242,6 +242,11 @@ class Adapter:
         """Fuse the denoiser's attention projections into one GEMM; whether it did."""
         return False
 
+    def fast_attention(self) -> str | None:
+        """Give the denoiser an attention of the same maths on faster kernels (CUDA, SDPA
+        processors); the name of what it did, or None."""
+        return None
+
     def channels_last(self, compiled: bool, forced: bool) -> bool:
         """Lay out the conv nets channels-last where that is faster (`forced`: the user asked
         for it); whether anything changed."""

@@ -65,8 +65,8 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
 def tune_kernels(
     adapter: Adapter, device: torch.device, fuse_qkv: bool, compiled: bool
 ) -> list[str]:
-    """Fused QKV projections (where the family has them), and cuDNN's autotuned convolutions
-    for a compiled model, on CUDA.
+    """Fused QKV projections and faster attention kernels (where the family has them), and
+    cuDNN's autotuned convolutions for a compiled model, on CUDA.
 
     Returns what is on. The fused projections use diffusers' SDPA processors, so they are left
     out under xformers. Autotuning is kept for the compiled setting, where it was measured
@@ -81,6 +81,8 @@ def tune_kernels(
         done.append("cudnn_benchmark")
     if fuse_qkv and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
         done.append("fused_qkv")
+    if fuse_qkv and (attention := adapter.fast_attention()):
+        done.append(attention)
     return done
 
 

@@ -99,6 +99,12 @@ class QwenImageAdapter(PackedLatents):
     def compile_targets(self) -> list[tuple[Any, str]]:
         return [(self.pipe, "transformer")]
 
+    def fast_attention(self) -> str | None:
+        from vllm_omni_like.models.qwen_image.attention import use_padded_text_attention
+
+        done = use_padded_text_attention(self.pipe.transformer)
+        return "padded_text_attention" if done else None
+
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     """QwenImagePipeline's decode: one frame of the video VAE, un-normalised by its mean and
