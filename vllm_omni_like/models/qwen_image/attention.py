@@ -37,6 +37,11 @@ def unmasked_with_lse(
     return out, lse.reshape(*out.shape[:-1], 1).float()
 
 
+def has_lse_kernel(x: torch.Tensor) -> bool:
+    """Whether `unmasked_with_lse` runs for tensors like `x` (CUDA's kernels: half precision)."""
+    return x.device.type == "cpu" or x.dtype in (torch.float16, torch.bfloat16)
+
+
 def zeroed_padding_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -60,7 +65,7 @@ def zeroed_padding_attention(
 class PaddedTextAttnProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ignore[misc]  # untyped
     """The double-stream block's attention (projections, QK norms, RoPE, output projections as
     diffusers' processor has them) with `zeroed_padding_attention` for a masked text; without a
-    mask, diffusers' own."""
+    mask (or no kernel with a log-sum-exp for it: float32 on CUDA), diffusers' own."""
 
     def __call__(
         self,
@@ -71,7 +76,11 @@ class PaddedTextAttnProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ignore
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if encoder_hidden_states_mask is None or encoder_hidden_states is None:
+        if (
+            encoder_hidden_states is None
+            or encoder_hidden_states_mask is None
+            or not has_lse_kernel(hidden_states)
+        ):
             out: tuple[torch.Tensor, torch.Tensor] = super().__call__(
                 attn,
                 hidden_states,
