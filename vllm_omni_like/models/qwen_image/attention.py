@@ -90,34 +90,36 @@ class PaddedTextAttnProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ignore
                 image_rotary_emb,
             )
             return out
-        head_dim = attn.inner_dim // attn.heads
-        image = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k)]
-        text = [
-            p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-            for p in (attn.add_q_proj, attn.add_k_proj)
-        ]
-        for i, (image_norm, text_norm) in enumerate(
-            ((attn.norm_q, attn.norm_added_q), (attn.norm_k, attn.norm_added_k))
-        ):
-            image[i] = image[i] if image_norm is None else image_norm(image[i])
-            text[i] = text[i] if text_norm is None else text_norm(text[i])
-        if image_rotary_emb is not None:
-            image_freqs, text_freqs = image_rotary_emb
-            image = [apply_rotary_emb_qwen(x, image_freqs, use_real=False) for x in image]
-            text = [apply_rotary_emb_qwen(x, text_freqs, use_real=False) for x in text]
-        image_v = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
-        text_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-        joint = zeroed_padding_attention(
-            torch.cat([text[0], image[0]], dim=1),
-            torch.cat([text[1], image[1]], dim=1),
-            torch.cat([text_v, image_v], dim=1),
-            encoder_hidden_states_mask.bool(),
-        ).flatten(2, 3)
+        q, k, v = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        joint = zeroed_padding_attention(q, k, v, encoder_hidden_states_mask.bool()).flatten(2, 3)
         texts = encoder_hidden_states.shape[1]
         image_out = attn.to_out[0](joint[:, texts:].contiguous())
         if len(attn.to_out) > 1:
             image_out = attn.to_out[1](image_out)  # (dropout)
         return image_out, attn.to_add_out(joint[:, :texts].contiguous())
+
+
+def joint_qkv(
+    attn: Any, image_states: torch.Tensor, text_states: torch.Tensor, rotary: Any
+) -> list[torch.Tensor]:
+    """Queries, keys and values (B, S, H, D) of [text, image] as diffusers' processor makes
+    them: each stream's projections, QK norms and rotary embedding."""
+    head_dim = attn.inner_dim // attn.heads
+    image = [p(image_states) for p in (attn.to_q, attn.to_k, attn.to_v)]
+    text = [p(text_states) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+    image = [x.unflatten(-1, (-1, head_dim)) for x in image]
+    text = [x.unflatten(-1, (-1, head_dim)) for x in text]
+    for i, (image_norm, text_norm) in enumerate(
+        ((attn.norm_q, attn.norm_added_q), (attn.norm_k, attn.norm_added_k))
+    ):
+        image[i] = image[i] if image_norm is None else image_norm(image[i])
+        text[i] = text[i] if text_norm is None else text_norm(text[i])
+    if rotary is not None:
+        image_freqs, text_freqs = rotary
+        for i in (0, 1):
+            image[i] = apply_rotary_emb_qwen(image[i], image_freqs, use_real=False)
+            text[i] = apply_rotary_emb_qwen(text[i], text_freqs, use_real=False)
+    return [torch.cat([t, x], dim=1) for t, x in zip(text, image, strict=True)]
 
 
 def use_padded_text_attention(transformer: Any) -> bool:
