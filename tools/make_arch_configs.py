@@ -166,27 +166,39 @@ WAN = {
     "wan2.1-t2v-14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16),
     "wan2.2-t2v-a14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16),
     "wan2.2-ti2v-5b": dict(num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48),
+    # image to video: the noise's 16 channels, the first frame's latents' 16, the frame mask's 4
+    "wan2.1-i2v-14b": dict(
+        num_attention_heads=40,
+        ffn_dim=13824,
+        num_layers=40,
+        in_channels=36,
+        image_dim=1280,  # CLIP ViT-H/14's width (its second-to-last hidden states)
+        added_kv_proj_dim=5120,
+    ),
+    "wan2.2-i2v-a14b": dict(num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36),
 }
 WAN_SHIFT = {"wan2.1-t2v-1.3b": 3.0, "wan2.2-t2v-a14b": 12.0}  # (others: 5)
+WAN_EXPERTS = {"wan2.2-t2v-a14b": 0.875, "wan2.2-i2v-a14b": 0.9}  # their boundary ratios
 
 
 def wan(out: str, model: str) -> None:
     """Wan2.1-T2V-1.3B and -14B, Wan2.2-T2V-A14B (two 14B experts, the high-noise one down to
-    timestep 875) and Wan2.2-TI2V-5B (a timestep per latent token, Wan2.2's VAE: residual, on
-    2x2 pixel patches, 48 channels, 16x down), all with UniPC over the flow. UMT5-XXL is left
+    timestep 875), Wan2.2-TI2V-5B (a timestep per latent token, Wan2.2's VAE: residual, on
+    2x2 pixel patches, 48 channels, 16x down), Wan2.1-I2V-14B (WanImageToVideoPipeline, CLIP
+    ViT-H/14's image features in each block's cross-attention) and Wan2.2-I2V-A14B (two
+    experts, to timestep 900, no image encoder), all with UniPC over the flow. UMT5-XXL is left
     out (random prompt embeddings). Wan2.2's VAE latent mean and spread are not the trained
     ones (0 and 1: the weights are random anyway)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
 
     size = WAN[model]
-    channels = size["in_channels"]
-    experts = model == "wan2.2-t2v-a14b"
+    experts = model in WAN_EXPERTS
     with torch.device("meta"):
         for name in ("transformer", "transformer_2") if experts else ("transformer",):
             WanTransformer3DModel(
                 patch_size=(1, 2, 2),
                 attention_head_dim=128,
-                out_channels=channels,
+                out_channels=48 if size["in_channels"] == 48 else 16,
                 text_dim=4096,
                 freq_dim=256,
                 cross_attn_norm=True,
@@ -194,41 +206,78 @@ def wan(out: str, model: str) -> None:
                 eps=1e-6,
                 **size,
             ).save_config(os.path.join(out, name))
-        if channels == 48:
-            AutoencoderKLWan(
-                base_dim=160,
-                decoder_base_dim=256,
-                z_dim=48,
-                is_residual=True,
-                in_channels=12,
-                out_channels=12,
-                patch_size=2,
-                scale_factor_spatial=16,
-                latents_mean=[0.0] * 48,
-                latents_std=[1.0] * 48,
-            ).save_config(os.path.join(out, "vae"))
-        else:
-            AutoencoderKLWan(base_dim=96, z_dim=16).save_config(os.path.join(out, "vae"))
+        _wan_vae(out, size["in_channels"] == 48)
     UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
         flow_shift=WAN_SHIFT.get(model, 5.0),
         num_train_timesteps=1000,
     ).save_config(os.path.join(out, "scheduler"))
-    config: dict[str, object] = {"boundary_ratio": 0.875} if experts else {}
-    if channels == 48:
+    config: dict[str, object] = {"boundary_ratio": WAN_EXPERTS[model]} if experts else {}
+    if size["in_channels"] == 48:
         config["expand_timesteps"] = True
+    parts: dict[str, object] = {}
+    if "image_dim" in size:
+        parts = _clip_vision(out)
+    elif size["in_channels"] == 36:
+        parts = {"image_encoder": [None, None], "image_processor": [None, None]}
     _index(
         out,
-        "WanPipeline",
+        "WanImageToVideoPipeline" if size["in_channels"] == 36 else "WanPipeline",
         transformer=["diffusers", "WanTransformer3DModel"],
         vae=["diffusers", "AutoencoderKLWan"],
         scheduler=["diffusers", "UniPCMultistepScheduler"],
         text_encoder=[None, None],
         tokenizer=[None, None],
         transformer_2=["diffusers", "WanTransformer3DModel"] if experts else [None, None],
+        **parts,
         **config,
     )
+
+
+def _wan_vae(out: str, wan22: bool) -> None:
+    """Wan2.1's VAE (8x down, 16 channels), or Wan2.2's (16x, 48, on 2x2 pixel patches)."""
+    from diffusers import AutoencoderKLWan
+
+    if wan22:
+        AutoencoderKLWan(
+            base_dim=160,
+            decoder_base_dim=256,
+            z_dim=48,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+        ).save_config(os.path.join(out, "vae"))
+    else:
+        AutoencoderKLWan(base_dim=96, z_dim=16).save_config(os.path.join(out, "vae"))
+
+
+def _clip_vision(out: str) -> dict[str, object]:
+    """Wan2.1-I2V's image encoder: CLIP ViT-H/14's vision tower (632M) at 224x224, and its
+    image processor; their model_index.json entries."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig
+
+    CLIPVisionConfig(
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        image_size=224,
+        patch_size=14,
+        projection_dim=1024,
+        hidden_act="gelu",
+    ).save_pretrained(os.path.join(out, "image_encoder"))
+    CLIPImageProcessor(crop_size=224, size={"shortest_edge": 224}).save_pretrained(
+        os.path.join(out, "image_processor")
+    )
+    return {
+        "image_encoder": ["transformers", "CLIPVisionModel"],
+        "image_processor": ["transformers", "CLIPImageProcessor"],
+    }
 
 
 def _index(out: str, cls: str, **entries: object) -> None:

@@ -22,7 +22,7 @@ class StageRequest:
     request_id: str
     prompt: str
     params: GenerationParams = field(default_factory=GenerationParams)
-    mode: str = "text2img"  # text | text2img | edit | text2video
+    mode: str = "text2img"  # text | text2img | edit | text2video | image2video
     images: list[Any] = field(default_factory=list)  # HxWx3 uint8 arrays (edit inputs)
     mask: Any | None = None  # HxW uint8, 255 = repaint (diffusers' convention)
     # a prompt written by an earlier stage is truncated to the encoder, not refused
@@ -37,6 +37,8 @@ class StageRequest:
             if self.mode == "text":
                 return (self.mode,)
             return (self.mode, self.params.width, self.params.height, self.params.num_frames)
+        if self.mode == "image2video":  # one image a call (the pipeline encodes one)
+            return (*self.params.shape_key(self.mode), self.request_id)
         if self.mode != "edit":
             return self.params.shape_key(self.mode)
         shape = tuple(self.images[0].shape[:2]) if self.images else None

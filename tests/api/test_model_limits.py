@@ -61,8 +61,10 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "needs_image": False,  # it makes images from text too
         "experts": 1,  # one denoiser (Wan2.2-A14B: 2)
         "edit_strength": True,  # its edits (img2img) take a strength
+        "image_to_video": False,  # (a video model that starts from an input image)
     }
     video = client.models.retrieve("tiny-video").model_dump()["limits"]
+    assert not video["image_to_video"] and not video["needs_image"]  # text to video only
     assert video["schedulers"] == ["unipc", "flow-euler"]
     assert (video["max_side"], video["max_frames"], video["default_fps"]) == (64, 33, 8)
     assert video["frame_multiple"] == 2 and listed["tiny-video"].model_dump()["limits"] == video

@@ -18,6 +18,7 @@ import torch
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
 from tests.models.tiny_qwen import tiny_qwen_image_edit_path, tiny_qwen_image_path
 from tests.models.tiny_sdxl import tiny_sdxl_path
+from tests.models.tiny_wan22 import tiny_wan21_i2v_path, tiny_wan22_ti2v_path
 from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import registry
@@ -29,6 +30,7 @@ from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.edits import first_frame
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.wire import StageRequest
@@ -46,9 +48,14 @@ TINY = {
     "qwen-image-edit": tiny_qwen_image_edit_path,
     "z-image": tiny_z_image_path,
     "wan": "tiny-video",
+    "wan-ti2v": tiny_wan22_ti2v_path,
+    "wan-i2v": tiny_wan21_i2v_path,
 }
-# options of a tiny model whose family's native size is a real model's (Qwen-Image: 1024)
-OPTIONS = {"qwen-image": {"default_size": 64}, "qwen-image-edit": {"default_size": 64}}
+# options of a tiny model whose family's native size is a real model's (Qwen-Image: 1024; a
+# Wan directory not named as the embedded tiny model: 512)
+OPTIONS = {
+    name: {"default_size": 64} for name in ("qwen-image", "qwen-image-edit", "wan-ti2v", "wan-i2v")
+}
 SEED, STEPS, FRAMES = 3, 3, 5
 # what an edit-only family edits: an upload of another size and aspect than the output's
 EDIT_IMAGE = np.stack([*np.meshgrid(np.arange(80), np.arange(48)), np.full((48, 80), 90)], -1)
@@ -103,7 +110,10 @@ class Case:
         )
         if self.video:
             kwargs["num_frames"] = FRAMES
-        if self.edit:
+        if self.edit and self.video:  # the first frame the stage fits to the size
+            size = (kw.get("width", kwargs["width"]), kw.get("height", kwargs["height"]))
+            kwargs["image"] = first_frame(self.request(), *size)
+        elif self.edit:
             from PIL import Image
 
             kwargs["image"] = [Image.fromarray(EDIT_IMAGE)]
@@ -116,9 +126,11 @@ class Case:
         if self.video:
             params = dataclasses.replace(params, num_frames=FRAMES)
         if self.edit:  # (the output's size: the limits' default, as `call` asks)
-            side = self.limits().default_width
-            params = dataclasses.replace(params, width=side, height=side)
-            return StageRequest("r", "a red circle", params, mode="edit", images=[EDIT_IMAGE])
+            limits = self.limits()
+            size = {"width": limits.default_width, "height": limits.default_height}
+            params = dataclasses.replace(params, **size)
+            mode = "image2video" if self.video else "edit"
+            return StageRequest("r", "a red circle", params, mode=mode, images=[EDIT_IMAGE])
         mode = "text2video" if self.video else "text2img"
         return StageRequest("r", "a red circle", params, mode=mode)
 
@@ -184,7 +196,7 @@ CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.TRUE_CFG: 2, Guida
 
 def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
     if case.edit:  # its only mode runs the pipeline's call: the adapter never calls it
-        assert registry.loops_for(case.path)["edit"][0] == "pipeline"
+        assert registry.loops_for(case.path)[family_of(case.path).modes[0]][0] == "pipeline"
         assert not family_of(case.path).own_loop
         return
     pipe = case.pipeline()

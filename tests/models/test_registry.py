@@ -17,7 +17,11 @@ VIDEO_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
 def test_each_family_claims_its_pipelines():
     for family in FAMILIES:
         for name in family.pipelines:
-            assert family_for({"_class_name": name}) is family
+            index = {"_class_name": name}
+            if family.config_flag:  # (told apart from its class's other family by a flag)
+                index[family.config_flag] = True
+            assert family_for(index) is family
+    assert family_for({"_class_name": "WanPipeline", "expand_timesteps": False}).name == "wan"
     assert family_of(arch_path("sd15")).name == "stable-diffusion"
     xl = family_of(arch_path("sdxl"))  # the UNet family's second member
     assert (xl.name, xl.default_guidance, xl.schedulers) == (
@@ -38,8 +42,8 @@ def test_another_pipeline_gets_the_generic_adapter_with_what_its_configs_say():
     assert pixart.adapter.endswith("generic.adapter")
     cog = family_for({"_class_name": "CogVideoXPipeline"}, {"block_out_channels": [1, 2, 3, 4]})
     assert cog.output == "video" and cog.default_guidance == 5.0
-    i2v = family_for({"_class_name": "WanImageToVideoPipeline"}, VIDEO_VAE)  # no adapter yet
-    assert (i2v.name, i2v.output, i2v.size_base) == ("generic", "video", 16)
+    vace = family_for({"_class_name": "WanVACEPipeline"}, VIDEO_VAE)  # no adapter yet
+    assert (vace.name, vace.output, vace.size_base) == ("generic", "video", 16)
     assert family_for({}).name == "generic"
 
 

@@ -32,7 +32,7 @@ OPTIONS = {"default_size": 64}  # (not a tiny model's name: its default would be
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def case(request) -> contract.Case:
     path = VARIANTS[request.param]()
-    return contract.Case("wan", path, path, True, False, OPTIONS)
+    return contract.Case(family_of(path).name, path, path, True, False, OPTIONS)
 
 
 def test_the_stage_makes_what_the_pipeline_makes(case):
@@ -146,6 +146,11 @@ PUBLISHED = {
     ("wan2.2-t2v-a14b", "transformer_2"): 14e9,  # the low-noise one
     ("wan2.2-ti2v-5b", "transformer"): 5e9,
     ("wan2.1-t2v-14b", "vae"): 127e6,  # Wan-VAE
+    # Wan2.1-I2V-14B's: 14B and the image features' cross-attention (32.8 GB in bf16)
+    ("wan2.1-i2v-14b", "transformer"): 16.4e9,
+    ("wan2.1-i2v-14b", "image_encoder"): 632e6,  # CLIP ViT-H/14's vision tower
+    ("wan2.2-i2v-a14b", "transformer"): 14e9,
+    ("wan2.2-i2v-a14b", "transformer_2"): 14e9,
 }
 
 
@@ -168,6 +173,12 @@ def test_the_architectures_limits_are_their_published_settings():
     ti2v = limits("wan2.2-ti2v-5b")  # 1280x704, 121 frames at 24 fps; 16x VAE, 2x2 patches
     assert (ti2v.default_width, ti2v.default_height, ti2v.default_frames) == (1280, 704, 121)
     assert (ti2v.size_multiple, ti2v.frame_multiple, ti2v.default_fps) == (32, 4, 24)
+    for arch, steps in (("wan2.1-i2v-14b", 50), ("wan2.2-i2v-a14b", 40)):
+        i2v = limits(arch)  # 720p, 81 frames at 16 fps, an image required
+        assert (i2v.default_width, i2v.default_frames, i2v.default_fps) == (1280, 81, 16)
+        assert (i2v.default_steps, i2v.needs_image, i2v.image_to_video) == (steps, True, True)
+    assert limits("wan2.2-ti2v-5b").image_to_video and not limits("wan2.2-ti2v-5b").needs_image
+    assert not limits("wan2.1-t2v-14b").image_to_video
     a14b = limits("wan2.2-t2v-a14b")  # 720p, 81 frames at 16 fps
     assert (a14b.default_width, a14b.default_height, a14b.default_frames) == (1280, 720, 81)
     assert (a14b.size_multiple, a14b.default_steps) == (16, 40)

@@ -1,8 +1,9 @@
-"""Tiny Wan2.2-shaped pipelines for the tests (random weights, built once per test process), both
-WanPipeline as Wan2.2 ships it: `experts` - two transformers switched at `boundary_ratio` of the
-train timesteps (T2V-A14B's 0.875: the high-noise expert first); `ti2v` - one transformer given
-a timestep per latent token (`expand_timesteps`, TI2V-5B's) over Wan2.2's VAE (a residual
-VAE on 2x2-patched pixels, 12 channels in)."""
+"""Tiny Wan2.2- and image-to-video-shaped pipelines for the tests (random weights, built once per
+test process). WanPipeline as Wan2.2 ships it: `experts` - two transformers switched at
+`boundary_ratio` of the train timesteps (T2V-A14B's 0.875: the high-noise expert first); `ti2v`
+- one transformer given a timestep per latent token (`expand_timesteps`, TI2V-5B's) over
+Wan2.2's VAE (a residual VAE on 2x2-patched pixels, 12 channels in). WanImageToVideoPipeline:
+`wan21_i2v` (a CLIP image encoder) and `wan22_i2v_experts` (two experts, none)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,74 @@ def tiny_wan22_ti2v_path() -> str:
         expand_timesteps=True,
     )
     return _save(pipe, "tiny-wan22-ti2v")
+
+
+def _i2v_transformer(base, **extra):
+    """The image-to-video transformer over the tiny VAE: the noise's 8 channels, the first
+    frame's latents' 8 and the frame mask's 2 (the VAE's temporal factor) in, 8 out."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel.from_config(
+        {**base.transformer.config, "in_channels": 18, "out_channels": 8, **extra}
+    )
+
+
+@functools.cache
+def tiny_wan21_i2v_path() -> str:
+    """Wan2.1-I2V's shape: one transformer that also attends to the image's CLIP features
+    (a tiny CLIP vision tower: its second-to-last hidden states, 32 wide)."""
+    import torch
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    from vllm_omni_like.models.tiny import video_pipeline
+
+    torch.manual_seed(0)
+    base = video_pipeline()
+    torch.manual_seed(2)
+    vision = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    )
+    inner = base.transformer.config.num_attention_heads * base.transformer.config.attention_head_dim
+    pipe = WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32),
+        image_encoder=vision,
+        transformer=_i2v_transformer(base, image_dim=32, added_kv_proj_dim=inner),
+    )
+    return _save(pipe, "tiny-wan21-i2v")
+
+
+@functools.cache
+def tiny_wan22_i2v_experts_path() -> str:
+    """Wan2.2-I2V-A14B's shape: two image-to-video experts (no image encoder) switched at
+    `boundary_ratio` 0.9 of the train timesteps."""
+    import torch
+    from diffusers import WanImageToVideoPipeline
+
+    from vllm_omni_like.models.tiny import video_pipeline
+
+    torch.manual_seed(0)
+    base = video_pipeline()
+    torch.manual_seed(3)
+    high, low = _i2v_transformer(base), _i2v_transformer(base)
+    pipe = WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        transformer=high,
+        transformer_2=low,
+        boundary_ratio=0.9,
+    )
+    return _save(pipe, "tiny-wan22-i2v-experts")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -12,12 +13,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from vllm_omni_like.api.serving import retrieve
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
 from vllm_omni_like.errors import (
+    InvalidRequestError,
     OmniError,
     QueueFullError,
     RequestTimeoutError,
@@ -41,6 +45,21 @@ DISPATCH_POLL_S = 0.5  # the dispatcher looks at the queue this often without a 
 HOLD_S = 0.25  # after the engine had no room (queue full, stage restarting): wait this long
 CUTOFF_SETTLE_S = 2.0  # after the drain's cut-off: time for cut jobs to record themselves
 STOP_BOUND_S = 5.0  # at shutdown, how long cancelled tasks get to end
+INPUT_EXT = "input.png"  # a job's input_reference, kept until the job ends
+INPUT_DIGEST = "input_reference_sha256"  # its pixels' digest, in the job's parameters
+
+
+def _keep(path: str, image: Any) -> str:
+    """Write an input_reference durably as a PNG (lossless); its pixels' SHA-256."""
+    write_durably(path, encode_image(image))
+    digest = hashlib.sha256(f"{image.shape}".encode())
+    digest.update(np.ascontiguousarray(image).tobytes())
+    return digest.hexdigest()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def video_object(row: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +115,7 @@ class VideoService:
         failed = await asyncio.to_thread(self.store.fail_interrupted)
         if failed:
             logger.warning("%d video jobs were running at the last shutdown: marked failed", failed)
+        await asyncio.to_thread(self._drop_stale_inputs)
         self._tasks = [
             asyncio.create_task(self._dispatch_forever()),
             asyncio.create_task(self._sweep_forever()),
@@ -135,26 +155,69 @@ class VideoService:
         await asyncio.to_thread(self.store.close)
 
     # ---- API -----------------------------------------------------------------------------------
-    async def create(self, body: VideoRequest, idempotency_key: str | None) -> dict[str, Any]:
-        req = video_request(self.engine, body, self.settings.limits, "probe")  # validates
+    async def create(
+        self, body: VideoRequest, idempotency_key: str | None, image: Any = None
+    ) -> dict[str, Any]:
+        """Queue a job. `image` (input_reference, HxWx3 uint8) is kept beside the job as a PNG
+        until it ends, so a job queued across a restart still has it; its digest is in the
+        job's parameters (an idempotent retry must send the same image)."""
+        images = None if image is None else [image]
+        req = video_request(self.engine, body, self.settings.limits, "probe", images)  # validates
         p = req.params
         # the job runs exactly what the object reports: the model's size, frames and fps
         frames, fps, size = p.num_frames, p.fps, f"{p.width}x{p.height}"
         if frames is None or fps is None:  # (admission sets both)
             raise ValueError("a video request without its frames or fps")
-        resolved = {"size": size, "num_frames": frames, "fps": fps}
-        row = await asyncio.to_thread(
-            self.store.create,
-            f"video_{secrets.token_hex(16)}",
-            req.pipeline,
-            f"{frames / fps:g}",
-            size,
-            body.prompt,
-            {**body.model_dump(exclude_none=True), **resolved},
-            idempotency_key,
-        )
+        resolved: dict[str, Any] = {"size": size, "num_frames": frames, "fps": fps}
+        video_id = f"video_{secrets.token_hex(16)}"
+        reference = self.store.media_path(video_id, INPUT_EXT)
+        if image is not None:
+            resolved[INPUT_DIGEST] = await asyncio.to_thread(_keep, reference, image)
+        try:
+            row = await asyncio.to_thread(
+                self.store.create,
+                video_id,
+                req.pipeline,
+                f"{frames / fps:g}",
+                size,
+                body.prompt,
+                {**body.model_dump(exclude_none=True), **resolved},
+                idempotency_key,
+            )
+        finally:
+            if image is not None and not await asyncio.to_thread(self._queued, video_id):
+                await asyncio.to_thread(_unlink, reference)  # (refused, or a retry's job)
         self._wake.set()
         return row
+
+    def _drop_stale_inputs(self) -> None:
+        """At start: an input_reference whose job is no longer queued (it failed as the server
+        died, or the server died between keeping it and queueing the job) goes."""
+        suffix = f".{INPUT_EXT}"
+        for name in os.listdir(self.store.media_dir):
+            if name.endswith(suffix):
+                row = self.store.get(name[: -len(suffix)])
+                if row is None or row["status"] != "queued":
+                    _unlink(os.path.join(self.store.media_dir, name))
+
+    def _queued(self, video_id: str) -> bool:
+        return self.store.get(video_id) is not None
+
+    def _input(self, row: dict[str, Any]) -> list[Any] | None:
+        """The job's input_reference, as kept at create (None: a text-to-video job)."""
+        if INPUT_DIGEST not in json.loads(row["params"]):
+            return None
+        from PIL import Image
+
+        try:
+            with Image.open(self.store.media_path(row["id"], INPUT_EXT)) as image:
+                return [np.asarray(image.convert("RGB"))]
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"the job's input_reference is gone from the storage dir ({exc})",
+                param="input_reference",
+                code="input_reference_missing",
+            ) from None
 
     async def get(self, video_id: str) -> dict[str, Any] | None:
         return await asyncio.to_thread(self.store.get, video_id)
@@ -174,10 +237,9 @@ class VideoService:
 
     def _remove(self, row: dict[str, Any]) -> None:
         self.store.delete(row["id"])
-        for path in (row["file"], row["thumbnail"]):
+        for path in (row["file"], row["thumbnail"], self.store.media_path(row["id"], INPUT_EXT)):
             if path:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                _unlink(path)
 
     # ---- the queue ------------------------------------------------------------------------------
     async def _dispatch_forever(self) -> None:
@@ -205,12 +267,15 @@ class VideoService:
     async def _run(self, row: dict[str, Any]) -> None:
         video_id, stream, wake = row["id"], None, True
         try:
-            body = VideoRequest.model_validate_json(row["params"])
+            fields = json.loads(row["params"])
+            fields.pop(INPUT_DIGEST, None)  # (the job's, not the request's)
+            body = VideoRequest.model_validate(fields)
             omni = video_request(
                 self.engine,
                 body,
                 self.settings.limits,
                 video_id,
+                await asyncio.to_thread(self._input, row),
                 timeout=self.settings.video_timeout,
             )
             stream = self._open(video_id, omni)
@@ -271,6 +336,7 @@ class VideoService:
             error_message=message,
             completed_at=int(time.time()),
         )
+        await asyncio.to_thread(_unlink, self.store.media_path(video_id, INPUT_EXT))
 
     async def _follow(self, video_id: str, stream: RequestStream) -> OmniRequestOutput:
         last_write = 0.0
@@ -326,6 +392,7 @@ class VideoService:
             seconds=f"{frames / video.fps:g}",
             params=json.dumps({**json.loads(row["params"]), **made}),
         )
+        _unlink(self.store.media_path(video_id, INPUT_EXT))  # (its video is made)
 
     async def _sweep_forever(self) -> None:
         while True:

@@ -1,4 +1,5 @@
-"""/v1/videos: create (multipart or JSON), list, retrieve, delete, content."""
+"""/v1/videos: create (multipart or JSON; `input_reference`, a first frame, as a multipart file),
+list, retrieve, delete, content."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from vllm_omni_like.api.errors import error_response
-from vllm_omni_like.api.images import validated
+from vllm_omni_like.api.images import read_upload, validated
 from vllm_omni_like.api.video_jobs import POLL_AFTER_MS, VideoService, video_object
 from vllm_omni_like.errors import (
     ConflictError,
@@ -46,17 +47,21 @@ async def create(request: Request) -> JSONResponse:
     server = request.app.state.server
     server.ensure_ready()
     ctype = request.headers.get("content-type", "")
+    image = None  # input_reference: HxWx3 uint8
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         form = await request.form(max_files=2, max_fields=64)
         try:
-            if form.get("input_reference") is not None:
-                raise InvalidRequestError(
-                    "input_reference is not supported: the served video models are text-to-video",
-                    param="input_reference",
-                )
             body = validated(
-                VideoRequest, {k: v for k, v in form.multi_items() if isinstance(v, str)}
+                VideoRequest,
+                {
+                    k: v
+                    for k, v in form.multi_items()
+                    if isinstance(v, str) and k != "input_reference"
+                },
             )
+            upload = form.get("input_reference")
+            if upload is not None:  # the first frame: PNG, JPEG or WebP, the edits' limits
+                image = await read_upload(server, upload, "input_reference")
         finally:
             await form.close()
     else:
@@ -70,11 +75,14 @@ async def create(request: Request) -> JSONResponse:
             raise InvalidRequestError("the body must be a JSON object")
         if fields.get("input_reference") is not None:
             raise InvalidRequestError(
-                "input_reference is not supported: the served video models are text-to-video",
+                "input_reference is an image file: send it with the other fields as "
+                "multipart/form-data",
                 param="input_reference",
+                code="invalid_image",
             )
         body = validated(VideoRequest, fields)
-    row = await _service(request).create(body, request.headers.get("idempotency-key"))
+    key = request.headers.get("idempotency-key")
+    row = await _service(request).create(body, key, image)
     return _object_response(row)
 
 

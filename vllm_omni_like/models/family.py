@@ -46,8 +46,12 @@ class Family:
     default_frames: int | None = None  # videos: frames when neither request nor options say
     native_side: int | None = None  # images: the side it draws by default where neither its
     # denoiser's config nor its VAE's says (Qwen-Image: 1024)
-    needs_image: bool = False  # it only edits an input image (Qwen-Image-Edit): no text2img
+    needs_image: bool = False  # it only edits an input image (Qwen-Image-Edit, an image-to-
+    # video model): no generation from text alone
     edit_strength: bool = True  # its edits take a strength (img2img); False: by instruction
+    video_from_image: bool = False  # a video model that also starts from an image (TI2V)
+    config_flag: str | None = None  # a model_index.json value that must be true for this
+    # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
 
     def adapter_class(self) -> Any:
         """The torch side (imports torch and diffusers)."""
@@ -56,5 +60,7 @@ class Family:
     @property
     def modes(self) -> tuple[str, ...]:
         if self.output == "video":
-            return ("text2video",)
+            if self.needs_image:
+                return ("image2video",)
+            return ("text2video", "image2video") if self.video_from_image else ("text2video",)
         return ("edit",) if self.needs_image else ("text2img", "edit")

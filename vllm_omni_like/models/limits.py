@@ -47,6 +47,7 @@ class ModelLimits:
     needs_image: bool = False  # it only edits (a generation without an image is refused)
     experts: int = 1  # denoisers switched by timestep (Wan2.2-A14B: 2, `guidance_scale_2`)
     edit_strength: bool = True  # its edits take a strength (False: edits by instruction)
+    image_to_video: bool = False  # a video model that starts from an input image
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -201,6 +202,7 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         needs_image=g["family"].needs_image,
         experts=g["experts"],
         edit_strength=g["family"].edit_strength,
+        image_to_video="image2video" in g["family"].modes,
     )
 
 

@@ -19,7 +19,9 @@ FAMILIES: tuple[Family, ...] = (
     qwen_image.FAMILY,
     qwen_image.EDIT_FAMILY,
     z_image.FAMILY,
+    wan.TI2V_FAMILY,
     wan.FAMILY,
+    wan.I2V_FAMILY,
 )
 
 
@@ -35,8 +37,10 @@ def read_config(path: str, *parts: str) -> Config:
 def family_for(index: Config, vae: Config | None = None) -> Family:
     """The family of a pipeline whose model_index.json is `index` (its VAE's config: `vae`)."""
     name = str(index.get("_class_name", ""))
-    for family in FAMILIES:
-        if name in family.pipelines:
+    for family in FAMILIES:  # (a family with a `config_flag` before its class's other one)
+        if name in family.pipelines and (
+            family.config_flag is None or index.get(family.config_flag)
+        ):
             return family
     return generic_family(name, vae or {})
 

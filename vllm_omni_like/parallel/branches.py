@@ -102,6 +102,9 @@ class BatchedCFG(DenoiserWrapper):
         )
         if isinstance(timestep, torch.Tensor) and timestep.dim() > 0:
             both["timestep"] = torch.cat([timestep, timestep])
+        image = kwargs.get("encoder_hidden_states_image")  # (Wan2.1-I2V's CLIP embeddings:
+        if isinstance(image, torch.Tensor):  # the same for both branches)
+            both["encoder_hidden_states_image"] = torch.cat([image, image])
         out = self.model(**both)
         rows = latents.shape[0]
         rest = tuple(out[1:])

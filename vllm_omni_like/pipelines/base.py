@@ -30,7 +30,7 @@ class Pipeline:
         if _writes_text(self.stages[index]):
             return "text"
         if self.config.output == "video":
-            return "text2video"
+            return "image2video" if request.images else "text2video"
         return "edit" if request.images else "text2img"
 
     def stage_request(

@@ -72,6 +72,10 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
     # one's 3.0 is not served: one scale a request)
     "wan2.1-t2v-14b": {**WAN_720P, "default_steps": 50, "default_guidance": 5.0},
     "wan2.2-t2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 4.0},
+    # image to video at 720p, as published: Wan2.1-I2V-14B-720P 50 steps at CFG 5, Wan2.2-I2V-A14B
+    # 40 steps at CFG 3.5 for both experts
+    "wan2.1-i2v-14b": {**WAN_720P, "default_steps": 50, "default_guidance": 5.0},
+    "wan2.2-i2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 3.5},
     # 1280x704, 121 frames at 24 fps
     "wan2.2-ti2v-5b": {
         "default_width": 1280,

@@ -138,11 +138,48 @@ def video_size(body: VideoRequest, model: ModelLimits, name: str) -> tuple[int, 
     return size
 
 
+def video_image(model: ModelLimits, name: str, upload: tuple[int, int] | None) -> None:
+    """An image-to-video model needs `input_reference`; a text-to-video one takes none."""
+    if upload is None and model.needs_image:
+        raise InvalidRequestError(
+            f"{name} makes a video from an image: send one as input_reference "
+            "(a PNG, JPEG or WebP file, multipart/form-data)",
+            param="input_reference",
+            code="image_required",
+        )
+    if upload is not None and not model.image_to_video:
+        raise InvalidRequestError(
+            f"{name} makes videos from text only and takes no input_reference; "
+            "an image-to-video model does (Wan2.2-TI2V, Wan2.x-I2V)",
+            param="input_reference",
+            code="invalid_value",
+        )
+
+
+def fit_area(width: int, height: int, model: ModelLimits) -> tuple[int, int]:
+    """A video's size from its first frame's: the image's aspect at the model's default
+    pixel count (its default size's area), within its side limit, rounded to its multiple."""
+    scale = math.sqrt(model.default_width * model.default_height / (width * height))
+    scale = min(scale, model.max_side / max(width, height))
+    m = model.size_multiple
+    return (max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m))
+
+
 def video_params(
-    body: VideoRequest, limits: Limits, model: ModelLimits, name: str
+    body: VideoRequest,
+    limits: Limits,
+    model: ModelLimits,
+    name: str,
+    upload: tuple[int, int] | None = None,
 ) -> GenerationParams:
+    """`upload`: the input_reference's (width, height): without a size, the video takes the
+    image's aspect (`fit_area`)."""
     check_prompt(body.prompt, limits)
-    width, height = video_size(body, model, name)
+    video_image(model, name, upload)
+    if upload is not None and parse_size(body.size) is None:  # (no size, or "auto")
+        width, height = fit_area(*upload, model)
+    else:
+        width, height = video_size(body, model, name)
     fps = body.fps or model.default_fps or 8
     asked = body.num_frames or max(1, round(float(body.seconds or DEFAULT_SECONDS) * fps))
     frames = model.frames_for(asked)

@@ -82,11 +82,12 @@ def video_request(
     timeout: float | None = None,
 ) -> OmniRequest:
     pipeline = pick_pipeline(engine, body.model, "video")
+    upload = images[0].shape[1::-1] if images else None  # (width, height)
     return OmniRequest(
         request_id,
         body.prompt,
         pipeline,
-        video_params(body, limits, engine.model_limits(pipeline), pipeline),
+        video_params(body, limits, engine.model_limits(pipeline), pipeline, upload),
         images=images or [],
         timeout=timeout,
         stores_output=True,  # the video job writes the file; it counts the request

@@ -230,10 +230,17 @@ class DiffusionStage(OwnLoop, PipelineCall):
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
         p = request.params
-        if request.mode == "text2video" and not self.is_video:
+        if request.mode in ("text2video", "image2video") and not self.is_video:
             raise InvalidRequestError("this model makes images, not videos", stage=self.name)
         if request.mode in ("text2img", "edit") and self.is_video:
             raise InvalidRequestError("this model makes videos, not images", stage=self.name)
+        if request.mode not in self.family.modes and self.is_video:
+            raise InvalidRequestError(
+                "this model makes videos from an image: send it one"
+                if self.family.needs_image
+                else "this model makes videos from text only",
+                stage=self.name,
+            )
         if request.mode == "text2img" and self.family.needs_image:
             raise InvalidRequestError(
                 "this model edits an input image: send it one", stage=self.name

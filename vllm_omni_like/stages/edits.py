@@ -1,5 +1,6 @@
 """Image edits (img2img, inpaint): a batch's images and masks as the edit pipelines (which the
-family's adapter makes from the text-to-image one) take them."""
+family's adapter makes from the text-to-image one) take them; an image-to-video request's first
+frame."""
 
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def edit_inputs(
         kwargs["mask_image"] = masks
         return "inpaint"
     return "edit"
+
+
+def first_frame(request: StageRequest, width: int, height: int) -> Any:
+    """An image-to-video request's image as its video's first frame: scaled (aspect kept) to
+    cover WxH, then its centre cut out - never stretched."""
+    from PIL import Image
+
+    image = Image.fromarray(request.images[0]).convert("RGB")
+    scale = max(width / image.width, height / image.height)
+    w = max(width, round(image.width * scale))
+    h = max(height, round(image.height * scale))
+    if (w, h) != image.size:
+        image = image.resize((w, h), Image.Resampling.LANCZOS)
+    left, top = (w - width) // 2, (h - height) // 2
+    return image.crop((left, top, left + width, top + height))

@@ -32,8 +32,11 @@ class PipelineCall(DiffusionState):
         if self.family.needs_image:  # (an edit-only model: a blank image to edit)
             from PIL import Image
 
-            kwargs["image"] = [Image.new("RGB", (width, height))] * rows
-            pipe = self.edit_pipes["edit"]
+            blank = Image.new("RGB", (width, height))
+            if self.is_video:  # (one image a call)
+                kwargs["image"], pipe = blank, self.edit_pipes["image2video"]
+            else:
+                kwargs["image"], pipe = [blank] * rows, self.edit_pipes["edit"]
         self._run(pipe, kwargs)
 
     def _prepare(
@@ -70,6 +73,10 @@ class PipelineCall(DiffusionState):
             pad, multiple = len(prompts) - rows, self.limits.size_multiple
             mode = edits.edit_inputs(batch, kwargs, pad, multiple, self.family.edit_strength)
             pipe = self.edit_pipes[mode]
+        elif first.mode == "image2video":  # (one request a batch: the batching key)
+            size = (p.width or self.default_width, p.height or self.default_height)
+            kwargs["image"] = edits.first_frame(first, *size)
+            pipe = self.edit_pipes["image2video"]
         # the batch's scheduler (one per batch here: the batching key holds it)
         pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler
         kwargs.setdefault("height", p.height or self.default_height)

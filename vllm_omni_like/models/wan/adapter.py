@@ -1,5 +1,6 @@
 """The Wan video family in a worker (Wan2.1 T2V, the tiny video model; Wan2.2's two experts and
-per-token timesteps are read from the pipeline's config)."""
+per-token timesteps are read from the pipeline's config). Image to video: models/wan/ti2v.py,
+models/wan/i2v.py."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class WanAdapter(Adapter):
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         pipe = self.pipe
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
-        channels = pipe.transformer.config.in_channels
+        channels = pipe.vae.config.z_dim  # (an image-to-video transformer takes more in)
         return (rows, channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
 
     def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
