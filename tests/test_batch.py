@@ -7,6 +7,7 @@ import json
 import os
 import time
 
+import pytest
 from PIL import Image
 
 from vllm_omni_like.batch import BatchRunner, parse_line, read_lines, run_batch
@@ -192,3 +193,48 @@ def test_the_offline_runs_requests_are_counted_once_their_files_are_written(tmp_
         assert len(e.orchestrator.ledger) == 0  # no id left in the engine
     finally:
         e.shutdown()
+
+
+@pytest.mark.slow
+def test_a_video_line_starts_from_its_input_reference_file(tmp_path):
+    """`input_reference` in a video line: an image file's path; the video takes its aspect
+    (2:1 at the model's 64x64 area: 96x48); a file that cannot be read fails its line alone."""
+    from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
+
+    image = tmp_path / "first.png"
+    Image.new("RGB", (64, 32), (200, 10, 10)).save(image)
+    src, out = tmp_path / "in.jsonl", str(tmp_path / "out")
+    body = {"prompt": "x", "num_frames": 5, "num_inference_steps": 2, "seed": 1}
+    missing = str(tmp_path / "nope.png")
+    _write(
+        src,
+        [
+            {
+                "custom_id": "i2v",
+                "url": "/v1/videos",
+                "body": {**body, "input_reference": str(image)},
+            },
+            {
+                "custom_id": "missing",
+                "url": "/v1/videos",
+                "body": {**body, "input_reference": missing},
+            },
+            {"custom_id": "t2v", "url": "/v1/videos", "body": body},
+        ],
+    )
+    lines = read_lines(str(src), "video")
+    pipelines = tuple(resolve(tiny_wan22_ti2v_path(), options={"default_size": 64}))
+    e = AsyncOmni(EngineConfig(pipelines=pipelines))
+    e.start()
+    try:
+        ran, failed = asyncio.run(run_batch(e, lines, out, Limits(), resume=False))
+    finally:
+        e.shutdown()
+    assert (ran, failed) == (3, 1)
+    error = _results(out)["missing"]["response"]
+    assert error["status_code"] == 400
+    assert error["body"]["error"]["message"] == (
+        f"input_reference {missing!r} cannot be read: No such file or directory"
+    )
+    assert read_video(os.path.join(out, "i2v.mp4")).shape == (5, 48, 96, 3)
+    assert read_video(os.path.join(out, "t2v.mp4")).shape == (5, 64, 64, 3)

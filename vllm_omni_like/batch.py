@@ -20,6 +20,7 @@ from vllm_omni_like.config import Limits
 from vllm_omni_like.engine import AsyncOmni, new_request_id
 from vllm_omni_like.errors import InvalidRequestError, OmniError
 from vllm_omni_like.inputs import OmniRequest
+from vllm_omni_like.media import decode_upload
 from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items, image_request, video_request
@@ -137,11 +138,34 @@ class BatchRunner:
         if line.body is None:  # (a line that failed to parse never runs)
             raise ValueError(f"line {line.number} has no request")
         if line.kind == "video":
-            return video_request(self.engine, VideoRequest(**line.body), self.limits, request_id)
+            fields = dict(line.body)
+            path = fields.pop("input_reference", None)  # a first frame: a local image file
+            images = None if path is None else [self._image(path)]
+            video = VideoRequest(**fields)
+            return video_request(self.engine, video, self.limits, request_id, images)
         body = ImageRequest(**line.body)
         if body.stream:
             raise InvalidRequestError("stream is not supported offline", param="stream")
         return image_request(self.engine, body, self.limits, request_id, stores_output=True)
+
+    def _image(self, path: Any) -> Any:
+        """A line's input_reference: a PNG, JPEG or WebP file's path (absolute, or relative to
+        the directory the command runs in), under the server's upload limits."""
+        if not isinstance(path, str):
+            raise InvalidRequestError(
+                "input_reference must be an image file's path", param="input_reference"
+            )
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.limits.max_upload_bytes + 1)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"input_reference {path!r} cannot be read: {exc.strerror}",
+                param="input_reference",
+            ) from None
+        return decode_upload(
+            data, self.limits.max_upload_bytes, self.limits.max_upload_pixels, "input_reference"
+        )
 
     def _write(self, line: Line, output: OmniRequestOutput) -> dict[str, Any]:
         stem = os.path.join(self.out_dir, line.stem)

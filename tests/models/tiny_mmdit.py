@@ -6,9 +6,9 @@ text encoders, a KL VAE with a shift factor) at a few layers, tokenizers synthes
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from typing import Any
+
+from tests.models.model_dir import model_dir
 
 T5_TOKENS = 24
 
@@ -81,7 +81,7 @@ def _texts(width: int, projection: bool, count: int) -> dict[str, Any]:
 
 
 def _save(pipe: Any, name: str) -> str:
-    path = os.path.join(tempfile.mkdtemp(prefix=f"{name}-"), name)
+    path = model_dir(name)
     pipe.save_pretrained(path)
     return path
 

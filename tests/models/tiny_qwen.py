@@ -10,14 +10,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
+
+from tests.models.model_dir import model_dir
 
 
 @functools.cache
 def tiny_qwen_image_path() -> str:
     from diffusers import QwenImagePipeline
 
-    path = os.path.join(tempfile.mkdtemp(prefix="tiny-qwen-image-"), "tiny-qwen-image")
+    path = model_dir("tiny-qwen-image")
     QwenImagePipeline(**_components()).save_pretrained(path)
     return path
 
@@ -30,7 +31,7 @@ def tiny_qwen_image_edit_path() -> str:
     from vllm_omni_like.models.qwen_image.vl_processor import VisionTextProcessor
 
     parts = _components(vision=True)
-    path = os.path.join(tempfile.mkdtemp(prefix="tiny-qwen-edit-"), "tiny-qwen-image-edit")
+    path = model_dir("tiny-qwen-image-edit")
     tokenizer = parts["tokenizer"]
     QwenImageEditPipeline(**parts, processor=None).save_pretrained(path)
     images = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56)  # 4 patches at most

@@ -5,8 +5,8 @@ projection: the pooled embedding), `text_time` added embeddings, a 64x64 KL VAE.
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
+
+from tests.models.model_dir import model_dir
 
 
 @functools.cache
@@ -70,6 +70,6 @@ def tiny_sdxl_path() -> str:
         # SDXL's own kind of scheduler, over SD's noise schedule
         scheduler=EulerDiscreteScheduler.from_config(DDIMScheduler(**SD_SCHEDULER).config),
     )
-    path = os.path.join(tempfile.mkdtemp(prefix="tiny-sdxl-"), "tiny-sdxl")
+    path = model_dir("tiny-sdxl")
     pipe.save_pretrained(path)
     return path

@@ -8,12 +8,12 @@ Wan2.2's VAE (a residual VAE on 2x2-patched pixels, 12 channels in). WanImageToV
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
+
+from tests.models.model_dir import model_dir
 
 
 def _save(pipe, name: str) -> str:
-    path = os.path.join(tempfile.mkdtemp(prefix=f"{name}-"), name)
+    path = model_dir(name)
     pipe.save_pretrained(path)
     return path
 

@@ -5,8 +5,8 @@ layers, the package's chat-shaped tokenizer with Qwen3's chat template."""
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
+
+from tests.models.model_dir import model_dir
 
 
 @functools.cache
@@ -55,6 +55,6 @@ def tiny_z_image_path() -> str:
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    path = os.path.join(tempfile.mkdtemp(prefix="tiny-z-image-"), "tiny-z-image")
+    path = model_dir("tiny-z-image")
     pipe.save_pretrained(path)
     return path
