@@ -185,27 +185,39 @@ def test_an_idempotent_retry_must_send_the_same_image(servers):
 
 
 def test_a_queued_job_keeps_its_image_across_a_restart(tmp_path_factory):
+    """Two jobs queued by a server that cannot run them; one's image removed by hand while it
+    is down: the next server makes the other's video and fails that one with a clear error."""
     storage = str(tmp_path_factory.mktemp("i2v-restart"))
     ti2v = tiny_wan22_ti2v_path()
     name = os.path.basename(ti2v)
     first = LiveServer(
         (ti2v,), storage, settings_kw={"video_concurrency": 0}, stage_kw=SMALL
     ).start()
-    try:  # (no room for a running job: it stays queued)
-        video = first.client().videos.create(
-            model=name,
-            prompt="x",
-            size="32x32",
-            input_reference=("a.png", png(32, 32), "image/png"),
-            extra_body=FAST,
+    try:  # (no room for a running job: they stay queued)
+        kept, lost = (
+            first.client().videos.create(
+                model=name,
+                prompt="x",
+                size="32x32",
+                input_reference=("a.png", png(32, 32, shade), "image/png"),
+                extra_body=FAST,
+            )
+            for shade in (0, 99)
         )
-        assert video.status == "queued" and _inputs(first) == [f"{video.id}.input.png"]
+        assert kept.status == lost.status == "queued"
+        assert _inputs(first) == sorted(f"{v.id}.input.png" for v in (kept, lost))
+        media = first.app.state.server.videos.store.media_dir
     finally:
         first.stop()
+    os.unlink(os.path.join(media, f"{lost.id}.input.png"))
     second = LiveServer((ti2v,), storage, stage_kw=SMALL).start()
     try:
         client = second.client()
-        assert wait_until(lambda: client.videos.retrieve(video.id).status == "completed", 60)
+        assert wait_until(lambda: client.videos.retrieve(kept.id).status == "completed", 60)
+        assert wait_until(lambda: client.videos.retrieve(lost.id).status == "failed", 30)
+        error = client.videos.retrieve(lost.id).error
+        assert error.code == "input_reference_missing"
+        assert error.message.startswith("the job's input_reference is gone from the storage dir")
         assert wait_until(lambda: not _inputs(second), 10)
     finally:
         second.stop()
