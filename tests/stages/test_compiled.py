@@ -115,3 +115,33 @@ def test_a_compiled_flux_set_pads_rows_not_cfg_pairs_and_never_recompiles():
     assert sorted(h.outputs) == ["a", "b", "c"]
     assert all(o.error is None for o in h.outputs.values())
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+
+
+@pytest.mark.slow
+def test_a_compiled_ti2v_stage_warms_up_its_first_frame_call_too(caplog):
+    """Wan2.2-TI2V's image to video runs the pipeline's call, whose denoiser shapes are not the
+    own loop's: the warm-up runs it too, so a request from an image compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from tests.models.test_family_contract import EDIT_IMAGE
+    from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
+
+    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion")
+    stage = DiffusionStage(
+        StageConfig(
+            name="diffusion",
+            kind="diffusion",
+            model=tiny_wan22_ti2v_path(),
+            compile=True,
+            batch_buckets=(1,),
+            options={"compile_backend": "eager", "default_size": 64},
+        )
+    )
+    stage.load("cpu")
+    assert "warmed up 64x64 from an image" in caplog.text
+    graphs = counters["stats"]["unique_graphs"]
+    params = GenerationParams(seed=1, num_inference_steps=3, num_frames=stage.default_frames)
+    request = StageRequest("r", "x", params, mode="image2video", images=[EDIT_IMAGE])
+    (out,) = stage.execute([request], _control())
+    assert out.error is None and out.video.frames.shape[1:] == (64, 64, 3)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled

@@ -22,14 +22,16 @@ from vllm_omni_like.wire import StageRequest
 class PipelineCall(DiffusionState):
     """Runs a batch through the pipeline's `__call__`."""
 
-    def _warm_up_call(self, rows: int, width: int, height: int) -> None:
+    def _warm_up_call(self, rows: int, width: int, height: int, from_image: bool = False) -> None:
+        """Two steps of the pipeline's call; an edit-only model edits a blank image, and an
+        image-to-video call (`from_image`, or a model that only makes those) starts from one."""
         gens = [torch.Generator(device=self.device).manual_seed(0) for _ in range(rows)]
         kwargs = self._call_kwargs(["warm-up"] * rows, [""] * rows, gens, 2, self.default_guidance)
         kwargs.update(width=width, height=height)
         if self.is_video:
             kwargs["num_frames"] = self.default_frames
         pipe = self.pipe
-        if self.family.needs_image:  # (an edit-only model: a blank image to edit)
+        if self.family.needs_image or from_image:
             from PIL import Image
 
             blank = Image.new("RGB", (width, height))
