@@ -221,3 +221,29 @@ def test_a_queued_job_keeps_its_image_across_a_restart(tmp_path_factory):
         assert wait_until(lambda: not _inputs(second), 10)
     finally:
         second.stop()
+
+
+def test_a_first_frame_of_any_aspect_gives_a_size_the_model_makes():
+    """`fit_area`: the image's aspect at the model's default area, within its side limit, in
+    its multiples - never below one multiple, whatever the aspect."""
+    from vllm_omni_like.models.limits import ModelLimits
+    from vllm_omni_like.protocol.admission import fit_area
+
+    model = ModelLimits(
+        output="video",
+        max_side=1280,
+        max_pixels=1280 * 1280,
+        max_steps=50,
+        default_steps=50,
+        size_multiple=16,
+        default_width=1280,
+        default_height=720,
+    )
+    assert fit_area(1920, 1080, model) == (1280, 720)  # the model's own aspect
+    assert fit_area(1080, 1920, model) == (720, 1280)  # portrait: the same area
+    assert fit_area(1000, 1000, model) == (960, 960)  # 960^2 ~ 1280 x 720
+    assert fit_area(4000, 100, model) == (1280, 32)  # capped by the side limit
+    assert fit_area(100, 100_000, model) == (16, 1280)  # (never below one multiple)
+    for size in ((1920, 1080), (333, 777), (4000, 100), (100, 100_000)):
+        w, h = fit_area(*size, model)
+        assert model.supports(w, h), (size, w, h)
