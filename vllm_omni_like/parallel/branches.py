@@ -53,8 +53,11 @@ class BatchedCFG(DenoiserWrapper):
 
     needs_embeddings = True  # the stage encodes the prompts before the call, for `arm`
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, shared_inputs: tuple[str, ...] = ()) -> None:
+        """`shared_inputs`: keyword inputs of one row each that both branches take alike (an
+        image's features): doubled with the latents."""
         super().__init__(model)
+        self.shared_inputs = shared_inputs
         self.negative: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, tuple] | None = None
 
@@ -102,9 +105,10 @@ class BatchedCFG(DenoiserWrapper):
         )
         if isinstance(timestep, torch.Tensor) and timestep.dim() > 0:
             both["timestep"] = torch.cat([timestep, timestep])
-        image = kwargs.get("encoder_hidden_states_image")  # (Wan2.1-I2V's CLIP embeddings:
-        if isinstance(image, torch.Tensor):  # the same for both branches)
-            both["encoder_hidden_states_image"] = torch.cat([image, image])
+        for name in self.shared_inputs:  # the same rows for both branches
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                both[name] = torch.cat([value, value])
         out = self.model(**both)
         rows = latents.shape[0]
         rest = tuple(out[1:])

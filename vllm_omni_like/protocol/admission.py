@@ -150,7 +150,7 @@ def video_image(model: ModelLimits, name: str, upload: tuple[int, int] | None) -
     if upload is not None and not model.image_to_video:
         raise InvalidRequestError(
             f"{name} makes videos from text only and takes no input_reference; "
-            "an image-to-video model does (Wan2.2-TI2V, Wan2.x-I2V)",
+            "an image-to-video model does (/v1/models: limits.image_to_video)",
             param="input_reference",
             code="invalid_value",
         )

@@ -62,16 +62,15 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
 
 
 # ---- kernels that keep the maths ------------------------------------------------------
-def tune_kernels(
-    adapter: Adapter, device: torch.device, fuse_qkv: bool, compiled: bool
-) -> list[str]:
+def tune_kernels(adapter: Adapter, device: torch.device, sdpa: bool, compiled: bool) -> list[str]:
     """Fused QKV projections and faster attention kernels (where the family has them), and
     cuDNN's autotuned convolutions for a compiled model, on CUDA.
 
-    Returns what is on. The fused projections use diffusers' SDPA processors, so they are left
-    out under xformers. Autotuning is kept for the compiled setting, where it was measured
-    (H200); in eager mode it gained nothing at batch 32 and cost 13% at batch 1 (29.2 against
-    25.7 ms per UNet forward), so eager keeps cuDNN's heuristics like plain diffusers.
+    Returns what is on. Both replace diffusers' SDPA processors (`sdpa`: those are in place),
+    so they are left out under xformers. Autotuning is kept for the compiled setting, where it
+    was measured (H200); in eager mode it gained nothing at batch 32 and cost 13% at batch 1
+    (29.2 against 25.7 ms per UNet forward), so eager keeps cuDNN's heuristics like plain
+    diffusers.
     """
     if device.type != "cuda":
         return []
@@ -79,9 +78,9 @@ def tune_kernels(
     if compiled:
         torch.backends.cudnn.benchmark = True  # the fastest conv algorithm per shape, found once
         done.append("cudnn_benchmark")
-    if fuse_qkv and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
+    if sdpa and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
         done.append("fused_qkv")
-    if fuse_qkv and (attention := adapter.fast_attention()):
+    if sdpa and (attention := adapter.fast_attention()):
         done.append(attention)
     return done
 

@@ -106,7 +106,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
             adapter, config.channels_last, self.device, compiled=config.compile
         )
         self.tuned = accel.tune_kernels(
-            adapter, self.device, fuse_qkv=self.attention == "sdpa", compiled=config.compile
+            adapter, self.device, sdpa=self.attention == "sdpa", compiled=config.compile
         )
         pipeline_loop = set(self.family.modes) - self.own
         if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
@@ -237,17 +237,11 @@ class DiffusionStage(OwnLoop, PipelineCall):
             raise InvalidRequestError("this model makes images, not videos", stage=self.name)
         if request.mode in ("text2img", "edit") and self.is_video:
             raise InvalidRequestError("this model makes videos, not images", stage=self.name)
-        if request.mode not in self.family.modes and self.is_video:
-            raise InvalidRequestError(
-                "this model makes videos from an image: send it one"
-                if self.family.needs_image
-                else "this model makes videos from text only",
-                stage=self.name,
-            )
-        if request.mode == "text2img" and self.family.needs_image:
-            raise InvalidRequestError(
-                "this model edits an input image: send it one", stage=self.name
-            )
+        if request.mode not in self.family.modes:  # (text alone to an image-only model, or
+            if not self.family.needs_image:  # an image to a text-to-video one)
+                raise InvalidRequestError("this model makes videos from text only", stage=self.name)
+            what = "makes videos from an image" if self.is_video else "edits an input image"
+            raise InvalidRequestError(f"this model {what}: send it one", stage=self.name)
         if request.mode == "edit" and "edit" not in self.edit_pipes:
             raise InvalidRequestError("this model does not support image edits", stage=self.name)
         if request.mode == "edit" and request.mask is not None and "inpaint" not in self.edit_pipes:

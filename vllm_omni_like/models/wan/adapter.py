@@ -4,7 +4,7 @@ models/wan/i2v.py."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,6 +18,8 @@ from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
 class WanAdapter(Adapter):
     family = FAMILY
     guidance = Guidance.TWO_CALLS  # the pipeline calls its transformer once per branch
+    branch_inputs: ClassVar[tuple[str, ...]] = ()  # the transformer's per-row inputs both CFG
+    # branches take alike (batched CFG doubles them with the latents)
 
     def __init__(self, pipe: Any, family: Any = None) -> None:
         super().__init__(pipe, family)
@@ -152,7 +154,7 @@ class WanAdapter(Adapter):
     def batched_cfg(self) -> BatchedCFG | None:
         if len(self.experts()) > 1:  # two experts: each would need its own wrapper
             return None
-        wrapper = BatchedCFG(self.pipe.transformer)
+        wrapper = BatchedCFG(self.pipe.transformer, self.branch_inputs)
         self.pipe.transformer = wrapper
         return wrapper
 

@@ -14,6 +14,7 @@ from vllm_omni_like.models.wan.adapter import WanAdapter
 class WanI2VAdapter(WanAdapter):
     family = I2V_FAMILY
     image_conditions = ("image",)
+    branch_inputs = ("encoder_hidden_states_image",)  # (Wan2.1-I2V's CLIP features)
 
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
         return {"image2video": self.pipe}  # (the model itself: it only starts from an image)
