@@ -184,9 +184,9 @@ class VideoService:
                 {**body.model_dump(exclude_none=True), **resolved},
                 idempotency_key,
             )
-        finally:
-            if image is not None and not await asyncio.to_thread(self._queued, video_id):
-                await asyncio.to_thread(_unlink, reference)  # (refused, or a retry's job)
+        finally:  # (refused, or a retry answered with the first job: this id was not stored)
+            if image is not None and await asyncio.to_thread(self.store.get, video_id) is None:
+                await asyncio.to_thread(_unlink, reference)
         self._wake.set()
         return row
 
@@ -200,17 +200,12 @@ class VideoService:
                 if row is None or row["status"] != "queued":
                     _unlink(os.path.join(self.store.media_dir, name))
 
-    def _queued(self, video_id: str) -> bool:
-        return self.store.get(video_id) is not None
-
-    def _input(self, row: dict[str, Any]) -> list[Any] | None:
-        """The job's input_reference, as kept at create (None: a text-to-video job)."""
-        if INPUT_DIGEST not in json.loads(row["params"]):
-            return None
+    def _input(self, video_id: str) -> list[Any]:
+        """The job's input_reference, as kept at create."""
         from PIL import Image
 
         try:
-            with Image.open(self.store.media_path(row["id"], INPUT_EXT)) as image:
+            with Image.open(self.store.media_path(video_id, INPUT_EXT)) as image:
                 return [np.asarray(image.convert("RGB"))]
         except OSError as exc:
             raise InvalidRequestError(
@@ -268,14 +263,14 @@ class VideoService:
         video_id, stream, wake = row["id"], None, True
         try:
             fields = json.loads(row["params"])
-            fields.pop(INPUT_DIGEST, None)  # (the job's, not the request's)
-            body = VideoRequest.model_validate(fields)
+            from_image = fields.pop(INPUT_DIGEST, None) is not None  # (the job's, not the body's)
+            images = await asyncio.to_thread(self._input, video_id) if from_image else None
             omni = video_request(
                 self.engine,
-                body,
+                VideoRequest.model_validate(fields),
                 self.settings.limits,
                 video_id,
-                await asyncio.to_thread(self._input, row),
+                images,
                 timeout=self.settings.video_timeout,
             )
             stream = self._open(video_id, omni)
