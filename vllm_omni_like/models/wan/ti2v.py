@@ -17,9 +17,10 @@ class WanTI2VAdapter(WanAdapter):
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
         from diffusers import WanImageToVideoPipeline
 
-        parts = {k: v for k, v in self.pipe.components.items() if k != "image_encoder"}
         pipe = WanImageToVideoPipeline(
-            **parts, boundary_ratio=self.pipe.config.get("boundary_ratio"), expand_timesteps=True
+            **self.pipe.components,  # (WanPipeline's models: no image encoder among them)
+            boundary_ratio=self.pipe.config.get("boundary_ratio"),
+            expand_timesteps=True,
         )
         pipe.set_progress_bar_config(disable=True)
         return {"image2video": pipe}
