@@ -117,7 +117,9 @@ async def kill_under_load(
     return done, killed[0]
 
 
-def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dict[int, Any]]:
+def run(
+    args: argparse.Namespace, n: int, log: str, extra: str = ""
+) -> tuple[dict[str, Any], dict[int, Any]]:
     flags = [
         *sd15_flags(args, PER_GPU),
         "--devices",
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace, n: int, log: str) -> tuple[dict[str, Any], dic
         "--batch-buckets",
         args.batch_buckets,
     ]
-    server = Server([*flags, *args.server_flags.split()], log, timeout=1800)
+    server = Server([*flags, *args.server_flags.split(), *extra.split()], log, timeout=1800)
     out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     try:
         c = PER_GPU * n
@@ -179,6 +181,12 @@ def main() -> None:
         help="more `serve` flags (default: the policy for closed-loop clients; '' for the "
         "server's default)",
     )
+    ap.add_argument(
+        "--single-also",
+        default="",
+        help="more `serve` flags for a second one-GPU run (e.g. '--batch-level request'): "
+        "per_gpu_at_<N>_over_best_single takes the better of the two",
+    )
     ap.add_argument("--label", default="", help="suffix of the result files' names")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
@@ -215,9 +223,28 @@ def main() -> None:
         restart = report["runs"][str(n)].get("restart_s_compiled")
         if restart is not None:
             report["restart_s_compiled"] = restart
-        with open(path, "w") as f:  # saved run by run: a cut-off run keeps what it measured
-            json.dump(report, f, indent=2)
+        if n == 1 and args.single_also:  # the other batching mode on one GPU
+            report["runs"]["1-also"], _ = run(args, 1, log, args.single_also)
+            report["single_also_flags"] = args.single_also
+        save(report, path)
+    per_gpu_over_best_single(report, max(args.gpus))
+    save(report, path)
     print(json.dumps(report, indent=2))
+
+
+def save(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:  # saved run by run: a cut-off run keeps what it measured
+        json.dump(report, f, indent=2)
+
+
+def per_gpu_over_best_single(report: dict[str, Any], n: int) -> None:
+    """`per_gpu_at_<n>_over_best_single`: img/s per GPU at N = n over the best one-GPU figure
+    (the server's flags, or `--single-also`'s)."""
+    runs = report["runs"]
+    singles = [runs[k]["img_s"] for k in ("1", "1-also") if k in runs]
+    if n > 1 and str(n) in runs and singles:
+        per_gpu = runs[str(n)]["img_s"] / n
+        report[f"per_gpu_at_{n}_over_best_single"] = round(per_gpu / max(singles), 4)
 
 
 if __name__ == "__main__":

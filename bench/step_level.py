@@ -9,6 +9,8 @@ Two servers on the same GPU (`--gpu-memory-fraction 0.45` each): the SD1.5 archi
 random weights, fp16, `--compile` (buckets 1,8,16,32; warm-up sizes 512x512 and 768x768),
 `--max-batch-size 32`; one `--batch-level step`, one `--batch-level request`, all else equal.
 Both start once (at the same time: they compile side by side) and their runs alternate.
+`--gpus 0,1` gives each mode a GPU of its own instead (the whole GPU each; the same load runs
+through both at the same time).
 - c64: 64 closed-loop clients, 512x512, 30 steps, CFG 7.5: img/s each round.
 - ceiling: after the servers stop, this process runs the SD1.5 UNet compiled the same way at
   32 images (64 CFG rows) for 30 steps and the VAE decoder at 32 (per-step device time, CUDA
@@ -54,9 +56,10 @@ from bench.server_proc import Server
 from bench.step_profile import part_ceiling, step_timeline
 from vllm_omni_like.stages.trace import TRACE_DIR_ENV as TRACE_DIR
 
-FRACTION = 0.45
+FRACTION = 0.45  # two servers on one GPU
+FRACTION_OWN_GPU = 0.9
 COMPILED = ["--compile", "--batch-buckets", "1,8,16,32"]
-COMPILED += ["--warmup-size", "512x512", "--warmup-size", "768x768"]
+WARMUP_SIZES = "512x512,768x768"
 TINY = ["tiny-image", "--max-batch-size", "32", "--max-queue-size", "4096"]
 MODES = ("step", "request")
 
@@ -147,33 +150,52 @@ def pixels(r: httpx.Response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def start(tiny: bool, log: str, timeline: str, modes: list[str]) -> dict[str, Server]:
-    """The servers of `modes`, started side by side; the step-level one writes its step
-    timeline to `timeline` (a directory; "" for none)."""
-    base = TINY if tiny else [*sd15_args(FRACTION), *COMPILED]
+def start(args: argparse.Namespace, modes: list[str]) -> dict[str, Server]:
+    """The servers of `modes`, started side by side (on `--gpus`, one each, when given); the
+    step-level one writes its step timeline to `--timeline` (a directory; "" for none)."""
+    fraction = FRACTION_OWN_GPU if args.gpus else FRACTION
+    base = TINY if args.tiny else [*sd15_args(fraction), *COMPILED]
+    for size in [] if args.tiny else args.warmup_sizes.split(","):
+        base += ["--warmup-size", size]
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # a later sitting reuses it
-    envs = {"step": env, "request": env}
-    if timeline:
-        envs["step"] = {**env, TRACE_DIR: timeline, "VLLM_OMNI_LIKE_TRACE_BATCHES": ""}
+    envs = {mode: dict(env) for mode in modes}
+    for mode, gpu in zip(modes, args.gpus.split(",") if args.gpus else [], strict=False):
+        envs[mode]["CUDA_VISIBLE_DEVICES"] = gpu
+    if args.timeline and "step" in envs:
+        envs["step"] |= {TRACE_DIR: args.timeline, "VLLM_OMNI_LIKE_TRACE_BATCHES": ""}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {
             mode: pool.submit(
-                Server, [*base, "--batch-level", mode], f"{log}.{mode}", 1500, envs[mode]
+                Server, [*base, "--batch-level", mode], f"{args.log}.{mode}", 1500, envs[mode]
             )
             for mode in modes
         }
         return {mode: f.result() for mode, f in futures.items()}
 
 
+def each_mode(servers: dict[str, Server], args: argparse.Namespace, run: Any) -> dict[str, Any]:
+    """`run(mode, url)` for every server: at the same time when each has a GPU of its own
+    (`--gpus`), else one after the other (they share the GPU)."""
+    if not args.gpus:
+        return {mode: run(mode, server.url) for mode, server in servers.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        futures = {mode: pool.submit(run, mode, s.url) for mode, s in servers.items()}
+        return {mode: f.result() for mode, f in futures.items()}
+
+
 def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
     bodies = [c64_body(i, args.tiny) for i in range(args.c64_requests)]
     rounds: dict[str, list[float]] = {m: [] for m in servers}
+
+    def one(mode: str, url: str) -> float:
+        out = asyncio.run(closed_loop(url, 64, bodies))
+        print(f"c64 {mode}: {out}, compiles so far {compiles(servers[mode])}", flush=True)
+        return out["img_s"]
+
     for _ in range(args.rounds):
-        for mode in servers:
-            out = asyncio.run(closed_loop(servers[mode].url, 64, bodies))
-            rounds[mode].append(out["img_s"])
-            print(f"c64 {mode}: {out}, compiles so far {compiles(servers[mode])}", flush=True)
+        for mode, img_s in each_mode(servers, args, one).items():
+            rounds[mode].append(img_s)
     med = {m: statistics.median(v) for m, v in rounds.items()}
     result: dict[str, Any] = {"c64_img_s": rounds}
     if "step" in med:
@@ -188,10 +210,13 @@ def part_c64(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, 
 def part_mixed_max(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:
     """Each mode's maximum sustainable throughput on the mix (closed loop, 64 clients)."""
     closed = [mix(i, args.tiny) for i in range(args.mixed_closed)]
-    best = {}
-    for mode in servers:
-        best[mode] = asyncio.run(closed_loop(servers[mode].url, 64, closed))["img_s"]
-        print(f"mixed max {mode}: {best[mode]} img/s", flush=True)
+
+    def one(mode: str, url: str) -> float:
+        img_s = asyncio.run(closed_loop(url, 64, closed))["img_s"]
+        print(f"mixed max {mode}: {img_s} img/s", flush=True)
+        return img_s
+
+    best = each_mode(servers, args, one)
     result: dict[str, Any] = {"mixed_max_img_s": best}
     if len(best) == len(MODES):
         result["mixed_max_throughput_ratio"] = round(best["step"] / best["request"], 4)
@@ -207,15 +232,20 @@ def part_mixed_trace(servers: dict[str, Server], args: argparse.Namespace) -> di
         raise SystemExit("mixed-trace needs --rate (or mixed-max with the request server first)")
     trace = [mix(100_000 + i, args.tiny) for i in range(args.mixed_requests)]
     result: dict[str, Any] = {"offered_req_s": round(args.rate, 3)}
-    for mode in servers:
-        lat = asyncio.run(open_loop(servers[mode].url, trace, args.rate, seed=7))
-        result[f"mixed_{mode}"] = {
+
+    def one(mode: str, url: str) -> dict[str, Any]:
+        lat = asyncio.run(open_loop(url, trace, args.rate, seed=7))
+        out = {
             "p50_s": round(pct(lat, 0.5), 3),
             "p99_s": round(pct(lat, 0.99), 3),
             "mean_s": round(statistics.fmean(lat), 3),
             "requests": len(lat),
         }
-        print(f"mixed trace {mode}: {result[f'mixed_{mode}']}", flush=True)
+        print(f"mixed trace {mode}: {out}", flush=True)
+        return out
+
+    for mode, out in each_mode(servers, args, one).items():
+        result[f"mixed_{mode}"] = out
     if len(servers) == len(MODES):
         p99 = {m: result[f"mixed_{m}"]["p99_s"] for m in MODES}
         result["mixed_p99_ratio"] = round(p99["step"] / p99["request"], 4)
@@ -257,6 +287,8 @@ def main() -> int:
     ap.add_argument("--timeline", default="", help="the step server's timeline directory")
     ap.add_argument("--modes", default="step,request", help="the servers to start")
     ap.add_argument("--rate", type=float, default=0.0, help="mixed-trace's offered req/s")
+    ap.add_argument("--gpus", default="", help="a GPU per mode (e.g. 0,1), in --modes' order")
+    ap.add_argument("--warmup-sizes", default=WARMUP_SIZES, help="the servers' --warmup-size")
     ap.add_argument("--log", default="step_level.log")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
@@ -277,7 +309,7 @@ def main() -> int:
 
 def serve(parts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """Start the servers once, run `parts` through them, count their recompiles."""
-    servers = start(args.tiny, args.log, args.timeline, args.modes.split(","))
+    servers = start(args, args.modes.split(","))
     result: dict[str, Any] = {}
     try:
         result["start_s"] = {m: round(s.start_s, 1) for m, s in servers.items()}
