@@ -240,6 +240,7 @@ def part_mixed_trace(servers: dict[str, Server], args: argparse.Namespace) -> di
             "p99_s": round(pct(lat, 0.99), 3),
             "mean_s": round(statistics.fmean(lat), 3),
             "requests": len(lat),
+            **tail_of(trace, lat),
         }
         print(f"mixed trace {mode}: {out}", flush=True)
         return out
@@ -250,6 +251,32 @@ def part_mixed_trace(servers: dict[str, Server], args: argparse.Namespace) -> di
         p99 = {m: result[f"mixed_{m}"]["p99_s"] for m in MODES}
         result["mixed_p99_ratio"] = round(p99["step"] / p99["request"], 4)
     return result
+
+
+def tail_of(trace: list[dict[str, Any]], lat: list[float]) -> dict[str, Any]:
+    """Who makes the tail: p50 / p99 of each kind of request of the mix (size, guided or not),
+    and the five slowest requests (their place in the trace, size, steps, guidance, seconds)."""
+    kinds: dict[str, list[float]] = {}
+    for body, seconds in zip(trace, lat, strict=True):
+        guided = "cfg" if body["guidance_scale"] > 1 else "no-cfg"
+        kinds.setdefault(f"{body['size']} {guided}", []).append(seconds)
+    slowest = sorted(range(len(lat)), key=lambda i: -lat[i])[:5]
+    return {
+        "by_kind": {
+            k: {"p50_s": round(pct(v, 0.5), 3), "p99_s": round(pct(v, 0.99), 3), "n": len(v)}
+            for k, v in sorted(kinds.items())
+        },
+        "slowest": [
+            [
+                i,
+                trace[i]["size"],
+                trace[i]["num_inference_steps"],
+                trace[i]["guidance_scale"],
+                round(lat[i], 3),
+            ]
+            for i in slowest
+        ],
+    }
 
 
 PARTS = {"c64": [part_c64], "mixed": [part_mixed_max, part_mixed_trace]}

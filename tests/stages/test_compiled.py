@@ -71,10 +71,11 @@ def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_sta
 
 
 @pytest.mark.slow
-def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
+def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
     at other steps (their own timesteps), a row without guidance, a padded batch and decode
-    groups of every size run on the warm-up's graphs; only a size not warmed up compiles."""
+    groups of every size run on the warm-up's graphs; only a size not warmed up compiles, and
+    the worker's log says why (the guard that failed)."""
     from torch._dynamo.utils import counters
 
     from tests.stages.test_running_set import _Harness, _req
@@ -90,9 +91,12 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up():
         o.error is None for o in h.outputs.values()
     )
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+    assert "Recompiling" not in capfd.readouterr().err
     h.add(3, _req("e", 5, 2, width=48, height=48))  # a size not warmed up: it compiles
     h.steps()
     assert counters["stats"]["unique_graphs"] > graphs
+    err = capfd.readouterr().err
+    assert "Recompiling" in err and "size mismatch" in err
 
 
 @pytest.mark.slow

@@ -148,3 +148,11 @@ def model_row_buckets(adapter: Adapter, buckets: tuple[int, ...]) -> tuple[int, 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds `rows`; past the largest, `rows` itself."""
     return next((b for b in buckets if b >= rows), rows)
+
+
+def log_recompiles() -> None:
+    """From now on torch.compile logs each recompile and the guard that failed (the input that
+    changed): after the warm-up, a recompile is a request paying for a compile."""
+    import torch._logging
+
+    torch._logging.set_logs(recompiles=True)

@@ -229,6 +229,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
             len(sizes) * len(self.buckets),
             time.monotonic() - started,
         )
+        accel.log_recompiles()
 
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
