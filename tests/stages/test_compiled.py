@@ -90,6 +90,13 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     assert sorted(h.outputs) == ["a", "b", "c", "d"] and all(
         o.error is None for o in h.outputs.values()
     )
+    # two rows without guidance, joined at different steps: 2 model rows (the warm-up's size
+    # for one guided image), no padding - the set's own latents go into the model as they are
+    h.add(4, _req("u", 6, 4, guidance_scale=1.0))
+    h.steps(1)
+    h.add(5, _req("v", 7, 3, guidance_scale=1.0))
+    h.steps()
+    assert sorted(h.outputs) == ["a", "b", "c", "d", "u", "v"]
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
     assert "Recompiling" not in capfd.readouterr().err
     h.add(3, _req("e", 5, 2, width=48, height=48))  # a size not warmed up: it compiles

@@ -142,6 +142,31 @@ def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alon
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
+def test_the_sets_tensors_stay_inference_tensors_through_joins_and_leaves(stage):
+    """A compiled model guards on its inputs' dispatch keys and was warmed up on inference
+    tensors: a set's latents and text must stay such tensors when rows join (a cat), leave and
+    are dropped (an index), outside any inference_mode of the caller."""
+    h = _Harness(stage)
+    h.add(1, _req("a", seed=1, steps=3, guidance_scale=1.0))
+    h.steps(1)
+    h.add(2, _req("b", seed=2, steps=5, guidance_scale=1.0), _req("c", seed=4, steps=6))
+    joined = h.stepper.set
+    assert joined.latents is not None and joined.latents.is_inference()
+    assert all(t.is_inference() for t in _tensors(joined.text))
+    h.steps(2)  # a ended: it left
+    assert [r.request_id for r in h.stepper.requests] == ["b", "c"]
+    assert joined.latents.is_inference() and all(t.is_inference() for t in _tensors(joined.text))
+    h.control.abort(["c"])
+    h.steps(1)  # c dropped
+    assert joined.latents.is_inference() and all(t.is_inference() for t in _tensors(joined.text))
+    h.steps()
+    assert sorted(h.outputs) == ["a", "b"]
+
+
+def _tensors(text) -> list[torch.Tensor]:
+    return list(text.values()) if isinstance(text, dict) else [text]
+
+
 def test_a_group_of_another_shape_waits_for_a_lane_to_drain(stage):
     """With one shape group a replica (`--shape-groups 1`) another shape waits, in order."""
     h = _Harness(stage)

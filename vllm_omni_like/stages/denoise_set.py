@@ -41,6 +41,11 @@ def _text_rows(text: Text) -> int:
 
 
 class DenoiseSet:
+    """The set's tensors stay inference tensors through joins, leaves and removals (each runs
+    under `torch.inference_mode`, whoever calls it): a compiled model guards on its inputs'
+    dispatch keys, so a plain tensor where the warm-up saw an inference tensor (the latents of
+    a set without guidance, passed to the model as they are) would make it compile again."""
+
     def __init__(self, loop: DenoiseLoop) -> None:
         self.loop = loop
         self.rows: list[LoopRow] = []
@@ -57,6 +62,7 @@ class DenoiseSet:
         """The requests in the set, in the order they joined (each once)."""
         return _distinct(row.request for row in self.rows)
 
+    @torch.inference_mode()
     def join(self, rows: list[LoopRow], text: Text, latents: torch.Tensor) -> None:
         """Add a group's rows (`loop.rows` and `loop.noise` made them) at the step boundary."""
         if self.text is not None and self.latents is not None:
@@ -121,6 +127,7 @@ class DenoiseSet:
             first.setdefault(row.request.request_id, i)
         return first
 
+    @torch.inference_mode()
     def leave(self, live: set[str]) -> Left | None:
         """Take out the rows of requests that ended (returned, with their latents) or are no
         longer live (dropped)."""
@@ -139,6 +146,7 @@ class DenoiseSet:
         self._keep(keep)
         return left
 
+    @torch.inference_mode()
     def remove(self, request_ids: set[str]) -> None:
         """Take these requests' rows out (their latents dropped)."""
         keep = [i for i, r in enumerate(self.rows) if r.request.request_id not in request_ids]
