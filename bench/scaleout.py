@@ -4,13 +4,15 @@
 
 For each N of `--gpus`, `vllm-omni-like serve sd15 --load-format dummy --devices 0..N-1
 --compile --batch-buckets 8,32 --batch-policy refill` starts as its own process (one replica
-per GPU) and closed-loop HTTP clients drive it at concurrency 32 x N (the SD1.5 architecture as
-in bench/serving.py: 512x512, 30 DDIM steps, CFG 7.5); each N's batch use (batches, mean size,
-split batches) is read from /metrics. `--server-flags ''` measures the server's default
-(request-level) policy instead. Every N's images must equal N = 1's at the same seeds
-(PSNR >= 35 dB). On the largest N, one replica's worker is SIGKILLed (its pid from /health) and
-the time until /health shows that replica ready again is the compiled restart (the inductor
-cache that the first start filled is shared under the server's cache dir).
+per GPU) and closed-loop HTTP clients drive it at concurrency `--per-gpu` (32) x N (the SD1.5
+architecture as in bench/serving.py: 512x512, 30 DDIM steps, CFG 7.5); each N's batch use
+(batches, mean size, split batches) is read from /metrics. `--server-flags ''` measures the
+server's default (step-level batching) instead; `--single-also` adds a one-GPU run with other
+flags (the best one-GPU figure of the two is what N GPUs are measured against). Every N's
+images must equal N = 1's at the same seeds (PSNR >= 35 dB). On the largest N, one replica's
+worker is SIGKILLed (its pid from /health) and the time until /health shows that replica ready
+again is the compiled restart (the inductor cache that the first start filled is shared under
+the server's cache dir).
 Result: bench/results/scaleout-<device><label>.json.
 """
 
@@ -33,7 +35,7 @@ from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 from serving import closed_loop, image_body, sd15_flags
 
-PER_GPU = 32  # closed-loop clients per replica
+MAX_BATCH = 32  # the replicas' --max-batch-size (and the default clients per replica)
 
 
 def wait_ready(url: str, replica: int, old_pid: int | None, timeout: float = 600.0) -> int:
@@ -70,7 +72,7 @@ def batch_counts(url: str) -> dict[str, float]:
             out["batches"] = value
         elif line.startswith("vllm_omni_like_batch_size_sum"):
             out["requests"] = value
-        elif f'le="{PER_GPU // 2}.0"' in line:
+        elif f'le="{MAX_BATCH // 2}.0"' in line:
             out["split"] = value
     return out
 
@@ -81,7 +83,7 @@ def batch_use(before: dict[str, float], after: dict[str, float]) -> dict[str, An
     return {
         "batches": int(batches),
         "mean_batch": round(requests / max(batches, 1), 2),
-        f"batches_up_to_{PER_GPU // 2}": int(after["split"] - before["split"]),
+        f"batches_up_to_{MAX_BATCH // 2}": int(after["split"] - before["split"]),
     }
 
 
@@ -139,7 +141,7 @@ def run(
     args: argparse.Namespace, n: int, log: str, extra: str = ""
 ) -> tuple[dict[str, Any], dict[int, Any]]:
     flags = [
-        *sd15_flags(args, PER_GPU),
+        *sd15_flags(args, MAX_BATCH),
         "--devices",
         ",".join(str(i) for i in range(n)),
         "--compile",
@@ -149,7 +151,7 @@ def run(
     server = Server([*flags, *args.server_flags.split(), *extra.split()], log, timeout=1800)
     out: dict[str, Any] = {"start_s": round(server.start_s, 1)}
     try:
-        c = PER_GPU * n
+        c = args.per_gpu * n
         asyncio.run(closed_loop(server.url, args, c, c, 0))  # warm-up: every replica, full batch
         total = c * args.rounds
         before = batch_counts(server.url)
@@ -169,7 +171,7 @@ def run(
             file=sys.stderr,
         )
         if n == max(args.gpus) and n > 1 and args.kill_under_load:
-            batch_s = PER_GPU / (out["img_s"] / n)  # one replica's full batch
+            batch_s = MAX_BATCH / (out["img_s"] / n)  # one replica's full batch
             done, at = asyncio.run(kill_under_load(server.url, args, c, c * args.rounds, n - 1))
             after = [t for t in done if t >= at]
             gaps = [b - a for a, b in zip([at, *after], after, strict=False)]
@@ -194,6 +196,13 @@ def main() -> None:
     ap.add_argument("--gpus", default="1,2,4", help="replica counts (GPUs 0..N-1 each)")
     ref.add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=5, help="requests per client")
+    ap.add_argument(
+        "--per-gpu",
+        type=int,
+        default=MAX_BATCH,
+        help="closed-loop clients per replica (64 keeps a step-level set of 32 full while "
+        "answered clients are on their way back)",
+    )
     ap.add_argument("--keep", type=int, default=8, help="seeds whose images are compared")
     ap.add_argument("--batch-buckets", default="8,32")
     ap.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True)
@@ -223,7 +232,7 @@ def main() -> None:
         "gpus": max(args.gpus),
         "workload": f"sd15 dummy {args.size}x{args.size} {args.steps} steps CFG "
         f"{args.guidance} {args.dtype}, --compile --batch-buckets {args.batch_buckets}, "
-        f"closed loop at {PER_GPU} clients per replica, {args.rounds} requests each"
+        f"closed loop at {args.per_gpu} clients per replica, {args.rounds} requests each"
         + (f", serve flags {args.server_flags}" if args.server_flags else ""),
         "runs": {},
     }

@@ -1,0 +1,86 @@
+"""The host side's ceiling: how many images a second the API process answers when the stage
+does no work at all.
+
+    python bench/host_cap.py --replicas 4 --clients 128 --label '4x H200 host'
+
+Each run is appended to bench/results/host_cap.jsonl.
+
+`vllm-omni-like serve null-image --replicas N` (null stages: one step, no delay, 512x512 noise
+images, the hardest case for PNG's deflate) driven by closed-loop HTTP clients asking for b64
+JSON as bench/serving.py does. Reports img/s and the CPU each image costs the API process (HTTP,
+orchestrator, PNG encode, JSON), the workers and this client; `--fmt jpeg` shows what the PNG
+encode itself costs. A GPU run whose img/s sits near this figure is bound by the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serving
+from server_proc import Server
+from serving import closed_loop
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    return sum(proc.cpu_times()[:2])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    body = serving.image_body
+    serving.image_body = lambda a, seed: {**body(a, seed), "output_format": args.fmt}
+    flags = ["null-image", "--max-batch-size", "32", "--max-queue-size", "8192"]
+    server = Server([*flags, "--replicas", str(args.replicas)], args.log, 120)
+    try:
+        api = psutil.Process(server.proc.pid)
+        asyncio.run(closed_loop(server.url, args, args.clients, args.clients, 0))  # warm-up
+        workers = api.children(recursive=True)
+        before = (cpu_seconds(api), sum(map(cpu_seconds, workers)), time.process_time())
+        _, wall, _ = asyncio.run(closed_loop(server.url, args, args.clients, args.requests, 0))
+        after = (cpu_seconds(api), sum(map(cpu_seconds, workers)), time.process_time())
+    finally:
+        server.stop()
+        serving.image_body = body
+    used = [b - a for a, b in zip(before, after, strict=True)]
+    n = args.requests
+    names = ("api", "workers", "client")
+    return {
+        "replicas": args.replicas,
+        "clients": args.clients,
+        "format": args.fmt,
+        "img_s": round(n / wall, 2),
+        "cpu_ms_per_image": {k: round(v * 1000 / n, 1) for k, v in zip(names, used, strict=True)},
+        "api_cores": round(used[0] / wall, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--fmt", default="png", choices=("png", "jpeg", "webp"))
+    ap.add_argument("--size", type=int, default=512)
+    ap.add_argument("--label", default="", help="the machine, in words (kept with the run)")
+    ap.add_argument("--log", default=os.devnull)
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    args.steps, args.guidance = 1, 7.5  # (what serving.image_body reads)
+    result = {"machine": args.label or platform.node(), "cpus": os.cpu_count(), **measure(args)}
+    print(json.dumps(result), flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "host_cap.jsonl"), "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
