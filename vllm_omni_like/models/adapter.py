@@ -237,6 +237,12 @@ class Adapter:
         """Pipelines sharing this one's models for the `image_conditions` it takes."""
         return {}
 
+    def warm_up_from_image(self) -> bool:
+        """Whether the warm-up of a compiled stage also runs the call that starts from an image
+        (`edit_pipelines`' image-to-video call over the same denoiser, one request a call): the
+        compiled denoiser sees other inputs there."""
+        return False
+
     # ---- speed: the same maths -----------------------------------------------------------------
     def fuse_qkv(self) -> bool:
         """Fuse the denoiser's attention projections into one GEMM; whether it did."""

@@ -220,7 +220,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
                 else:
                     self._warm_up_call(rows, width, height)
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
-            if self.family.video_from_image:  # (its first frame: the pipeline's call, one a call)
+            if self.adapter.warm_up_from_image():  # (that call takes one request a call)
                 self._warm_up_call(accel.bucket_for(1, self.buckets), width, height, True)
                 logger.info("stage %s: warmed up %dx%d from an image", self.name, width, height)
         logger.info(
