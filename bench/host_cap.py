@@ -20,19 +20,12 @@ import json
 import os
 import platform
 import sys
-import time
 from typing import Any
-
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving
 from server_proc import Server
 from serving import closed_loop
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    return sum(proc.cpu_times()[:2])
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,25 +34,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     flags = ["null-image", "--max-batch-size", "32", "--max-queue-size", "8192"]
     server = Server([*flags, "--replicas", str(args.replicas)], args.log, 120)
     try:
-        api = psutil.Process(server.proc.pid)
         asyncio.run(closed_loop(server.url, args, args.clients, args.clients, 0))  # warm-up
-        workers = api.children(recursive=True)
-        before = (cpu_seconds(api), sum(map(cpu_seconds, workers)), time.process_time())
+        before = server.cpu_seconds()
         _, wall, _ = asyncio.run(closed_loop(server.url, args, args.clients, args.requests, 0))
-        after = (cpu_seconds(api), sum(map(cpu_seconds, workers)), time.process_time())
+        cost = server.cpu_ms_per_image(before, args.requests)
     finally:
         server.stop()
         serving.image_body = body
-    used = [b - a for a, b in zip(before, after, strict=True)]
-    n = args.requests
-    names = ("api", "workers", "client")
     return {
         "replicas": args.replicas,
         "clients": args.clients,
         "format": args.fmt,
-        "img_s": round(n / wall, 2),
-        "cpu_ms_per_image": {k: round(v * 1000 / n, 1) for k, v in zip(names, used, strict=True)},
-        "api_cores": round(used[0] / wall, 2),
+        "img_s": round(args.requests / wall, 2),
+        "cpu_ms_per_image": cost,
+        "api_cores": round(cost["api"] * args.requests / 1000 / wall, 2),
     }
 
 

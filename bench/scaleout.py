@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -87,23 +86,6 @@ def batch_use(before: dict[str, float], after: dict[str, float]) -> dict[str, An
     }
 
 
-def host_cpu(server: Server) -> dict[str, float]:
-    """CPU seconds so far of the server's API process (HTTP, orchestrator, image encoding),
-    of its workers (all its children), and of this client: where a host-bound run spends."""
-    import psutil
-
-    api = psutil.Process(server.proc.pid)
-    workers = 0.0
-    for child in api.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            workers += sum(child.cpu_times()[:2])
-    return {
-        "api": sum(api.cpu_times()[:2]),
-        "workers": workers,
-        "client": time.process_time(),
-    }
-
-
 def worker_pid(url: str, replica: int) -> int:
     stage = httpx.get(f"{url}/health", timeout=10).json()["stages"][0]
     return stage["replicas"][replica]["pids"][0]
@@ -155,13 +137,10 @@ def run(
         asyncio.run(closed_loop(server.url, args, c, c, 0))  # warm-up: every replica, full batch
         total = c * args.rounds
         before = batch_counts(server.url)
-        cpu = host_cpu(server)
+        cpu = server.cpu_seconds()
         _, wall, kept = asyncio.run(closed_loop(server.url, args, c, total, args.keep))
         out.update(concurrency=c, requests=total, img_s=round(total / wall, 3))
-        out["host_cpu_ms_per_image"] = {
-            k: round((v1 - v0) * 1000 / total, 1)
-            for (k, v0), v1 in zip(cpu.items(), host_cpu(server).values(), strict=True)
-        }
+        out["host_cpu_ms_per_image"] = server.cpu_ms_per_image(cpu, total)
         out["batch_use"] = batch_use(before, batch_counts(server.url))
         health = httpx.get(f"{server.url}/health", timeout=10).json()["stages"][0]
         out["replicas"] = health["replicas"]

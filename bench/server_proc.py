@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -70,6 +71,23 @@ class Server:
             self.stop()
             raise RuntimeError(f"server did not become healthy; see {log_path}")
         self.start_s = time.monotonic() - t0
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the API process (HTTP, orchestrator, image encoding), of its
+        workers (all its children now), and of this client process."""
+        import psutil
+
+        api = psutil.Process(self.proc.pid)
+        workers = 0.0
+        for child in api.children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # (one that ended meanwhile)
+                workers += sum(child.cpu_times()[:2])
+        return {"api": sum(api.cpu_times()[:2]), "workers": workers, "client": time.process_time()}
+
+    def cpu_ms_per_image(self, before: dict[str, float], images: int) -> dict[str, float]:
+        """What each part's CPU (`cpu_seconds`) cost an image since `before`."""
+        now = self.cpu_seconds()
+        return {k: round((now[k] - v) * 1000 / images, 1) for k, v in before.items()}
 
     def stop(self) -> None:
         self.proc.terminate()

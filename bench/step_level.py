@@ -384,7 +384,7 @@ def write(result: dict[str, Any], out_dir: str) -> None:
             merged = json.load(f)
     merged.update({k: result[k] for k in keys if k in result})
     with open(path, "w") as f:
-        json.dump(merged, f, indent=1)
+        json.dump(merged, f, indent=2)
 
 
 if __name__ == "__main__":
