@@ -7,9 +7,10 @@ Each run is appended to bench/results/host_cap.jsonl.
 
 `vllm-omni-like serve null-image --replicas N` (null stages: one step, no delay, 512x512 noise
 images, the hardest case for PNG's deflate) driven by closed-loop HTTP clients asking for b64
-JSON as bench/serving.py does. Reports img/s and the CPU each image costs the API process (HTTP,
-orchestrator, PNG encode, JSON), the workers and this client; `--fmt jpeg` shows what the PNG
-encode itself costs. A GPU run whose img/s sits near this figure is bound by the host.
+JSON as bench/serving.py does. Reports img/s and the CPU each image costs the API process
+(HTTP, orchestrator, PNG encode, JSON), the workers and this client; `--output-format jpeg`
+shows what the PNG encode itself costs. A GPU run whose img/s sits near this figure is bound by
+the host.
 """
 
 from __future__ import annotations
@@ -23,14 +24,11 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serving
 from server_proc import Server
 from serving import closed_loop
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    body = serving.image_body
-    serving.image_body = lambda a, seed: {**body(a, seed), "output_format": args.fmt}
     flags = ["null-image", "--max-batch-size", "32", "--max-queue-size", "8192"]
     server = Server([*flags, "--replicas", str(args.replicas)], args.log, 120)
     try:
@@ -40,11 +38,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cost = server.cpu_ms_per_image(before, args.requests)
     finally:
         server.stop()
-        serving.image_body = body
     return {
         "replicas": args.replicas,
         "clients": args.clients,
-        "format": args.fmt,
+        "format": args.output_format,
         "img_s": round(args.requests / wall, 2),
         "cpu_ms_per_image": cost,
         "api_cores": round(cost["api"] * args.requests / 1000 / wall, 2),
@@ -56,7 +53,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--clients", type=int, default=128)
     ap.add_argument("--requests", type=int, default=1024)
-    ap.add_argument("--fmt", default="png", choices=("png", "jpeg", "webp"))
+    ap.add_argument("--output-format", default="png", choices=("png", "jpeg", "webp"))
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--label", default="", help="the machine, in words (kept with the run)")
     ap.add_argument("--log", default=os.devnull)

@@ -44,7 +44,7 @@ def image_body(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "num_inference_steps": args.steps,
         "guidance_scale": args.guidance,
         "response_format": "b64_json",
-        "output_format": "png",
+        "output_format": getattr(args, "output_format", "png"),  # (host_cap.py asks for others)
     }
 
 
