@@ -1,7 +1,7 @@
 """A discrete-event model of one replica: step-level against request-level batching on the
 mixed workload of bench/step_level.py, with step costs measured on the GPU (no GPU needed).
 
-    python bench/step_sim.py --rate 2.26        # p50 / p99 / mean of each policy
+    python bench/step_sim.py --rate 2.26 --seeds 8   # p50 / p99 / mean of each policy
 
 What it models: one request is one row (two model rows with guidance); a lane's step costs
 `a + b x model rows` (padded to the compiled buckets) at its size, measured on one H200
@@ -35,10 +35,11 @@ def bucket(n: int) -> int:
 
 
 def model_rows(rows: list[dict[str, Any]]) -> int:
-    """Padded to the bucket; the guided rows (and the padding, as guided) twice."""
-    padded = bucket(len(rows))
-    guided = sum(r["cfg"] for r in rows)
-    return padded + (guided + padded - len(rows) if guided else 0)
+    """As the server pads them (stages/denoise.py `_forward`): a row, and its unconditional
+    twin where it is guided, padded to the compiled buckets of model rows (2 per bucket of
+    images: the warm-up's guided calls)."""
+    rows_in = len(rows) + sum(r["cfg"] for r in rows)
+    return next((2 * b for b in BUCKETS if rows_in <= 2 * b), rows_in)
 
 
 def trace(n: int, rate: float, seed: int = 7) -> list[dict[str, Any]]:
@@ -116,13 +117,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--pick", choices=("age", "oldest"), default="age")
     ap.add_argument("--lane-cap", default="", help="e.g. 512:16,768:8")
+    ap.add_argument("--seeds", type=int, default=1, help="arrival traces (seeds 7, 8, ...)")
     args = ap.parse_args()
     args.caps = {int(k): int(v) for k, v in (p.split(":") for p in args.lane_cap.split(",") if p)}
-    reqs = trace(args.requests, args.rate)
-    for policy in ("request", "step"):
-        args.policy = policy
-        print(policy, run(copy.deepcopy(reqs), args))
-
+    ratios = []
+    for seed in range(7, 7 + args.seeds):
+        reqs, p99 = trace(args.requests, args.rate, seed), {}
+        for policy in ("request", "step"):
+            args.policy = policy
+            result = run(copy.deepcopy(reqs), args)
+            p99[policy] = result["p99_s"]
+            print(f"seed {seed}", policy, result)
+        ratios.append(p99["step"] / p99["request"])
+    print("p99 step / request:", [round(r, 2) for r in ratios], "median", round(statistics.median(ratios), 2))
 
 if __name__ == "__main__":
     main()
