@@ -129,7 +129,9 @@ def main() -> None:
             p99[policy] = result["p99_s"]
             print(f"seed {seed}", policy, result)
         ratios.append(p99["step"] / p99["request"])
-    print("p99 step / request:", [round(r, 2) for r in ratios], "median", round(statistics.median(ratios), 2))
+    median = round(statistics.median(ratios), 2)
+    print("p99 step / request:", [round(r, 2) for r in ratios], "median", median)
+
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ import time
 import psutil
 import pytest
 
+from vllm_omni_like.executor.worker import WORKER_NAME
 from vllm_omni_like.wire import BatchDone
 
 
@@ -46,12 +47,25 @@ def wait_for(predicate, timeout: float, what: str = "the condition", interval: f
         time.sleep(interval)
 
 
+def mp_role(p: psutil.Process) -> str:
+    """What process `p` is to the executor: "tracker" (multiprocessing's resource tracker),
+    "forkserver" (its fork server, executor/start_method.py), "worker" (a stage worker, spawned
+    or forked), or "" (anything else)."""
+    cmd = " ".join(p.cmdline())
+    if "resource_tracker" in cmd:
+        return "tracker"
+    if p.name() == WORKER_NAME or "spawn_main" in cmd:
+        return "worker"
+    return "forkserver" if "multiprocessing.forkserver" in cmd else ""
+
+
 def live_children() -> list[psutil.Process]:
-    """Child processes, less multiprocessing's own resource tracker (one per parent, by design)."""
+    """Child processes, less multiprocessing's own resource tracker and fork server (one per
+    parent, by design)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" in " ".join(child.cmdline()) or child.status() == "zombie":
+            if mp_role(child) in ("tracker", "forkserver") or child.status() == "zombie":
                 continue
         except psutil.NoSuchProcess:
             continue

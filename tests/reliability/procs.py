@@ -16,6 +16,7 @@ import httpx
 import psutil
 
 from tests.api.conftest import free_port
+from tests.conftest import mp_role
 
 
 class ServeProcess:
@@ -109,11 +110,12 @@ class ServeProcess:
         return [p for p in self.processes() if p.pid != self.proc.pid]
 
     def stage_workers(self) -> list[psutil.Process]:
-        """The stage workers only (spawned processes), not multiprocessing's resource tracker."""
+        """The stage workers only (spawned or forked), not multiprocessing's resource tracker or
+        fork server."""
         found = []
         for p in self.workers():
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                if "spawn_main" in " ".join(p.cmdline()):
+                if mp_role(p) == "worker":
                     found.append(p)
         return found
 

@@ -13,11 +13,11 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnContext
+from multiprocessing.context import ForkServerContext, SpawnContext
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
-from vllm_omni_like.executor import placement, transport
+from vllm_omni_like.executor import placement, start_method, transport
 from vllm_omni_like.executor.base import MessageSink
 from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.worker import worker_main
@@ -70,6 +70,7 @@ class MultiprocExecutor(InboundExecutor):
         self.replica = replica
         self.faults = faults
         self.devices = placement.rank_devices(config, replica)  # one per rank
+        self.start_method = start_method.method_for(config, self.devices)  # spawn | forkserver
         # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
         self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.cfg_parallel else ""
         self._workers: list[_WorkerHandle] = []
@@ -79,7 +80,7 @@ class MultiprocExecutor(InboundExecutor):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = start_method.context(self.start_method)
         try:
             for rank in range(self.config.workers_per_replica):
                 with self._lock:  # shutdown() either sees this worker or stops the spawning
@@ -97,7 +98,7 @@ class MultiprocExecutor(InboundExecutor):
         )
         self._monitor.start()
 
-    def _spawn(self, ctx: SpawnContext, rank: int) -> None:
+    def _spawn(self, ctx: SpawnContext | ForkServerContext, rank: int) -> None:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main,
@@ -110,6 +111,7 @@ class MultiprocExecutor(InboundExecutor):
                 os.getpid(),
                 os.path.join(self._rendezvous, "store") if self._rendezvous else "",
                 self.devices[:rank] + self.devices[rank + 1 :],
+                dict(os.environ) if self.start_method == "forkserver" else None,
             ),
             name=f"{self.config.name}-r{self.replica}-w{rank}",
             daemon=True,
