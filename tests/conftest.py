@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from vllm_omni_like.executor.worker import WORKER_NAME
+from vllm_omni_like.executor.process_life import WORKER_NAME
 from vllm_omni_like.wire import BatchDone
 
 

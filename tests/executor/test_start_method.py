@@ -15,7 +15,7 @@ from tests.conftest import mp_role, wait_for
 from tests.engine.helpers import engine, final, req
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.executor import start_method
-from vllm_omni_like.executor.worker import WORKER_NAME
+from vllm_omni_like.executor.process_life import WORKER_NAME
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 
 CPU = {"device": "cpu"}
@@ -79,15 +79,24 @@ def test_a_cpu_worker_forks_from_the_fork_server_with_the_engines_environment(
         assert server.ppid() == os.getpid()
         forked = _image(eng)
     # set after the fork server started: a worker forked now still sees it (it writes its
-    # timeline where the variable says)
+    # timeline where the variable says), and writes its log to the engine's stderr of now
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(TRACE_BATCHES_ENV, "")
-    t0 = time.monotonic()
-    with engine("tiny-image", stage_kw=CPU) as eng:
-        started = time.monotonic() - t0
-        assert _worker(eng).parent().pid == server.pid  # the same fork server serves it
-        assert np.array_equal(_image(eng), forked)
+    log = tmp_path / "stderr.txt"
+    saved = os.dup(2)
+    try:
+        with open(log, "w") as f:
+            os.dup2(f.fileno(), 2)
+        t0 = time.monotonic()
+        with engine("tiny-image", stage_kw=CPU) as eng:
+            started = time.monotonic() - t0
+            assert _worker(eng).parent().pid == server.pid  # the same fork server serves it
+            assert np.array_equal(_image(eng), forked)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
     assert (tmp_path / "diffusion-rank0-timeline.jsonl").exists(), list(tmp_path.iterdir())
+    assert "[diffusion:0] INFO stage diffusion: attention sdpa" in log.read_text()
     monkeypatch.setenv(start_method.START_ENV, "spawn")
     monkeypatch.delenv(TRACE_DIR_ENV)
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, ShuttingDownError
-from vllm_omni_like.executor import placement, start_method, transport
+from vllm_omni_like.executor import placement, process_life, start_method, transport
 from vllm_omni_like.executor.base import MessageSink
 from vllm_omni_like.executor.inbound import InboundExecutor
 from vllm_omni_like.executor.worker import worker_main
@@ -100,6 +100,7 @@ class MultiprocExecutor(InboundExecutor):
 
     def _spawn(self, ctx: SpawnContext | ForkServerContext, rank: int) -> None:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
+        forked = self.start_method == "forkserver"  # (a spawned worker inherits both)
         proc = ctx.Process(
             target=worker_main,
             args=(
@@ -111,7 +112,7 @@ class MultiprocExecutor(InboundExecutor):
                 os.getpid(),
                 os.path.join(self._rendezvous, "store") if self._rendezvous else "",
                 self.devices[:rank] + self.devices[rank + 1 :],
-                dict(os.environ) if self.start_method == "forkserver" else None,
+                *((dict(os.environ), process_life.engine_streams()) if forked else ()),
             ),
             name=f"{self.config.name}-r{self.replica}-w{rank}",
             daemon=True,

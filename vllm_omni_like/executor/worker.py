@@ -7,13 +7,11 @@ denoises the next one.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import functools
 import logging
 import os
 import queue
-import select
 import signal
 import sys
 import threading
@@ -25,7 +23,7 @@ from typing import Any, TypeVar
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
-from vllm_omni_like.executor import placement, transport
+from vllm_omni_like.executor import placement, process_life, transport
 from vllm_omni_like.executor.finisher import Finisher
 from vllm_omni_like.executor.placement import gpu_memory_in_use
 from vllm_omni_like.executor.running_set import Group, Job, RunningSet
@@ -51,44 +49,8 @@ from vllm_omni_like.wire import (
 
 logger = logging.getLogger("vllm_omni_like.worker")
 
-PARENT_POLL_S = 0.2
-WORKER_NAME = "omni-worker"  # the process name of every worker (/proc/<pid>/comm)
 EXIT_FATAL = 3
 T = TypeVar("T")
-
-
-def watch_parent(parent_pid: int) -> None:
-    """Exit as soon as the engine process is gone (even SIGKILLed): no orphans. The engine's
-    pidfd wakes this thread when it exits (a worker of the fork server is not the engine's
-    child: executor/start_method.py); where the kernel has none, poll."""
-    try:
-        fd = os.pidfd_open(parent_pid)
-    except ProcessLookupError:
-        os._exit(0)
-    except OSError:  # no pidfds here
-        fd = -1
-    if fd >= 0:
-        select.select([fd], [], [])
-        os._exit(0)
-    while os.getppid() == parent_pid or _alive(parent_pid):
-        time.sleep(PARENT_POLL_S)
-    os._exit(0)
-
-
-def _name_process() -> None:
-    """This process is `omni-worker` to ps and top (a worker of the fork server would otherwise
-    carry the fork server's command line, and tell itself from it by nothing)."""
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
-        f.write(WORKER_NAME)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 class _Worker:
@@ -385,17 +347,17 @@ def worker_main(
     rendezvous: str = "",
     peers: tuple[str, ...] = (),
     environ: dict[str, str] | None = None,
+    streams: tuple[int, int] | None = None,
 ) -> None:
-    """Entry point of a worker process (`peers`: the other ranks' devices; `environ`: the
-    engine's environment at this start, for a worker of the fork server)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
-    _name_process()
+    """Entry point of a worker process (`peers`: the other ranks' devices; `environ` and
+    `streams`: the engine's environment, stdout and stderr at this start, for a worker of the
+    fork server)."""
+    process_life.adopt(environ, streams)
+    process_life.name_process()
     device = placement.pin(device, peers)  # first: nothing may have touched CUDA yet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack
-    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=process_life.watch_engine, args=(parent_pid,), daemon=True).start()
     run_worker(transport.PipeChannel(conn), config, rank, device, faults, rendezvous)
 
 
