@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import os
 import socket
 import subprocess
@@ -71,7 +72,14 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        assert not self.thread.is_alive()
+        if self.thread.is_alive():  # what it still waits for, and every thread's stack
+            faulthandler.dump_traceback(all_threads=True)
+            state = self.server.server_state
+            raise AssertionError(
+                f"the server did not stop in 30 s: {len(state.connections)} connections "
+                f"{[vars(c).get('client') for c in list(state.connections)]}, "
+                f"tasks {[t.get_coro() for t in list(state.tasks)]}"
+            )
 
     def client(self, **kw):
         from openai import OpenAI
