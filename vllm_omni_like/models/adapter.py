@@ -237,11 +237,11 @@ class Adapter:
         """Pipelines sharing this one's models for the `image_conditions` it takes."""
         return {}
 
-    def warm_up_from_image(self) -> bool:
-        """Whether the warm-up of a compiled stage also runs the call that starts from an image
-        (`edit_pipelines`' image-to-video call over the same denoiser, one request a call): the
-        compiled denoiser sees other inputs there."""
-        return False
+    def warm_up_modes(self) -> tuple[str, ...]:
+        """The modes of `edit_pipelines` whose call a compiled stage warms up too, beside its
+        first mode's (one request a call, from a blank image): calls over the same denoiser
+        that hand it other inputs."""
+        return ()
 
     # ---- speed: the same maths -----------------------------------------------------------------
     def fuse_qkv(self) -> bool:

@@ -220,9 +220,11 @@ class DiffusionStage(OwnLoop, PipelineCall):
                 else:
                     self._warm_up_call(rows, width, height)
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
-            if self.adapter.warm_up_from_image():  # (that call takes one request a call)
-                self._warm_up_call(accel.bucket_for(1, self.buckets), width, height, True)
-                logger.info("stage %s: warmed up %dx%d from an image", self.name, width, height)
+            for mode in self.adapter.warm_up_modes():  # (their calls take one request a call)
+                self._warm_up_call(accel.bucket_for(1, self.buckets), width, height, mode)
+                logger.info(
+                    "stage %s: warmed up %dx%d from an image (%s)", self.name, width, height, mode
+                )
         logger.info(
             "stage %s: compiled and warmed up %d shapes in %.1fs",
             self.name,

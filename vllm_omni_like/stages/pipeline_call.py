@@ -22,23 +22,22 @@ from vllm_omni_like.wire import StageRequest
 class PipelineCall(DiffusionState):
     """Runs a batch through the pipeline's `__call__`."""
 
-    def _warm_up_call(self, rows: int, width: int, height: int, from_image: bool = False) -> None:
-        """Two steps of the pipeline's call; an edit-only model edits a blank image, and an
-        image-to-video call (`from_image`, or a model that only makes those) starts from one."""
+    def _warm_up_call(self, rows: int, width: int, height: int, mode: str = "") -> None:
+        """Two steps of the pipeline's call in `mode` (the family's first by default); a mode
+        of `edit_pipes` (an edit, an image-to-video call) starts from a blank image."""
+        mode = mode or self.family.modes[0]
         gens = [torch.Generator(device=self.device).manual_seed(0) for _ in range(rows)]
         kwargs = self._call_kwargs(["warm-up"] * rows, [""] * rows, gens, 2, self.default_guidance)
         kwargs.update(width=width, height=height)
         if self.is_video:
             kwargs["num_frames"] = self.default_frames
         pipe = self.pipe
-        if self.family.needs_image or from_image:
+        if mode in self.edit_pipes:
             from PIL import Image
 
             blank = Image.new("RGB", (width, height))
-            if self.is_video:  # (one image a call)
-                kwargs["image"], pipe = blank, self.edit_pipes["image2video"]
-            else:
-                kwargs["image"], pipe = [blank] * rows, self.edit_pipes["edit"]
+            pipe = self.edit_pipes[mode]
+            kwargs["image"] = blank if self.is_video else [blank] * rows  # (video: one a call)
         self._run(pipe, kwargs)
 
     def _prepare(

@@ -25,8 +25,8 @@ class WanTI2VAdapter(WanAdapter):
         pipe.set_progress_bar_config(disable=True)
         return {"image2video": pipe}
 
-    def warm_up_from_image(self) -> bool:
-        return True  # its first frame's call: the frame's latents at timestep 0 beside the noise
+    def warm_up_modes(self) -> tuple[str, ...]:
+        return ("image2video",)  # the first frame's latents at timestep 0 beside the noise
 
 
 ADAPTER = WanTI2VAdapter
