@@ -23,11 +23,7 @@ NOFILE = 192
 
 
 def _worker(server: ServeProcess) -> psutil.Process:
-    return next(
-        p
-        for p in server.workers()
-        if "resource_tracker" not in " ".join(p.cmdline()) and p.ppid() == server.proc.pid
-    )
+    return next(p for p in server.stage_workers() if p.ppid() == server.proc.pid)
 
 
 def test_r16_restarts_that_lack_descriptors_wait_for_room(tmp_path):

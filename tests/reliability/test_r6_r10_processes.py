@@ -73,7 +73,7 @@ def test_r7_sigkill_of_the_server_takes_its_workers_along(tmp_path):
     server = ServeProcess(["null-omni", "null-video", "--replicas", "2"], str(tmp_path))
     try:
         server.wait_healthy()
-        workers = [w for w in server.workers() if "resource_tracker" not in " ".join(w.cmdline())]
+        workers = server.stage_workers()
         assert len(workers) == 6  # 3 stages x 2 replicas
         httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "x"}, timeout=10)
         server.proc.kill()
