@@ -68,6 +68,7 @@ PEER_SOURCE = {
     "qwen-image": "a peer's published Qwen-Image 1024x1024 50-step CFG 4 latency on one H100",
 }
 STEP_MS: list[float] = []  # the last call's steps on the device (from the second step's end)
+LEAD_MS: list[float] = []  # the last call's start to its first step's end, on the device
 ATTENTION = ("native", "_native_cudnn", "_native_flash", "flash")  # diffusers' backends
 
 
@@ -108,6 +109,9 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
 
     sync()
     t0 = time.perf_counter()
+    start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+    if start is not None:
+        start.record()
     out = pipe(
         generator=[torch.Generator(device=device).manual_seed(seed)],
         num_inference_steps=s["steps"],
@@ -122,6 +126,7 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
     Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     seconds = time.perf_counter() - t0
     STEP_MS[:] = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    LEAD_MS[:] = [start.elapsed_time(marks[0])] if start is not None and marks else []
     return pixels, seconds
 
 
@@ -134,13 +139,17 @@ def edit_source(side: int) -> np.ndarray:
 
 
 def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray], float]:
-    """(median seconds, images by seed, median step ms on the device of all runs)."""
+    """(median seconds, images by seed, median step ms on the device of all runs; the median
+    lead - the call's start to its first step's end: the text encoders, the latents' set-up
+    and one step - in `LEAD_MS[0]`)."""
     call(pipe, 0, s)  # warm-up (compiles, if compiled)
-    times, images, steps = [], {}, []
+    times, images, steps, leads = [], {}, [], []
     for seed in range(runs):
         images[seed], seconds = call(pipe, seed, s)
         times.append(seconds)
         steps += STEP_MS
+        leads += LEAD_MS
+    LEAD_MS[:] = [statistics.median(leads)] if leads else []
     return statistics.median(times), images, statistics.median(steps) if steps else 0.0
 
 
@@ -184,6 +193,8 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)
         result["diffusers_compiled_s"] = round(compiled_s, 3)
         result["diffusers_compiled_step_ms"] = round(step_ms, 2)
+        if LEAD_MS:
+            result["diffusers_compiled_lead_ms"] = round(LEAD_MS[0], 2)
     else:
         _, images, _ = timed(pipe, s, args.runs)
     np.savez(args.state, **{str(k): v for k, v in images.items()})
@@ -263,9 +274,10 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         for k in after
         if (n := after[k][1] - before.get(k, (0, 0))[1])
     }
-    by_rows = step_timeline(timeline, s["steps"], since)["step_ms_by_rows"]
-    if 1 in by_rows:
-        result["server_step_ms"] = by_rows[1]
+    steps = step_timeline(timeline, s["steps"], since)
+    if 1 in steps["step_ms_by_rows"]:
+        result["server_step_ms"] = steps["step_ms_by_rows"][1]
+    result["server_lead_ms"], result["server_join_ms"] = steps["lead_ms"], steps["join_ms"]
     if os.path.exists(args.state):
         ref = np.load(args.state)
         values = [psnr(got[int(k)], ref[k]) for k in ref.files if int(k) in got]

@@ -36,6 +36,16 @@ def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
         for (_, before, _), (label, at, rows) in itertools.pairwise(marks):
             if label == "step" and rows:
                 per_rows.setdefault(rows, []).append(at - before)
+    leads, joins = [], []  # a set's start to its first step's end; each join's own time
+    for line in sets:
+        marks = list(zip(line["labels"], line["ms"], strict=False))
+        leads += [next((at for label, at in marks if label == "step"), None)] if marks else []
+        joins += [
+            at - before
+            for (_, before), (label, at) in itertools.pairwise(marks)
+            if label == "joined"
+        ]
+    leads = [t for t in leads if t is not None]
     medians = {r: statistics.median(v) for r, v in per_rows.items()}
     stalls = [t for r, v in per_rows.items() for t in v if t > 2 * medians[r]]
     gaps = [
@@ -53,6 +63,9 @@ def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
         "step_ms_by_rows": {r: round(medians[r], 2) for r in sorted(medians)},
         "steps_by_rows": {r: len(per_rows[r]) for r in sorted(per_rows)},
         "stalls_ms": [round(t, 1) for t in stalls],
+        # the first rows' text encoders, noise and first step; a join's encoders and noise
+        "lead_ms": round(statistics.median(leads), 2) if leads else None,
+        "join_ms": round(statistics.median(joins), 2) if joins else None,
         "between_sets_s": [round(g, 3) for g in gaps],
         "device_img_s": round(row_steps / busy / steps, 3) if busy else None,
     }

@@ -5,8 +5,8 @@ noisy images of random weights) - 4-6 % of a FLUX.1 request, all of it after the
 Here the rows are split in strips of 32; each strip is filtered (PNG's adaptive filtering: for
 each row, the one of the five filters whose output has the smallest sum of absolute signed
 values, libpng's choice) and deflated with PIL's settings (Z_FILTERED, memLevel 9) on a pool of
-up to 8 threads (zlib and numpy leave the GIL), each strip's raw deflate stream ending on a
-byte boundary (a sync flush) so that the strips concatenate into one zlib stream, whose
+up to `MAX_THREADS` threads (zlib and numpy leave the GIL), each strip's raw deflate stream
+ending on a byte boundary (a sync flush) so that the strips concatenate into one zlib stream, whose
 Adler-32 covers all of them. Any PNG decoder reads it; the pixels are the image's exactly, the
 file a little smaller than PIL's (PIL leaves out the Average filter).
 """
@@ -23,6 +23,7 @@ import numpy as np
 
 MIN_PIXELS = 512 * 512  # smaller images: PIL's encoder (media.py), one strip
 STRIP_ROWS = 32  # strips this small also keep each one's filtering within the CPU's cache
+MAX_THREADS = 16  # a 1024x1024 image is 32 strips: 2 a thread (bench/png_encode.py sizes it)
 _COLOR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (L, LA, RGB, RGBA)
 _pool: ThreadPoolExecutor | None = None
 
@@ -104,5 +105,5 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="png")
+        _pool = ThreadPoolExecutor(min(MAX_THREADS, os.cpu_count() or 1), thread_name_prefix="png")
     return _pool

@@ -292,8 +292,37 @@ def test_a_set_from_its_first_join_to_its_drain_is_one_batch_of_the_timeline(sta
         tracer.directory = ""
     assert len(lines) == 1
     labels = json.loads(lines[0])["labels"]
-    # a's 4 steps, b's 3 from a's step 3: 5 steps of the set
-    assert labels == ["begin"] + ["step"] * 5 + ["synced"]
+    # a's 4 steps, b's 3 from a's step 3: 5 steps of the set, each join's text encoders and
+    # noise between its own marks (not inside a step's)
+    assert labels == ["begin", "joined", "step", "step", "joined"] + ["step"] * 3 + ["synced"]
+
+
+def test_a_first_join_that_fails_closes_the_timeline_it_opened(stage, tmp_path, monkeypatch):
+    tracer = stage.tracer
+    tracer.directory, tracer.batches = str(tmp_path), set()
+    rows = stage.denoise.rows
+
+    def failing(batch, *args):
+        if any(r.prompt == "boom" for r in batch):
+            raise RuntimeError("text encoder failed")
+        return rows(batch, *args)
+
+    monkeypatch.setattr(stage.denoise, "rows", failing)
+    try:
+        h = _Harness(stage)
+        h.add(1, _req("x", seed=1, steps=2, prompt="boom"))
+        assert "text encoder failed" in str(h.outputs["x"].error)
+        assert not h.rows.running and tracer.sharing == 0
+        assert not (tmp_path / "diffusion-rank0-timeline.jsonl").exists()
+        h.add(2, _req("y", seed=2, steps=2))
+        h.steps()
+        lines = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text().splitlines()
+    finally:
+        tracer.directory = ""
+    assert h.outputs["y"].error is None
+    assert [json.loads(line)["labels"] for line in lines] == [
+        ["begin", "joined", "step", "step", "synced"]
+    ]
 
 
 def test_the_requests_that_end_at_one_step_decode_together(stage):

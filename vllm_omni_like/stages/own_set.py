@@ -51,18 +51,25 @@ class OwnLoopSet(RowStepper):
         settings = Settings(stage.default_steps, stage.default_guidance, stage._rows, stage._prompt)
         frames = (p.num_frames or stage.default_frames) if stage.is_video else 1
         width, height = p.width or stage.default_width, p.height or stage.default_height
-        with torch.inference_mode():
-            rows, embeds = stage.denoise.rows(batch, settings, (width, height))
-            shape = stage.adapter.latent_shape(len(rows), width, height, frames)
-            dtype = stage.adapter.latent_dtype(text_dtype(embeds))
-            latents = stage.denoise.noise(rows, shape, dtype)
+        opened = self.set.empty and not self._traced
+        if opened:  # the set's timeline begins before its first rows' text encoders
+            self._traced = True
+            stage.tracer.open_shared()
+        try:
+            with torch.inference_mode():
+                rows, embeds = stage.denoise.rows(batch, settings, (width, height))
+                shape = stage.adapter.latent_shape(len(rows), width, height, frames)
+                dtype = stage.adapter.latent_dtype(text_dtype(embeds))
+                latents = stage.denoise.noise(rows, shape, dtype)
+        except BaseException as exc:
+            if opened:
+                self.drained(exc)
+            raise
+        stage.tracer.mark("joined")  # (the next step's time is the step's alone)
         if self.set.empty:
             self.key = batch[0].batch_key(frozenset(stage.own))
             self.frames = frames if stage.is_video else 0
             stage.probe.reset()
-            if not self._traced:
-                self._traced = True
-                stage.tracer.open_shared()
         self.set.join(rows, embeds, latents)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
