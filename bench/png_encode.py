@@ -7,7 +7,8 @@ For 512x512 and 1024x1024 noise images (what random weights decode to; the harde
 deflate), at the server's compression level: the median of 10 single encodes (the latency a
 lone request pays after its decode) and 32 images encoded at once from 32 threads as the API's
 worker threads do when a set's results come back together (images a second), for pool sizes
-1, 4, 8, 16, 32 and the host's cores (up to 32). Picks the pool size by measurement.
+1, 4, 8, 16, 32 and the host's cores (up to 32), and the server's own choice (`encode_image`:
+the pool while no other image holds it, PIL beside it). Picks the pool size by measurement.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_omni_like import png
-from vllm_omni_like.media import PNG_COMPRESS_LEVEL
+from vllm_omni_like.media import PNG_COMPRESS_LEVEL, encode_image
 
 
 def single_ms(encode: Any, pixels: np.ndarray, runs: int = 10) -> float:
@@ -79,6 +80,11 @@ def main() -> None:
                 "burst_img_s": burst_img_s(strips, pixels),
             }
             png._pool.shutdown()
+        png._pool = None  # the server's own choice: the pool while free, else PIL (media.py)
+        row["encode_image"] = {
+            "single_ms": single_ms(encode_image, pixels),
+            "burst_img_s": burst_img_s(encode_image, pixels),
+        }
         result[f"{side}x{side}"] = row
         print(side, json.dumps(row), flush=True)
     png._pool = None

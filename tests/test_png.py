@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vllm_omni_like import png
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.png import MIN_PIXELS, encode_png, filter_rows, strips_for
 
@@ -103,3 +104,18 @@ def test_encode_image_takes_the_strips_for_large_images() -> None:
     assert np.array_equal(_decode(data), pixels)
     low = encode_image(pixels, "png", compression=0)  # output_compression 0: level 0
     assert np.array_equal(_decode(low), pixels) and len(low) > len(data)
+
+
+def test_a_large_image_takes_pil_while_another_encode_holds_the_pool() -> None:
+    side = int(MIN_PIXELS**0.5)
+    pixels = _photo_like(side, side, 3, seed=4)
+    with png.claim() as first:  # (another image on the pool meanwhile)
+        assert first
+        with png.claim() as second:
+            assert not second
+        beside = encode_image(pixels, "png")
+    alone = encode_image(pixels, "png")  # the pool free again
+    assert alone == encode_png(pixels, 6) and beside != alone
+    assert np.array_equal(_decode(beside), pixels) and np.array_equal(_decode(alone), pixels)
+    with png.claim() as again:  # released after each use
+        assert again

@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from vllm_omni_like.errors import InvalidRequestError, PayloadTooLargeError
-from vllm_omni_like.png import MIN_PIXELS, encode_png
+from vllm_omni_like.png import MIN_PIXELS, claim, encode_png
 
 PNG_COMPRESS_LEVEL = 6  # the default of PIL and of the benchmark reference
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -25,8 +25,10 @@ def encode_image(pixels: np.ndarray, fmt: str = "png", compression: int | None =
     image = Image.fromarray(np.ascontiguousarray(pixels))
     if fmt == "png":
         level = PNG_COMPRESS_LEVEL if compression is None else round(compression * 9 / 100)
-        if pixels.shape[0] * pixels.shape[1] >= MIN_PIXELS:  # large: on several cores
-            return encode_png(pixels, level)
+        if pixels.shape[0] * pixels.shape[1] >= MIN_PIXELS:
+            with claim() as pool:
+                if pool:  # a large image, the pool free: on several cores (png.py)
+                    return encode_png(pixels, level)
         image.save(buf, format="PNG", compress_level=level)
     elif fmt == "jpeg":
         image.save(buf, format="JPEG", quality=100 - (compression or 0) if compression else 90)

@@ -13,19 +13,44 @@ file a little smaller than PIL's (PIL leaves out the Average filter).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import struct
+import threading
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 MIN_PIXELS = 512 * 512  # smaller images: PIL's encoder (media.py), one strip
 STRIP_ROWS = 32  # strips this small also keep each one's filtering within the CPU's cache
-MAX_THREADS = 16  # a 1024x1024 image is 32 strips: 2 a thread (bench/png_encode.py sizes it)
+# measured (bench/png_encode.py, H200 host, 16 cores): a 1024x1024 image 39.4 ms on 8 threads,
+# 36.4 on 16; a burst of 32 from 32 threads 30.5 images a second on 8, 25.7 on 16
+MAX_THREADS = 8
 _COLOR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (L, LA, RGB, RGBA)
 _pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+_claimed = False
+
+
+@contextlib.contextmanager
+def claim() -> Iterator[bool]:
+    """Whether the caller may encode on the strip pool: yes while no other encode holds it. A
+    lone image takes the pool (1024x1024 in 39 ms against PIL's 222 on the H200 host); the
+    images of a burst beside it take PIL's one-core encoder in their own threads, which
+    together outrun the pool there (50.8 against 30.5 images a second from 32 threads;
+    bench/results/png_encode.jsonl)."""
+    global _claimed
+    with _lock:
+        got, _claimed = not _claimed, True
+    try:
+        yield got
+    finally:
+        if got:
+            with _lock:
+                _claimed = False
 
 
 def strips_for(height: int, width: int) -> int:
