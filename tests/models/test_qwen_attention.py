@@ -90,7 +90,7 @@ def test_the_transformer_makes_what_diffusers_masked_attention_makes(transformer
 
 
 def test_float32_off_the_cpu_keeps_diffusers_masked_call():
-    from vllm_omni_like.models.qwen_image.attention import has_lse_kernel
+    from vllm_omni_like.models.zeroed_keys import has_lse_kernel
 
     assert has_lse_kernel(torch.zeros(1))  # the CPU's flash kernel: any dtype
     assert not has_lse_kernel(torch.zeros(1, device="meta"))  # (CUDA's: half precision only)

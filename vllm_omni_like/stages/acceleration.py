@@ -122,12 +122,28 @@ def compile_models(adapter: Adapter, mode: str, backend: str) -> list[str]:
     kwargs: dict[str, Any] = {"backend": backend, "dynamic": False}
     if backend == "inductor" and mode != "default":
         kwargs["mode"] = mode
-    done = []
+    names: dict[str, list[str]] = {}  # what was compiled, by where it is
     for owner, name in adapter.compile_targets():
         setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
-        parts = adapter.pipe.components.items()
-        done.append(next((f"{k}.{name}" for k, v in parts if v is owner), name))
-    return done
+        names.setdefault(path_of(adapter.pipe, owner), []).append(name)
+    # (a list of blocks once: "transformer.layers.0-29")
+    spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}
+    return [f"{where}.{span}" if where else span for where, span in spans.items()]
+
+
+def path_of(pipe: Any, owner: Any) -> str:
+    """Where `owner` is in the pipeline: "" (the pipeline), a component's name, or a module's
+    path inside one (`transformer.layers`)."""
+    if owner is pipe:
+        return ""
+    for key, part in pipe.components.items():
+        if part is owner:
+            return str(key)
+        if isinstance(part, torch.nn.Module):
+            found = next((n for n, m in part.named_modules() if m is owner and n), None)
+            if found is not None:
+                return f"{key}.{found}"
+    return type(owner).__name__
 
 
 def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:

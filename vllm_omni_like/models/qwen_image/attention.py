@@ -1,14 +1,8 @@
 """Qwen-Image's joint attention over padded texts, at the unmasked kernel's speed.
 
-A row's text is padded to a length bucket and its padding masked (adapter.py), and a masked
-SDPA call falls off the fastest kernels: on an H200, one block's attention of true CFG's two
-rows at 1024x1024 took 1.10-1.41 ms masked against 0.66-0.88 ms unmasked at the same length
-(text buckets 64-512), and the whole eager forward 5-6% longer (354.7 against 336.0 ms;
-bench/results/masked_attention-h200.json, models-h200.json). So the mask is not passed to the
-kernel: each padded key and value is zeroed, which adds exactly exp(0) = 1 per padded token to
-a query's softmax sum and nothing to its numerator, and the unmasked call's log-sum-exp takes
-that back out - the same softmax over the same keys in one unmasked call, and a row's result
-still independent of its neighbours' texts.
+A row's text is padded to a length bucket and its padding masked (adapter.py); the mask is not
+passed to the kernel but taken into account by `zeroed_keys_attention` (models/zeroed_keys.py):
+padded keys and values zeroed, one unmasked call corrected by its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -21,45 +15,17 @@ from diffusers.models.transformers.transformer_qwenimage import (
     apply_rotary_emb_qwen,
 )
 
-
-def unmasked_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention (B, H, S, D) with each query's log-sum-exp (B, H, S, 1, float32), through the
-    kernel unmasked SDPA takes on this device: cuDNN's on a Hopper GPU (flash's ran 1.7x
-    slower there), flash's elsewhere on CUDA, the CPU's flash kernel on the CPU."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
-    elif torch.cuda.get_device_capability(q.device) >= (9, 0):
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
-    return out, lse.reshape(*out.shape[:-1], 1).float()
-
-
-def has_lse_kernel(x: torch.Tensor) -> bool:
-    """Whether `unmasked_with_lse` runs for tensors like `x` (CUDA's kernels: half precision)."""
-    return x.device.type == "cpu" or x.dtype in (torch.float16, torch.bfloat16)
+from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
 
 
 def zeroed_padding_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_mask: torch.Tensor
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over keys [text (T, `text_mask` False where padded), image]
-    in one unmasked call, in the (B, S, H, D) layout of diffusers' processors. A padded key
-    and value set to zero add exactly exp(0) = 1 per padded token to each query's softmax sum
-    and nothing to its numerator, so the unmasked output times sum / (sum - padded tokens) is
-    the masked one (in float32, from the log-sum-exp: it loses precision only where a
-    query's real keys together weigh far less than its padded ones, all their logits far
-    below 0)."""
+    """Attention over keys [text (T, `text_mask` False where padded), image] with the padded
+    text keys left out (`zeroed_keys_attention`), (B, S, H, D)."""
     texts = text_mask.shape[1]
     keep = torch.cat([text_mask, text_mask.new_ones(q.shape[0], q.shape[1] - texts)], dim=1)
-    keep = keep[:, :, None, None]
-    k, v = (torch.where(keep, x, torch.zeros_like(x)) for x in (k, v))
-    out, lse = unmasked_with_lse(*(x.transpose(1, 2) for x in (q, k, v)))
-    padded = (texts - text_mask.sum(dim=1)).to(lse.dtype)[:, None, None, None]
-    out = out.float() / (1 - padded * torch.exp(-lse))
-    return out.to(q.dtype).transpose(1, 2)
+    return zeroed_keys_attention(q, k, v, keep)
 
 
 class PaddedTextAttnProcessor(QwenDoubleStreamAttnProcessor2_0):  # type: ignore[misc]  # untyped

@@ -15,13 +15,18 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Guidance, pad_tokens
+from vllm_omni_like.models.adapter import Guidance, pad_tokens, vae_decoder_target
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
 from vllm_omni_like.models.z_image import FAMILY
+from vllm_omni_like.models.z_image.sequence import (
+    block_targets,
+    pad_sequences_to_buckets,
+    text_bucket,
+    use_zeroed_keys,
+)
 
 MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
-TEXT_BUCKETS = (64, 128, 256, 512)
 
 
 class ZImageAdapter(ShiftedVAE):
@@ -37,8 +42,7 @@ class ZImageAdapter(ShiftedVAE):
             prompt=[t or "" for t in texts], device=device, max_sequence_length=MAX_TEXT_TOKENS
         )
         lengths = [int(r.shape[0]) for r in rows]  # (the tokenizer's counts: on the host)
-        longest = max(lengths)
-        bucket = next((b for b in TEXT_BUCKETS if b >= longest), longest)
+        bucket = text_bucket(max(lengths))
         embeds = torch.stack(
             [torch.cat([r, r.new_zeros((bucket - r.shape[0], r.shape[1]))]) for r in rows]
         )
@@ -52,6 +56,14 @@ class ZImageAdapter(ShiftedVAE):
         self, prompts: list[str], negatives: list[str], tokenizer: Any
     ) -> dict[str, Any]:
         return {"prompt": prompts, "negative_prompt": negatives}
+
+    def compile_targets(self) -> list[tuple[Any, str]]:
+        """Its blocks one by one (sequence.py: the eager padding between them gives them one
+        shape per text bucket) and the VAE's decoder."""
+        return [*block_targets(self.pipe.transformer), *vae_decoder_target(self.pipe)]
+
+    def fast_attention(self) -> str | None:
+        return "zeroed padding keys" if use_zeroed_keys(self.pipe.transformer) else None
 
     def latent_dtype(self, text_dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # ZImagePipeline.prepare_latents
@@ -88,6 +100,7 @@ class ZImageAdapter(ShiftedVAE):
         guidance: torch.Tensor | None = None,
     ) -> Any:
         transformer = self.pipe.transformer
+        pad_sequences_to_buckets(transformer)  # (once: our loop's transformer, not a reference's)
         frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))
         embeds = text["embeds"]
         tokens = [embeds[i, :n] for i, n in enumerate(text["lengths"].tolist())]

@@ -1,0 +1,150 @@
+"""Z-Image's sequences padded to text buckets, so a compiled stage sees few shapes.
+
+ZImageTransformer2DModel takes each row's caption at its own length (a list), pads it to a
+multiple of 32 with its learned pad token (attended, as the model was trained), and pads the
+batch to its longest row with a mask only where the rows' lengths differ: every new prompt
+length is a new shape, and a compiled transformer recompiled at run time for each one (the
+CPU's eager backend: a graph per prompt length, tests/models/test_z_image_compiled.py). Here
+the captions and the joint sequence [image, caption] are padded further, to the caption's
+text bucket (`TEXT_BUCKETS`), always with a mask: the layers see one shape per (bucket, rows)
+and compute what they computed at the rows' own lengths (the padding is masked). The
+attention leaves the mask out of the kernel (`ZeroedKeysProcessor`, models/zeroed_keys.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
+
+TEXT_BUCKETS = (64, 128, 256, 512)  # caption tokens a batch is padded to (the smallest fitting)
+
+
+def text_bucket(tokens: int) -> int:
+    return next((b for b in TEXT_BUCKETS if b >= tokens), tokens)
+
+
+def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`x` (B, L, ...) with zeros to `length` on its second dimension, contiguous (diffusers'
+    frequencies are a slice whose strides follow the rows' lengths: a compiled block's guard)."""
+    if x.shape[1] >= length:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)
+
+
+def key_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """(B, `length`) True over each row's first `lengths[i]` positions (filled on the device:
+    nothing copied from the host, so the loop never waits for the device here)."""
+    mask = torch.zeros((len(lengths), length), dtype=torch.bool, device=device)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    return mask
+
+
+def pad_sequences_to_buckets(transformer: Any) -> None:
+    """Wrap the transformer's two paddings (its caption sequences, its joint sequence) so both
+    reach the caption's text bucket with a mask; once per transformer."""
+    if getattr(transformer, "_text_buckets", False):
+        return
+    prepare, unify = transformer._prepare_sequence, transformer._build_unified_sequence
+
+    def prepare_sequence(feats: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        out = prepare(feats, *args, **kwargs)
+        pad_token = args[2] if len(args) > 2 else kwargs.get("pad_token")
+        if pad_token is not transformer.cap_pad_token:  # the image's: all rows one length
+            return out
+        padded, freqs, _, lengths, noise = out
+        length = text_bucket(max(lengths))
+        mask = key_mask(lengths, length, padded.device)
+        return pad_to(padded, length), pad_to(freqs, length), mask, lengths, noise
+
+    def build_unified_sequence(
+        x: torch.Tensor,
+        x_freqs: torch.Tensor,
+        x_lengths: list[int],
+        x_noise: Any,
+        cap: torch.Tensor,
+        cap_freqs: torch.Tensor,
+        cap_lengths: list[int],
+        *rest: Any,
+    ) -> Any:
+        args = (x, x_freqs, x_lengths, x_noise, cap, cap_freqs, cap_lengths, *rest)
+        unified, freqs, mask, noise = unify(*args)
+        if noise is not None:  # (omni mode: images as conditions; not served)
+            return unified, freqs, mask, noise
+        length = max(x_lengths) + text_bucket(max(cap_lengths))
+        lengths = [a + b for a, b in zip(x_lengths, cap_lengths, strict=True)]
+        mask = key_mask(lengths, length, unified.device)
+        return pad_to(unified, length), pad_to(freqs, length), mask, noise
+
+    transformer._prepare_sequence = prepare_sequence
+    transformer._build_unified_sequence = build_unified_sequence
+    transformer._text_buckets = True
+
+
+class ZeroedKeysProcessor(ZSingleStreamAttnProcessor):  # type: ignore[misc]  # untyped
+    """Z-Image's attention (projections, QK norms, RoPE as diffusers' processor has them) with
+    `zeroed_keys_attention` for a padded sequence (a (B, S) boolean mask); without one (the
+    image's own refiner) or without a kernel with a log-sum-exp for it, diffusers' own."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        freqs_cis: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (
+            attention_mask is None
+            or attention_mask.ndim != 2
+            or attention_mask.dtype != torch.bool
+            or not has_lse_kernel(hidden_states)
+        ):
+            out: torch.Tensor = super().__call__(
+                attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis
+            )
+            return out
+        q, k, v = (
+            p(hidden_states).unflatten(-1, (attn.heads, -1))
+            for p in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        q = q if attn.norm_q is None else attn.norm_q(q)
+        k = k if attn.norm_k is None else attn.norm_k(k)
+        if freqs_cis is not None:
+            q, k = rotate(q, freqs_cis), rotate(k, freqs_cis)
+        joint = zeroed_keys_attention(q, k.to(q.dtype), v, attention_mask)
+        output: torch.Tensor = attn.to_out[0](joint.flatten(2, 3).to(q.dtype))
+        if len(attn.to_out) > 1:
+            output = attn.to_out[1](output)  # (dropout)
+        return output
+
+
+def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Z-Image's rotary embedding: (B, S, H, D) pairs as complex numbers times `freqs` (B, S,
+    D/2), in float32, back in `x`'s dtype."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
+
+
+def use_zeroed_keys(transformer: Any) -> bool:
+    """`ZeroedKeysProcessor` in every attention of a Z-Image transformer; whether every one
+    had diffusers' processor (another one stays)."""
+    attentions = [m for m in transformer.modules() if hasattr(m, "set_processor")]
+    plain = [type(m.processor) is ZSingleStreamAttnProcessor for m in attentions]
+    if not attentions or not all(plain):
+        return False
+    for module in attentions:
+        module.set_processor(ZeroedKeysProcessor())
+    return True
+
+
+def block_targets(transformer: Any) -> list[tuple[Any, str]]:
+    """(owner, name) of each transformer block (the refiners' and the main layers'): compiled
+    one by one, the padding and patching between them eager (their shapes follow the rows'
+    own lengths, which the blocks never see)."""
+    lists = (transformer.noise_refiner, transformer.context_refiner, transformer.layers)
+    return [(blocks, str(i)) for blocks in lists for i in range(len(blocks))]
