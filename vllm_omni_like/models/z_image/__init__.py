@@ -3,9 +3,9 @@ description; the adapter is models/z_image/adapter.py.
 
 A 6B single-stream DiT (S3-DiT) over 2x2 patches of a 16-channel KL VAE's latents, its text
 from Qwen3's second-to-last hidden states under Qwen3's chat template, each prompt at its own
-token count (the transformer takes a list; sequence.py pads it on to a text bucket, masked). Turbo runs a few steps
-without guidance; with guidance (above 0), the negative branch runs too and the velocity is
-`cond + scale x (cond - uncond)`.
+token count (the transformer takes a list; sequence.py pads it on to a text bucket, masked).
+Turbo runs a few steps without guidance; with guidance (above 0), the negative branch runs too
+and the velocity is `cond + scale x (cond - uncond)`.
 """
 
 from vllm_omni_like.models.family import Family
