@@ -37,7 +37,8 @@ class PipelineCall(DiffusionState):
 
             blank = Image.new("RGB", (width, height))
             pipe = self.edit_pipes[mode]
-            kwargs["image"] = blank if self.is_video else [blank] * rows  # (video: one a call)
+            # an image-to-video call takes its one first frame; an edit an image a row
+            kwargs["image"] = blank if mode == "image2video" else [blank] * rows
         self._run(pipe, kwargs)
 
     def _prepare(
