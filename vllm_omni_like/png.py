@@ -31,8 +31,7 @@ STRIP_ROWS = 32  # strips this small also keep each one's filtering within the C
 MAX_THREADS = 8
 _COLOR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (L, LA, RGB, RGBA)
 _pool: ThreadPoolExecutor | None = None
-_lock = threading.Lock()
-_claimed = False
+_held = threading.Lock()  # held by the encode on the pool
 
 
 @contextlib.contextmanager
@@ -42,15 +41,12 @@ def claim() -> Iterator[bool]:
     images of a burst beside it take PIL's one-core encoder in their own threads, which
     together outrun the pool there (50.8 against 30.5 images a second from 32 threads;
     bench/results/png_encode.jsonl)."""
-    global _claimed
-    with _lock:
-        got, _claimed = not _claimed, True
+    got = _held.acquire(blocking=False)
     try:
         yield got
     finally:
         if got:
-            with _lock:
-                _claimed = False
+            _held.release()
 
 
 def strips_for(height: int, width: int) -> int:
