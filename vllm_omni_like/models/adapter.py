@@ -309,12 +309,17 @@ def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Te
     have = text["mask"].shape[1]
     if have == length:
         return text
-    out = {}
-    for k, v in text.items():
-        if v.dim() >= 2 and v.shape[1] == have:
-            v = torch.cat([v, v.new_zeros((v.shape[0], length - have, *v.shape[2:]))], dim=1)
-        out[k] = v
-    return out
+    return {
+        k: zero_pad(v, length) if v.dim() >= 2 and v.shape[1] == have else v
+        for k, v in text.items()
+    }
+
+
+def zero_pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`x` (B, L, ...) with zeros to `length` on its second dimension (as it is if as long)."""
+    if x.shape[1] >= length:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)
 
 
 def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from vllm_omni_like.models.packing import latent_side
 from vllm_omni_like.models.z_image import FAMILY
 from vllm_omni_like.models.z_image.sequence import (
     block_targets,
+    key_mask,
     pad_sequences_to_buckets,
     text_bucket,
     use_zeroed_keys,
@@ -46,9 +47,7 @@ class ZImageAdapter(ShiftedVAE):
         embeds = torch.stack(
             [torch.cat([r, r.new_zeros((bucket - r.shape[0], r.shape[1]))]) for r in rows]
         )
-        mask = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
+        mask = key_mask(lengths, bucket, embeds.device).long()
         text = {"embeds": embeds, "mask": mask, "lengths": torch.tensor(lengths)}
         return pad_tokens(text, bucket)
 

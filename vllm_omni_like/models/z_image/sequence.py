@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
+from vllm_omni_like.models.adapter import zero_pad
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
 
 TEXT_BUCKETS = (64, 128, 256, 512)  # caption tokens a batch is padded to (the smallest fitting)
@@ -28,11 +29,9 @@ def text_bucket(tokens: int) -> int:
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`x` (B, L, ...) with zeros to `length` on its second dimension, contiguous (diffusers'
-    frequencies are a slice whose strides follow the rows' lengths: a compiled block's guard)."""
-    if x.shape[1] >= length:
-        return x.contiguous()
-    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)
+    """`zero_pad`, contiguous (diffusers' frequencies are a slice whose strides follow the
+    rows' lengths: a compiled block's guard)."""
+    return zero_pad(x, length).contiguous()
 
 
 def key_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:
