@@ -138,10 +138,12 @@ def edit_source(side: int) -> np.ndarray:
     return (rgb * 255).round().astype(np.uint8)
 
 
-def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.ndarray], float]:
-    """(median seconds, images by seed, median step ms on the device of all runs; the median
-    lead - the call's start to its first step's end: the text encoders, the latents' set-up
-    and one step - in `LEAD_MS[0]`)."""
+def timed(
+    pipe: Any, s: dict[str, Any], runs: int
+) -> tuple[float, dict[int, np.ndarray], float, float | None]:
+    """(median seconds, images by seed, median step ms on the device of all runs, median lead
+    ms - the call's start to its first step's end: the text encoders, the latents' set-up and
+    one step - or None off CUDA)."""
     call(pipe, 0, s)  # warm-up (compiles, if compiled)
     times, images, steps, leads = [], {}, [], []
     for seed in range(runs):
@@ -149,8 +151,8 @@ def timed(pipe: Any, s: dict[str, Any], runs: int) -> tuple[float, dict[int, np.
         times.append(seconds)
         steps += STEP_MS
         leads += LEAD_MS
-    LEAD_MS[:] = [statistics.median(leads)] if leads else []
-    return statistics.median(times), images, statistics.median(steps) if steps else 0.0
+    step_ms = statistics.median(steps) if steps else 0.0
+    return statistics.median(times), images, step_ms, statistics.median(leads) if leads else None
 
 
 def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
@@ -178,7 +180,7 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     s["call"] = call_kwargs(pipe, s["guidance"])
     result = {}
     if not args.no_eager:
-        eager_s, _, _ = timed(pipe, s, args.runs)
+        eager_s = timed(pipe, s, args.runs)[0]
         print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
         result["diffusers_s"] = round(eager_s, 3)
     if "encoder_hidden_states_mask" in inspect.signature(pipe.transformer.forward).parameters:
@@ -189,14 +191,14 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
         pipe.transformer = torch.compile(pipe.transformer, **options)
         pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)
-        compiled_s, images, step_ms = timed(pipe, s, args.runs)
+        compiled_s, images, step_ms, lead_ms = timed(pipe, s, args.runs)
         print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)
         result["diffusers_compiled_s"] = round(compiled_s, 3)
         result["diffusers_compiled_step_ms"] = round(step_ms, 2)
-        if LEAD_MS:
-            result["diffusers_compiled_lead_ms"] = round(LEAD_MS[0], 2)
+        if lead_ms is not None:
+            result["diffusers_compiled_lead_ms"] = round(lead_ms, 2)
     else:
-        _, images, _ = timed(pipe, s, args.runs)
+        images = timed(pipe, s, args.runs)[1]
     np.savez(args.state, **{str(k): v for k, v in images.items()})
     del pipe
     free()
