@@ -31,21 +31,17 @@ def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
                 sets += [line for line in map(json.loads, f) if line["t0"] >= since]
     sets.sort(key=lambda line: line["t0"])
     per_rows: dict[int, list[float]] = {}
+    leads: list[float] = []  # a set's start to its first step's end
+    joins: list[float] = []  # each join's own time (its text encoders and noise)
     for line in sets:
+        timed = list(zip(line["labels"], line["ms"], strict=True))
+        leads += [at for label, at in timed if label == "step"][:1]
+        pairs = itertools.pairwise(timed)
+        joins += [at - before for (_, before), (label, at) in pairs if label == "joined"]
         marks = list(zip(line["labels"], line["ms"], line.get("rows", []), strict=False))
         for (_, before, _), (label, at, rows) in itertools.pairwise(marks):
             if label == "step" and rows:
                 per_rows.setdefault(rows, []).append(at - before)
-    leads, joins = [], []  # a set's start to its first step's end; each join's own time
-    for line in sets:
-        marks = list(zip(line["labels"], line["ms"], strict=False))
-        leads += [next((at for label, at in marks if label == "step"), None)] if marks else []
-        joins += [
-            at - before
-            for (_, before), (label, at) in itertools.pairwise(marks)
-            if label == "joined"
-        ]
-    leads = [t for t in leads if t is not None]
     medians = {r: statistics.median(v) for r, v in per_rows.items()}
     stalls = [t for r, v in per_rows.items() for t in v if t > 2 * medians[r]]
     gaps = [
