@@ -187,7 +187,8 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         result["text_mask_cost_ms"] = mask_cost(pipe, s["size"], args.runs * 3)
     if not args.tiny:
         result["attention"] = fastest_attention(pipe, s)
-        pipe.transformer.fuse_qkv_projections()
+        if hasattr(pipe.transformer, "fuse_qkv_projections"):  # Z-Image's has none
+            pipe.transformer.fuse_qkv_projections()
         options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
         pipe.transformer = torch.compile(pipe.transformer, **options)
         pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)

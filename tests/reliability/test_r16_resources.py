@@ -87,7 +87,9 @@ def test_r16_a_killed_torch_worker_leaves_nothing_in_dev_shm(tmp_path_factory):
             pid = pool.replicas[0].executor.pids[0]
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda p=pid: not psutil.pid_exists(p) or _zombie(p), 10, "the worker gone")
-            wait_for(lambda: http.get("/health").status_code == 200, 60, "the stage back")
+            # the restart's end, not /health alone: /health is 200 until the monitor sees the death
+            wait_for(lambda: server.engine.stats.restarts == 1, 60, "the replica restarted")
+            wait_for(lambda: http.get("/health").status_code == 200, 10, "the stage back")
             assert shm_entries() <= before, f"left in /dev/shm: {shm_entries() - before}"
         assert server.engine.stats.restarts == 1
 
