@@ -1,6 +1,7 @@
 """Z-Image beyond the contract suite: with guidance (its own formula, above 0) the stage makes
 what ZImagePipeline makes; rows of their own token counts and guidance joining a set make what
-they make alone; a step hands each row its own tokens without reading a value back."""
+they make alone; a step hands each row its own tokens without reading a value back; the
+pipeline's call leaves the prompts it was given as they were."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ def test_with_guidance_the_stage_makes_what_the_pipeline_makes(stage):
     got, want = out.images[0].pixels.astype(int), tensor_to_uint8(want)[0].astype(int)
     assert got.shape == (64, 64, 3) and np.abs(got - want).max() <= 1
 
+
+
+def test_the_pipelines_call_leaves_the_prompts_it_was_given_as_they_were(stage):
+    """ZImagePipeline writes each prompt's chat template into the list it gets: the adapter's
+    arguments are copies, so a caller's prompts (a batch's, a warm-up's kept for the next
+    call) do not grow by a template a call."""
+    prompts, negatives = ["a red circle"], ["a green triangle"]
+    kwargs = stage.adapter.text_kwargs(prompts, negatives, None)
+    with torch.inference_mode():
+        stage.adapter.pipe(
+            **kwargs,
+            guidance_scale=0.5,
+            num_inference_steps=1,
+            width=64,
+            height=64,
+            output_type="latent",
+        )
+    assert prompts == ["a red circle"] and negatives == ["a green triangle"]
 
 def test_rows_of_their_own_lengths_and_guidance_joining_a_set_make_what_they_make_alone(stage):
     a = _req("a", seed=3, steps=5, prompt="a red circle", guidance_scale=2.0)

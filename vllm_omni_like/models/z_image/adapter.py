@@ -54,7 +54,8 @@ class ZImageAdapter(ShiftedVAE):
     def text_kwargs(
         self, prompts: list[str], negatives: list[str], tokenizer: Any
     ) -> dict[str, Any]:
-        return {"prompt": prompts, "negative_prompt": negatives}
+        # copies: ZImagePipeline writes each prompt's chat template into the list it gets
+        return {"prompt": list(prompts), "negative_prompt": list(negatives)}
 
     def compile_targets(self) -> list[tuple[Any, str]]:
         """Its blocks one by one (sequence.py: the eager padding between them gives them one
