@@ -62,7 +62,6 @@ def test_with_guidance_the_stage_makes_what_the_pipeline_makes(stage):
     assert got.shape == (64, 64, 3) and np.abs(got - want).max() <= 1
 
 
-
 def test_the_pipelines_call_leaves_the_prompts_it_was_given_as_they_were(stage):
     """ZImagePipeline writes each prompt's chat template into the list it gets: the adapter's
     arguments are copies, so a caller's prompts (a batch's, a warm-up's kept for the next
@@ -79,6 +78,7 @@ def test_the_pipelines_call_leaves_the_prompts_it_was_given_as_they_were(stage):
             output_type="latent",
         )
     assert prompts == ["a red circle"] and negatives == ["a green triangle"]
+
 
 def test_rows_of_their_own_lengths_and_guidance_joining_a_set_make_what_they_make_alone(stage):
     a = _req("a", seed=3, steps=5, prompt="a red circle", guidance_scale=2.0)
