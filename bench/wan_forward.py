@@ -20,12 +20,12 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 import warnings
 
 import torch
 
+from bench.forward_probe import launch_and_device_ms
 from vllm_omni_like.models.wan.adapter import WanAdapter
 from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.host_scheduler import host_scheduler
@@ -38,20 +38,12 @@ WAN = os.path.join(HERE, "..", "vllm_omni_like", "assets", "archs", "wan2.1-t2v-
 def forward_ms(model, latents, timestep, text, runs: int) -> tuple[list[float], float]:
     """The forward's device times and the host's time to launch it (median, from an empty
     queue)."""
-    times, host = [], []
-    for i in range(2 + runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
+
+    def forward() -> None:
         with torch.inference_mode():
             model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text)
-        launched = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end))
-            host.append(1000 * launched)
-    return times, statistics.median(host)
+
+    return launch_and_device_ms(forward, runs)
 
 
 def graphed_ms(model, latents, timestep, text, runs: int) -> float | str:
