@@ -173,18 +173,18 @@ def test_the_llm_stage_steps_a_running_set_a_short_request_joins_and_leaves_firs
     """The real LLM stage (tiny-llm) runs its rows as a running set: a short rewrite sent while
     a long constrained reply decodes joins it at a step boundary, ends first with the text it
     makes alone, and the long one's text is its own too."""
-    long_guide = GuideSpec("regex", "[a-z]{140}")  # 140 steps (a letter a token)
+    long_guide = GuideSpec("regex", "[a-z]{100}")  # 100 steps (a letter a token)
     with engine("tiny-omni", stage_kw={"max_batch_size": 8}) as eng:
         pool = eng.orchestrator.pools["tiny-omni"][0]
         alone = asyncio.run(final(eng, _chat("alone", "a red circle", max_new_tokens=40)))
         long_alone = asyncio.run(
-            final(eng, _chat("l0", "spell", guide=long_guide, max_new_tokens=150))
+            final(eng, _chat("l0", "spell", guide=long_guide, max_new_tokens=110))
         )
         assert pool.stepped == frozenset({"text"})
 
         async def run():
             running = asyncio.Event()
-            request = _chat("long", "spell", guide=long_guide, max_new_tokens=150)
+            request = _chat("long", "spell", guide=long_guide, max_new_tokens=110)
             long = asyncio.create_task(_running(eng, request, 5, running))
             await asyncio.wait_for(running.wait(), 60)
             short = await final(eng, _chat("short", "a red circle", max_new_tokens=40))
@@ -193,7 +193,7 @@ def test_the_llm_stage_steps_a_running_set_a_short_request_joins_and_leaves_firs
 
         short, long = asyncio.run(run())
         assert _text(short) == _text(alone)
-        assert _text(long) == _text(long_alone) and len(_text(long)) == 140
+        assert _text(long) == _text(long_alone) and len(_text(long)) == 100
         ran = {b.size for b in eng.batches if b.stage == "llm"}
         assert ran == {1}  # each request its own group of the set
         assert max(b.model_batch for b in eng.batches if b.stage == "llm") == 2  # one forward

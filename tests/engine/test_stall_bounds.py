@@ -5,6 +5,7 @@ caused by the batch being decoded beside is retried once it is freed (real worke
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from tests.conftest import wait_for
@@ -42,8 +43,11 @@ def test_a_step_that_compiles_gets_the_compile_timeout_and_a_hang_after_it_does_
         assert bad.error.message.startswith(
             "stage 'diffusion': request stalled its worker twice (no progress for 0."
         ), bad.error.message
-        # (the stall timeout, or 10 x a measured step of 0.05 s: the same 0.5 s)
-        assert "s (bound 0.5s: " in bad.error.message and "compiling" not in bad.error.message
+        # the stall timeout (0.5 s) or 10 x a measured step of 0.05 s (more on a loaded host):
+        # never the compile timeout's 20 s
+        bound = re.search(r"s \(bound ([0-9.]+)s: ", bad.error.message)
+        assert bound and 0.5 <= float(bound.group(1)) < 1.0, bad.error.message
+        assert "compiling" not in bad.error.message
         assert took < 2 * (stage_doubles.COMPILE_S + 0.5) + 10  # two restarts import torch
         wait_for(lambda: e.stats.worker_deaths == 2, 5, "two stalls counted as deaths")
         pool = e.orchestrator.pools["null-image"][0]

@@ -173,6 +173,9 @@ def test_r9_schemathesis_finds_no_server_error(tmp_path):
         server.cleanup()
 
 
+# a drill (the suite's time): the same outcomes in-process, tests/api/test_health.py's
+# test_video_jobs_survive_a_restart; here a real SIGKILL of a server running a torch job
+@pytest.mark.drill
 def test_r10_video_jobs_across_a_sigkill(tmp_path):
     storage = str(tmp_path)
     args = ["tiny-video", "--video-concurrency", "1"]

@@ -24,7 +24,9 @@ from tests.reliability.test_r1_r4_faults import (
     stopped_worker_reruns,
 )
 
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+# a drill (`pytest -m drill`): the same batteries run over processes in the default run, and
+# the Ray executor's own deaths, lost node and serving are in tests/executor/test_ray_executor.py
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=MISSING or ""), pytest.mark.drill]
 RAY = {"executor": "ray"}
 
 
