@@ -31,8 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.raw_diffusers import device_name
-from vllm_omni_like.models.qwen_image.adapter import TEXT_BUCKETS
 from vllm_omni_like.models.qwen_image.attention import zeroed_padding_attention
+from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
 
 KERNELS = {
     "default": None,  # what PyTorch picks (the server's choice: it sets none)

@@ -212,8 +212,8 @@ def mask_cost(pipe: Any, side: int, runs: int) -> dict[str, float]:
     unmasked (no mask: every token attended; ms, medians on the device's clock)."""
     from bench.masked_attention import clock
     from vllm_omni_like.models.adapter import adapter_for
-    from vllm_omni_like.models.qwen_image.adapter import TEXT_BUCKETS
     from vllm_omni_like.models.registry import family_for
+    from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
 
     adapter = adapter_for(pipe, family_for({"_class_name": type(pipe).__name__}))
     config, dev, dtype = pipe.transformer.config, pipe.device, pipe.transformer.dtype

@@ -1,7 +1,8 @@
 """Qwen-Image beyond the contract suite: the synthesized chat tokenizer gives the template
 prefix the pipeline cuts its 34 tokens; prompts of their own lengths (across a text-length
 bucket), negative prompts, rows with and without guidance and a request joining a busy set all
-make the image each makes alone; one step, undefined for its schedule, is refused."""
+make the image each makes alone; one step, undefined for its schedule, is refused; a compiled
+stage runs every text bucket on its warm-up's graphs."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
 from vllm_omni_like.models.limits import diffusion_limits
-from vllm_omni_like.models.qwen_image.adapter import TEXT_BUCKETS
+from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.protocol.admission import check_steps
 from vllm_omni_like.stages.diffusion import DiffusionStage
@@ -91,3 +92,34 @@ def test_one_step_is_refused_where_it_is_undefined(stage):
     stage.validate(
         StageRequest("r", "a red circle", dataclasses.replace(one, num_inference_steps=2))
     )
+
+
+def test_a_compiled_stage_runs_every_text_bucket_on_its_warm_up_graphs(stage):
+    """Its warm-up ran a prompt a text bucket (models/text_buckets.py): a prompt of another
+    bucket than the first, true CFG's two lengths beside it, compiles nothing at run time."""
+    from torch._dynamo.utils import counters
+
+    from tests.stages.test_compiled import _control
+
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model=tiny_qwen_image_path(),
+        compile=True,
+        max_batch_size=1,
+        batch_buckets=(1,),
+        options={**OPTIONS, "compile_backend": "eager"},
+    )
+    compiled = DiffusionStage(config)
+    compiled.load("cpu")
+    graphs = counters["stats"]["unique_graphs"]
+
+    def image(on: DiffusionStage, prompt: str) -> np.ndarray:
+        params = GenerationParams(seed=3, num_inference_steps=2)
+        (out,) = on.execute([StageRequest("r", prompt, params)], _control())
+        assert out.error is None, out.error
+        return out.images[0].pixels.astype(int)
+
+    for prompt in ("a red circle", LONG, LONG * 2):  # buckets 64, 128, 256
+        assert np.abs(image(compiled, prompt) - image(stage, prompt)).max() <= 1, prompt
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -237,6 +237,11 @@ class Adapter:
         """Pipelines sharing this one's models for the `image_conditions` it takes."""
         return {}
 
+    def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
+        """The prompts a compiled stage warms its own loop up with: one for each text shape its
+        denoiser sees (one, unless the family pads prompts to text buckets)."""
+        return ("warm-up",)
+
     def warm_up_modes(self) -> tuple[str, ...]:
         """The modes of `edit_pipelines` whose call a compiled stage warms up too, beside its
         first mode's (one request a call, from a blank image): calls over the same denoiser

@@ -213,10 +213,14 @@ class DiffusionStage(OwnLoop, PipelineCall):
             (self.default_width, self.default_height)
         ]
         started = time.monotonic()
+        own = self.family.modes[0] in self.own
+        with torch.inference_mode():  # (one a text shape: text buckets' prompts)
+            prompts = self.adapter.warm_up_prompts(self.device) if own else ("warm-up",)
         for width, height in sizes:
             for rows in self.buckets:
-                if self.family.modes[0] in self.own:  # a batch of `rows` through our own loop
-                    self._warm_up_own(rows, width, height)
+                if own:  # a batch of `rows` through our own loop, for each prompt
+                    for prompt in prompts:
+                        self._warm_up_own(rows, width, height, prompt)
                 else:
                     self._warm_up_call(rows, width, height)
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
@@ -228,7 +232,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
         logger.info(
             "stage %s: compiled and warmed up %d shapes in %.1fs",
             self.name,
-            len(sizes) * len(self.buckets),
+            len(sizes) * len(self.buckets) * len(prompts),
             time.monotonic() - started,
         )
         accel.log_recompiles()

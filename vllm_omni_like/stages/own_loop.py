@@ -19,13 +19,13 @@ from vllm_omni_like.wire import StageRequest
 class OwnLoop(DiffusionState):
     """Runs a batch through our own loop."""
 
-    def _warm_up_own(self, rows: int, width: int, height: int) -> None:
+    def _warm_up_own(self, rows: int, width: int, height: int, prompt: str) -> None:
         frames = self.default_frames if self.is_video else None
         params = GenerationParams(
             width=width, height=height, num_inference_steps=2, seed=0, num_frames=frames
         )
         mode = self.family.modes[0]
-        batch = [StageRequest(f"warm-up-{i}", "warm-up", params, mode) for i in range(rows)]
+        batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
         self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
 
     def _denoise_own(

@@ -2,7 +2,7 @@
 
 Text: the pipeline's own encoding (its chat template, Qwen2.5-VL's last hidden states, the
 system prompt's tokens cut off), each prompt at its own length with a mask, padded with masked
-zeros to a length bucket (`TEXT_BUCKETS`), so rows of many requests share one forward and a
+zeros to a length bucket (models/text_buckets.py), so rows of many requests share one forward and a
 compiled transformer sees few shapes; a padded token is masked out, so a row's result does not
 depend on its neighbours' lengths. A negative prompt not given is " " (what Qwen-Image is shown
 with: the pipeline runs true CFG only with a negative prompt). Latents: unpacked in our loop,
@@ -21,9 +21,9 @@ from vllm_omni_like.models.adapter import Decoder, Guidance, pad_tokens
 from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
+from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
-TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest that holds it)
 NO_NEGATIVE = " "
 
 
@@ -43,8 +43,11 @@ class QwenImageAdapter(PackedLatents):
         )
         if mask is None:  # (every token is a prompt's: the pipeline leaves the mask out)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        length = next((b for b in TEXT_BUCKETS if b >= embeds.shape[1]), embeds.shape[1])
-        return pad_tokens({"embeds": embeds, "mask": mask}, length)
+        return pad_tokens({"embeds": embeds, "mask": mask}, text_bucket(embeds.shape[1]))
+
+    def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
+        """One a text bucket (its tokens counted by the pipeline's own encoding)."""
+        return bucket_prompts(lambda p: int(self.encode_text([p], device, 0)["mask"].sum()))
 
     def text_kwargs(
         self, prompts: list[str], negatives: list[str], tokenizer: Any

@@ -18,12 +18,12 @@ import torch
 from vllm_omni_like.models.adapter import Guidance, pad_tokens, vae_decoder_target
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
+from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
 from vllm_omni_like.models.z_image import FAMILY
 from vllm_omni_like.models.z_image.sequence import (
     block_targets,
     key_mask,
     pad_sequences_to_buckets,
-    text_bucket,
     use_zeroed_keys,
 )
 
@@ -50,6 +50,10 @@ class ZImageAdapter(ShiftedVAE):
         mask = key_mask(lengths, bucket, embeds.device).long()
         text = {"embeds": embeds, "mask": mask, "lengths": torch.tensor(lengths)}
         return pad_tokens(text, bucket)
+
+    def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
+        """One a text bucket (its tokens counted by the pipeline's own encoding)."""
+        return bucket_prompts(lambda p: int(self.encode_text([p], device, 0)["lengths"][0]))
 
     def text_kwargs(
         self, prompts: list[str], negatives: list[str], tokenizer: Any

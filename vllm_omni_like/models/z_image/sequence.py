@@ -6,8 +6,8 @@ batch to its longest row with a mask only where the rows' lengths differ: every 
 length is a new shape, and a compiled transformer recompiled at run time for each one (the
 CPU's eager backend: a graph per prompt length, tests/models/test_z_image_compiled.py). Here
 the captions and the joint sequence [image, caption] are padded further, to the caption's
-text bucket (`TEXT_BUCKETS`), always with a mask: the layers see one shape per (bucket, rows)
-and compute what they computed at the rows' own lengths (the padding is masked). The
+text bucket (models/text_buckets.py), always with a mask: the layers see one shape per
+(bucket, rows) and compute what they computed at the rows' own lengths (the padding is masked). The
 attention leaves the mask out of the kernel (`ZeroedKeysProcessor`, models/zeroed_keys.py).
 """
 
@@ -19,13 +19,8 @@ import torch
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
 from vllm_omni_like.models.adapter import zero_pad
+from vllm_omni_like.models.text_buckets import text_bucket
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
-
-TEXT_BUCKETS = (64, 128, 256, 512)  # caption tokens a batch is padded to (the smallest fitting)
-
-
-def text_bucket(tokens: int) -> int:
-    return next((b for b in TEXT_BUCKETS if b >= tokens), tokens)
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Text-length buckets (Qwen-Image, Z-Image): each prompt's tokens padded on, with a mask, to
+the smallest of a few lengths, so a compiled denoiser sees one text shape per bucket and rows of
+many prompts share a forward; and the prompts a compiled stage warms every bucket up with, so
+no request's prompt compiles one at run time.
+
+The buckets were picked by measurement (bench/README.md, "masked attention"): the mask, not the
+bucket, is what costs; a larger step between buckets costs less than a recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest that holds it)
+WORD = "red"  # what a warm-up prompt repeats
+
+
+def text_bucket(tokens: int) -> int:
+    """The bucket `tokens` tokens are padded to (themselves past the last one)."""
+    return next((b for b in TEXT_BUCKETS if b >= tokens), tokens)
+
+
+def bucket_prompts(count: Callable[[str], int], tries: int = 16) -> tuple[str, ...]:
+    """One prompt for each bucket, its token count (`count`: the family's encoder's, template
+    included) within the bucket and above the one before, made of `WORD` repeated. The count of
+    k words is affine in k (measured at 1 and 2), so the first guess lands near the bucket's
+    middle; each guess is checked and moved by the words it missed by. A bucket no prompt
+    reaches (an encoder that truncates before it) is left out."""
+
+    def prompt(words: int) -> str:
+        return " ".join([WORD] * words)
+
+    one = count(prompt(1))
+    per = max(count(prompt(2)) - one, 1)
+    prompts: list[str] = []
+    below = 0
+    for bucket in TEXT_BUCKETS:
+        target = (below + bucket + 1) // 2
+        words = max(1, 1 + round((target - one) / per))
+        for _ in range(tries):
+            tokens = count(prompt(words))
+            if below < tokens <= bucket:
+                prompts.append(prompt(words))
+                break
+            step = round((target - tokens) / per) or (1 if tokens <= below else -1)
+            words = max(1, words + step)
+        below = bucket
+    return tuple(prompts)
