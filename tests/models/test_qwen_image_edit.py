@@ -1,7 +1,8 @@
 """Qwen-Image-Edit beyond the contract suite: the template prefix its pipeline cuts is 64 tokens
 of the synthesized tokenizer, the processor expands each image's pad as Qwen2VLProcessor does,
 and over HTTP it edits through /v1/images/edits (the openai SDK), refuses a generation, a
-strength and a mask with a 400 that says why, and keeps the upload's aspect for its image."""
+strength and a mask with a 400 that says why, and keeps the upload's aspect for its image; the
+stage pads its texts to their text bucket."""
 
 from __future__ import annotations
 
@@ -120,3 +121,28 @@ def test_what_it_cannot_do_is_a_400_that_says_why(server):
     assert "this model's edits take no mask" in exc.value.body["message"]
     snap = server.engine.stats.snapshot()
     assert sum(snap["final"].values()) == snap["requests_total"]  # nothing left behind
+
+
+def test_the_stages_edit_texts_are_padded_to_their_text_bucket():
+    """Prompts of two lengths with the same upload reach the transformer at one length (their
+    text bucket), each with its own tokens unmasked: a compiled transformer sees one shape."""
+    import torch
+
+    from vllm_omni_like.config import StageConfig
+    from vllm_omni_like.models.text_buckets import text_bucket
+    from vllm_omni_like.stages.diffusion import DiffusionStage
+
+    config = StageConfig(name="diffusion", kind="diffusion", model=tiny_qwen_image_edit_path())
+    stage = DiffusionStage(config)
+    stage.load("cpu")
+    pipe = stage.edit_pipes["edit"]
+    image = [Image.new("RGB", (64, 48), (90, 30, 200))]
+    shapes, counts = set(), []
+    with torch.inference_mode():
+        for prompt in ("make it red", "make the circle red and the square a pale blue"):
+            embeds, mask = pipe.encode_prompt(prompt=[prompt], image=image, device="cpu")
+            shapes.add((embeds.shape[1], mask.shape[1]))
+            counts.append(int(mask.sum()))
+            assert mask[0, : counts[-1]].all() and not mask[0, counts[-1] :].any()
+            assert not embeds[0, counts[-1] :].any()  # (masked zeros)
+    assert counts[0] < counts[1] and shapes == {(text_bucket(counts[1]),) * 2}
