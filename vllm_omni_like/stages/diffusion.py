@@ -212,17 +212,14 @@ class DiffusionStage(OwnLoop, PipelineCall):
         sizes = [parse_size(s) for s in self.config.warmup_sizes] or [
             (self.default_width, self.default_height)
         ]
-        started = time.monotonic()
-        own = self.family.modes[0] in self.own
-        with torch.inference_mode():  # (one a text shape: text buckets' prompts)
-            prompts = self.adapter.warm_up_prompts(self.device) if own else ("warm-up",)
+        started, shapes = time.monotonic(), 0
         for width, height in sizes:
             for rows in self.buckets:
-                if own:  # a batch of `rows` through our own loop, for each prompt
-                    for prompt in prompts:
-                        self._warm_up_own(rows, width, height, prompt)
+                if self.family.modes[0] in self.own:  # batches of `rows` through our own loop
+                    shapes += self._warm_up_own(rows, width, height)
                 else:
                     self._warm_up_call(rows, width, height)
+                    shapes += 1
                 logger.info("stage %s: warmed up %dx%d x%d", self.name, width, height, rows)
             for mode in self.adapter.warm_up_modes():  # (their calls take one request a call)
                 self._warm_up_call(accel.bucket_for(1, self.buckets), width, height, mode)
@@ -232,7 +229,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
         logger.info(
             "stage %s: compiled and warmed up %d shapes in %.1fs",
             self.name,
-            len(sizes) * len(self.buckets) * len(prompts),
+            shapes,
             time.monotonic() - started,
         )
         accel.log_recompiles()

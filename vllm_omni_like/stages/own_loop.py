@@ -5,6 +5,8 @@ what it uses (`denoise`, `adapter`, `probe`, `tracer`, the defaults)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_omni_like.params import GenerationParams
@@ -19,14 +21,23 @@ from vllm_omni_like.wire import StageRequest
 class OwnLoop(DiffusionState):
     """Runs a batch through our own loop."""
 
-    def _warm_up_own(self, rows: int, width: int, height: int, prompt: str) -> None:
+    def _warm_up_own(self, rows: int, width: int, height: int) -> int:
+        """A batch of `rows` for each of the adapter's warm-up prompts (one a text shape its
+        denoiser sees); returns how many ran."""
         frames = self.default_frames if self.is_video else None
         params = GenerationParams(
             width=width, height=height, num_inference_steps=2, seed=0, num_frames=frames
         )
         mode = self.family.modes[0]
-        batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
-        self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
+        for prompt in self._warm_up_prompts:
+            batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
+            self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
+        return len(self._warm_up_prompts)
+
+    @functools.cached_property
+    def _warm_up_prompts(self) -> tuple[str, ...]:
+        with torch.inference_mode():  # (the adapter counts tokens with its text encoder)
+            return self.adapter.warm_up_prompts(self.device)
 
     def _denoise_own(
         self, batch: list[StageRequest], control: StageControl
