@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from vllm_omni_like.errors import FatalStageError
@@ -131,3 +132,15 @@ class TokenStepStage(NullStage):
         if self.output_kind != "text":
             return super().begin(batch, control)
         return run_whole(TokenRows(self), batch, control)
+
+
+class HeapStage(NullStage):
+    """Keeps 100,000 objects from its load; its text says how many objects the collector had
+    frozen when the request ran (`gc.get_freeze_count()`)."""
+
+    def load(self, device: str) -> None:
+        super().load(device)
+        self.kept = [{"i": i} for i in range(100_000)]
+
+    def _output(self, r: StageRequest, steps_run: int) -> StageOutput:
+        return StageOutput(r.request_id, self.name, text=str(gc.get_freeze_count()))

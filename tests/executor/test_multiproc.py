@@ -135,6 +135,16 @@ def test_a_finisher_thread_that_dies_takes_the_worker_with_it(no_leaked_children
         assert _results(msgs) == {} and not any(isinstance(m, BatchDone) for m in msgs)
 
 
+def test_a_worker_freezes_what_its_load_made(no_leaked_children):
+    """The load's objects (a compiled model's: about a million) are out of the collector's
+    reach before the first request: a full collection would walk them inside a request."""
+    config = StageConfig(name="diffusion", kind="tests.stage_helpers:HeapStage")
+    with running(config) as (ex, sink, _):
+        ex.execute(ExecuteBatch(1, [_req("a", steps=1)]))
+        (out,) = _results(drain_batch(sink, 1)).values()
+        assert out.error is None and int(out.text) >= 100_000  # its load's objects, frozen
+
+
 def test_recoverable_fault_fails_only_its_own_request(executor):
     ex, sink, deaths = executor
     ex.execute(ExecuteBatch(2, [_req("a"), _req("b", "x @fail"), _req("c")]))

@@ -383,6 +383,7 @@ def run_worker(
         sys.exit(1)
     if config.compile:  # after the load: its warm-up compiles count against the load timeout
         worker.report_compiles()
+    process_life.freeze_heap()  # (what the load made stays: no full collection walks it)
     threading.Thread(target=worker.receive_forever, daemon=True, name="receiver").start()
     threading.Thread(target=worker.finisher.run_forever, daemon=True, name="finisher").start()
     worker.run_forever()
