@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.compare import psnr
 from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
 from bench.server_proc import Server
-from bench.step_profile import step_timeline
+from bench.step_profile import host_spans, step_timeline
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
@@ -249,11 +249,12 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         body = {"prompt": PROMPT, "size": side, "num_inference_steps": s["steps"]}
         body |= {"guidance_scale": s["guidance"], "response_format": "b64_json"}
         times, got, before = [], {}, {}
+        spans: list[tuple[float, float]] = []  # each request's send and end (monotonic)
         source = png_bytes(edit_source(s["size"])) if s.get("edit") else b""
         for seed in [0, *range(args.runs)]:  # (the first: a warm-up)
             if len(times) == 1:
                 before = histograms(server.url)
-            t0 = time.perf_counter()
+            t0, sent = time.perf_counter(), time.monotonic()
             if s.get("edit"):  # the same fields as a form, the image as a PNG upload
                 form = {k: str(v) for k, v in {**body, "seed": seed}.items()}
                 files = {"image": ("source.png", source, "image/png")}
@@ -262,6 +263,7 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
                 r = client.post(f"{server.url}/v1/images/generations", json={**body, "seed": seed})
             r.raise_for_status()
             times.append(time.perf_counter() - t0)
+            spans.append((sent, time.monotonic()))
             got[seed] = pixels(r)
             since = min(since, time.monotonic())  # (the timed requests' sets begin after)
         after = histograms(server.url)
@@ -277,6 +279,8 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         if (n := after[k][1] - before.get(k, (0, 0))[1])
     }
     steps = step_timeline(timeline, s["steps"], since)
+    result["server_host_ms"] = host_spans(timeline, spans[1:])
+    keep_timeline(timeline, os.path.join(args.out_dir, f"models-{device_name()}-timeline.jsonl"))
     if 1 in steps["step_ms_by_rows"]:
         result["server_step_ms"] = steps["step_ms_by_rows"][1]
     result["server_lead_ms"], result["server_join_ms"] = steps["lead_ms"], steps["join_ms"]
@@ -286,6 +290,16 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         result["psnr_db"] = [round(v, 2) if np.isfinite(v) else "inf" for v in values]
         result["images_equal"] = all(v >= 35 for v in values)
     return result
+
+
+def keep_timeline(directory: str, path: str) -> None:
+    """Append the server's timeline (each set's marks, device and host clocks) to `path`."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as out:
+        for name in sorted(os.listdir(directory)):
+            if name.endswith("-timeline.jsonl"):
+                with open(os.path.join(directory, name)) as f:
+                    out.write(f.read())
 
 
 PARTS = {  # the /metrics histograms of a request's parts

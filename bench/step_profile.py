@@ -67,6 +67,30 @@ def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
     }
 
 
+def host_spans(directory: str, spans: list[tuple[float, float]]) -> dict[str, float]:
+    """Where the host's time went for requests sent one at a time (`spans`: each request's send
+    and its response's end on the machine's monotonic clock, which the timeline's `t0` is on):
+    the medians, in ms, of the send to its set's begin (HTTP, API, engine, worker, its join),
+    the begin to the set's last mark (the wait for the device after the last step) and that
+    mark to the response's end (the hand-over, decode, image encode, HTTP)."""
+    sets = []
+    for name in os.listdir(directory):
+        if name.endswith("-rank0-timeline.jsonl"):
+            with open(os.path.join(directory, name)) as f:
+                sets += list(map(json.loads, f))
+    parts: dict[str, list[float]] = {"to_begin": [], "begin_to_synced": [], "synced_to_end": []}
+    for sent, ended in spans:
+        inside = [line for line in sets if sent <= line["t0"] <= ended]
+        if len(inside) != 1:  # (not one set for one request: not comparable)
+            continue
+        line = inside[0]
+        synced = line["t0"] + line["host_ms"][-1] / 1000
+        parts["to_begin"].append((line["t0"] - sent) * 1000)
+        parts["begin_to_synced"].append(line["host_ms"][-1])
+        parts["synced_to_end"].append((ended - synced) * 1000)
+    return {k: round(statistics.median(v), 2) for k, v in parts.items() if v}
+
+
 def part_ceiling(args: argparse.Namespace) -> dict[str, Any]:
     """The compiled UNet at 32 images (64 CFG rows) and the VAE decoder at 32, no server."""
     import torch
