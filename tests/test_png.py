@@ -119,3 +119,40 @@ def test_a_large_image_takes_pil_while_another_encode_holds_the_pool() -> None:
     assert np.array_equal(_decode(beside), pixels) and np.array_equal(_decode(alone), pixels)
     with png.claim() as again:  # released after each use
         assert again
+
+
+@pytest.mark.parametrize("sizes", [(0, 5), (1, 1), (70_000, 3), (5, 200_000), (131_073, 65_521)])
+def test_adler32_combines_as_zlib_reads_the_concatenation(sizes: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(sizes))
+    first, second = (rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes)
+    combined = png.adler32_combine(zlib.adler32(first), zlib.adler32(second), len(second))
+    assert combined == zlib.adler32(first + second)
+
+
+def test_rows_filtered_elsewhere_make_the_same_file() -> None:
+    """A GPU stage's filtered rows (`scanlines`) leave only deflate: the same bytes as the
+    encoder filtering them itself; in the calling thread (no pool), one deflate stream that
+    decodes to the pixels."""
+    pixels = _photo_like(300, 1000, 3, seed=5)  # over MIN_PIXELS: strips on the pool
+    scanlines = filter_rows(pixels.reshape(300, -1), None, 3)
+    assert encode_png(pixels, 6, scanlines=scanlines) == encode_png(pixels, 6)
+    alone = encode_png(pixels, 6, scanlines=scanlines, pool=False)
+    assert np.array_equal(_decode(alone), pixels)
+
+
+def test_scanlines_of_another_shape_are_refused() -> None:
+    pixels = _photo_like(20, 30, 3)
+    with pytest.raises(ValueError, match="not those of"):
+        encode_png(pixels, 6, scanlines=np.zeros((20, 30 * 3), np.uint8))
+
+
+def test_a_held_pool_leaves_given_scanlines_to_deflate_in_the_callers_thread() -> None:
+    """Beside another encode (the pool held), an image with filtered rows is deflated from
+    them in the caller's thread, not handed to PIL: what is deflated is what was given."""
+    pixels = _photo_like(600, 500, 3, seed=1)
+    other = _photo_like(600, 500, 3, seed=2)
+    scanlines = filter_rows(other.reshape(600, -1), None, 3)
+    with png.claim() as held:
+        assert held
+        data = encode_image(pixels, "png", None, scanlines)
+    assert np.array_equal(_decode(data), other)  # (the rows given, not the pixels', were used)

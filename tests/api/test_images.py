@@ -133,3 +133,18 @@ def test_sdk_error_types(null_server):
     with pytest.raises(openai.NotFoundError) as info:
         client.images.generate(prompt="x", model="no-such-model")
     assert info.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("fmt", "png"), [("png", True), ("jpeg", False), ("webp", False)])
+def test_a_png_request_asks_its_stages_for_filtered_rows(null_server, fmt, png):
+    """The request says whether its images will be PNGs (a GPU stage then filters their rows
+    on the device), and each stage's request carries it."""
+    from vllm_omni_like.config import Limits
+    from vllm_omni_like.protocol.requests import image_request
+    from vllm_omni_like.protocol.schemas import ImageRequest
+
+    body = ImageRequest(prompt="x", model="null-image", output_format=fmt)
+    omni = image_request(null_server.engine, body, Limits(), "r-png")
+    assert omni.encodes_png is png
+    pipeline = null_server.engine.orchestrator.pipelines["null-image"]
+    assert pipeline.stage_request(omni, 0, None).encodes_png is png

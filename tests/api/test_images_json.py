@@ -34,3 +34,11 @@ def test_reads_back_as_the_payload(data: list[dict[str, str]]) -> None:
 def test_only_data() -> None:
     payload = {"data": [{"b64_json": _b64(5)}]}
     assert json.loads(images_json(payload)) == payload
+
+
+def test_base64_bytes_are_spliced_in_as_text() -> None:
+    """image_items hands the base64 over as bytes (no str copy of the megabytes)."""
+    raw = os.urandom(3000)
+    payload = {"created": 2, "data": [{"b64_json": base64.b64encode(raw), "seed": 5}]}
+    got = json.loads(images_json(payload))
+    assert base64.b64decode(got["data"][0]["b64_json"]) == raw and got["data"][0]["seed"] == 5

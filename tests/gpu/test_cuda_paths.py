@@ -82,3 +82,26 @@ def test_the_decode_on_the_side_stream_equals_the_pipelines_own(sd15):
     torch.cuda.synchronize()
     for want, out in zip(whole, got, strict=True):
         assert np.array_equal(want, out.images[0].pixels)
+
+
+def test_a_png_consumers_large_images_come_with_rows_filtered_on_the_device(sd15):
+    """At 512x512 (the host's strip-pool size) on CUDA, an image a consumer encodes as PNG
+    comes with its rows filtered on the device, png.filter_rows's bytes exactly; the encoder
+    then deflates them into a PNG of the pixels."""
+    import io
+
+    from PIL import Image
+
+    from vllm_omni_like.media import encode_image
+    from vllm_omni_like.png import filter_rows
+
+    control = StageControl(FaultInjector((), "diffusion"))
+    params = GenerationParams(seed=3, num_inference_steps=2, width=512, height=512)
+    png = StageRequest("p", "a red circle", params, encodes_png=True)
+    jpeg = StageRequest("j", "a red circle", params)
+    outs = {o.request_id: o for o in sd15.begin([png, jpeg], control).finish([png, jpeg])}
+    image = outs["p"].images[0]
+    assert outs["j"].images[0].scanlines is None and image.scanlines is not None
+    assert np.array_equal(image.scanlines, filter_rows(image.pixels.reshape(512, -1), None, 3))
+    data = encode_image(image.pixels, "png", None, image.scanlines)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), image.pixels)

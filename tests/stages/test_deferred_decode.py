@@ -98,6 +98,33 @@ def test_a_compiled_decoder_gets_its_bucket_sizes(image_stage, monkeypatch):
     _assert_same({k: want[k] for k in ("a", "c")}, got, levels=1)
 
 
+def test_a_png_consumers_images_come_with_their_filtered_rows(image_stage, monkeypatch):
+    """Where the stage filters (a GPU, large images: forced here), each image a consumer will
+    encode as PNG comes with its rows filtered on the device, png.filter_rows's bytes exactly;
+    the others without; the pixels do not change."""
+    from vllm_omni_like.png import filter_rows
+    from vllm_omni_like.stages import latent_decode
+
+    batch = _text2img()
+    want = _pixels(image_stage.execute(batch, _control()))
+    monkeypatch.setattr(latent_decode, "worth_filtering", lambda device, h, w: True)
+    batch[0].encodes_png = batch[2].encodes_png = True
+    outputs = image_stage.begin(batch, _control()).finish(batch)
+    _assert_same(want, _pixels(outputs))
+    for out in outputs:
+        for image in out.images:
+            if out.request_id == "b":
+                assert image.scanlines is None
+                continue
+            rows = image.pixels.reshape(image.pixels.shape[0], -1)
+            assert np.array_equal(image.scanlines, filter_rows(rows, None, 3)), out.request_id
+    # nobody encodes PNG: no rows are filtered
+    for r in batch:
+        r.encodes_png = False
+    outputs = image_stage.begin(batch, _control()).finish(batch)
+    assert all(image.scanlines is None for out in outputs for image in out.images)
+
+
 def test_a_pipeline_without_a_known_decode_decodes_in_its_call(image_stage, monkeypatch):
     batch = _text2img()
     monkeypatch.setattr(image_stage, "own", set())  # (our own loop always has its decoder)

@@ -44,7 +44,7 @@ def _content(output: OmniRequestOutput, wants_image: bool) -> Any:
         return text
     parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
     for image in output.result.images:
-        data = base64.b64encode(encode_image(image.pixels)).decode()
+        data = base64.b64encode(encode_image(image.pixels, scanlines=image.scanlines)).decode()
         parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}})
     return parts
 

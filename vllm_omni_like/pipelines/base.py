@@ -50,6 +50,7 @@ class Pipeline:
             truncate_prompt=rewritten,
             client_id=request.client_id,
             files_only=request.files_only,
+            encodes_png=request.encodes_png,
         )
 
     @staticmethod

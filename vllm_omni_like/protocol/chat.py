@@ -233,6 +233,7 @@ def chat_requests(
             replace(params, seed=base + i),
             client_id=client_id,
             last_stage=last,
+            encodes_png=body.wants_image,  # (its images go out as PNG data URLs)
         )
         for i in range(body.n)
     ]

@@ -70,6 +70,7 @@ def image_request(
         timeout=timeout,
         client_id=client_id,
         stores_output=stores_output,
+        encodes_png=body.output_format == "png",
     )
 
 
@@ -98,13 +99,14 @@ def video_request(
 def image_items(
     output: OmniRequestOutput, fmt: str, compression: int | None, as_b64: bool = True
 ) -> list[dict[str, Any]]:
-    """Encode each image (CPU work: call it in a thread); b64 or raw bytes under 'bytes'."""
+    """Encode each image (CPU work: call it in a thread); under 'b64_json' its base64 (ASCII
+    bytes: api/serving.images_json splices them in as they are), or raw bytes under 'bytes'."""
     items = []
     for image in output.result.images:
-        data = encode_image(image.pixels, fmt, compression)
+        data = encode_image(image.pixels, fmt, compression, image.scanlines)
         item: dict[str, Any] = {"seed": image.seed}
         if as_b64:
-            item["b64_json"] = base64.b64encode(data).decode()
+            item["b64_json"] = base64.b64encode(data)
         else:
             item["bytes"] = data
         if output.revised_prompt is not None:

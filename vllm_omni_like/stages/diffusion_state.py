@@ -94,7 +94,7 @@ class DiffusionState(Stage):
         if decoder is None:  # a pipeline we cannot decode for: it did, in the call
             with torch.inference_mode():
                 pixels = tensor_to_uint8(media[:rows])
-            decode = lambda picked, fps, frames: (  # noqa: E731
+            decode = lambda picked, fps, frames, png: (  # noqa: E731
                 pixels[picked],
                 [video_stream.Encoded() for _ in picked],
             )
@@ -115,9 +115,16 @@ class DiffusionState(Stage):
                 for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
             ]
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
-            pixels, encoded = decode(picked, fps, frames)
+            png = not self.is_video and any(r.encodes_png for r in requests)
+            pixels, encoded = decode(picked, fps, frames, png)
             return latent_decode.split_outputs(
-                self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
+                self.name,
+                requests,
+                pixels,
+                [seeds[i] for i in picked],
+                encoded,
+                self.is_video,
+                getattr(decode, "scanlines", None),
             )
 
         return Deferred(batch, finish)

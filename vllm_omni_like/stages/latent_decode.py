@@ -18,7 +18,8 @@ import torch
 from vllm_omni_like.models.adapter import ChunkSource, Decoder
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
 from vllm_omni_like.stages.acceleration import bucket_for
-from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.stages.png_rows import filter_scanlines, worth_filtering
+from vllm_omni_like.stages.torch_utils import device_uint8, tensor_to_uint8
 from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
 from vllm_omni_like.wire import StageRequest
 
@@ -45,16 +46,18 @@ class PendingDecode:
         self.stream = stream
         self.buckets = buckets  # a compiled decoder runs only these batch sizes: pad up
         self.ready: torch.cuda.Event | None = None
+        self.scanlines: np.ndarray | None = None  # the last call's, where it made them
         if stream is not None:
             self.ready = torch.cuda.Event()
             self.ready.record()  # on the main stream, after the last step's kernels
 
     def __call__(
-        self, picked: list[int], fps: list[int] | None = None, frames: int = 0
+        self, picked: list[int], fps: list[int] | None = None, frames: int = 0, png: bool = False
     ) -> tuple[np.ndarray, list[Encoded]]:
         """uint8 pixels of the `picked` rows, on the host; with `fps` (videos, a rate per row,
         of `frames` frames) and a chunked decoder, each row's MP4 and thumbnail encoded while it
-        decodes (else empty `Encoded`s)."""
+        decodes (else empty `Encoded`s); `png` (images): each row's PNG-filtered scanlines too,
+        made on the device (`self.scanlines`, in the rows' order; png_rows.py)."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
             if not bool(torch.isfinite(rows).all()):  # (its bisection fails only that row)
@@ -63,8 +66,10 @@ class PendingDecode:
             if pad:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
             if fps is None or self.chunks is None:
-                pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
-                return pixels, [Encoded() for _ in picked]
+                images = device_uint8(self.decoder(rows)[: len(picked)])
+                if png and worth_filtering(images.device, *images.shape[1:3]):
+                    self.scanlines = filter_scanlines(images).cpu().numpy()
+                return images.cpu().numpy(), [Encoded() for _ in picked]
             with StreamedMP4(self.chunks, fps, frames) as mp4:
                 pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
             return pixels, mp4.result()
@@ -87,6 +92,7 @@ def split_outputs(
     seeds: list[int],
     encoded: list[Encoded],
     is_video: bool,
+    scanlines: np.ndarray | None = None,
 ) -> list[StageOutput]:
     """Each request's output from the decoded rows (a video: one row; images: `n` rows)."""
     outputs, k = [], 0
@@ -101,7 +107,8 @@ def split_outputs(
             k += 1
         else:
             for _ in range(r.params.n):
-                out.images.append(ImagePayload(pixels=pixels[k], seed=seeds[k]))
+                filtered = scanlines[k] if scanlines is not None and r.encodes_png else None
+                out.images.append(ImagePayload(pixels[k], seeds[k], filtered))
                 k += 1
         outputs.append(out)
     return outputs

@@ -124,8 +124,13 @@ def tensor_to_uint8(media: torch.Tensor) -> np.ndarray:
     The same float32 maths as diffusers' numpy path (x * 255, round), done on the device, so
     only the uint8 bytes cross to the host, in one copy.
     """
+    return device_uint8(media).cpu().numpy()
+
+
+def device_uint8(media: torch.Tensor) -> torch.Tensor:
+    """`tensor_to_uint8`'s pixels, still on the device."""
     pixels = (media.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return pixels.movedim(-3, -1).contiguous().cpu().numpy()
+    return pixels.movedim(-3, -1).contiguous()
 
 
 class BatchDimProbe:
