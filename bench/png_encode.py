@@ -8,7 +8,9 @@ deflate), at the server's compression level: the median of 10 single encodes (th
 lone request pays after its decode) and 32 images encoded at once from 32 threads as the API's
 worker threads do when a set's results come back together (images a second), for pool sizes
 1, 4, 8, 16, 32 and the host's cores (up to 32), and the server's own choice (`encode_image`:
-the pool while no other image holds it, PIL beside it). Picks the pool size by measurement.
+the pool while no other image holds it, PIL beside it). Each also with the rows filtered
+already (`filtered_*`: what a GPU stage sends, png_rows.py), deflate alone left. Picks the
+pool size by measurement.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def main() -> None:
     result: dict[str, Any] = {"machine": args.label or platform.node(), "cpus": cores}
     for side in (512, 1024):
         pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+        scanlines = png.filter_rows(pixels.reshape(side, -1), None, 3)
+
+        def served(p: np.ndarray, scanlines: np.ndarray = scanlines) -> bytes:  # GPU-filtered rows
+            return encode_image(p, "png", None, scanlines)
+
         row: dict[str, Any] = {
             "pil_single_ms": single_ms(pil, pixels),
             "pil_burst_img_s": burst_img_s(pil, pixels),
@@ -75,15 +82,22 @@ def main() -> None:
             def strips(p: np.ndarray) -> bytes:
                 return png.encode_png(p, PNG_COMPRESS_LEVEL)
 
+            def deflate_only(p: np.ndarray, scanlines: np.ndarray = scanlines) -> bytes:
+                return png.encode_png(p, PNG_COMPRESS_LEVEL, scanlines=scanlines)
+
             row[f"pool_{threads}"] = {
                 "single_ms": single_ms(strips, pixels),
                 "burst_img_s": burst_img_s(strips, pixels),
+                "filtered_single_ms": single_ms(deflate_only, pixels),
+                "filtered_burst_img_s": burst_img_s(deflate_only, pixels),
             }
             png._pool.shutdown()
         png._pool = None  # the server's own choice: the pool while free, else PIL (media.py)
         row["encode_image"] = {
             "single_ms": single_ms(encode_image, pixels),
             "burst_img_s": burst_img_s(encode_image, pixels),
+            "filtered_single_ms": single_ms(served, pixels),
+            "filtered_burst_img_s": burst_img_s(served, pixels),
         }
         result[f"{side}x{side}"] = row
         print(side, json.dumps(row), flush=True)
