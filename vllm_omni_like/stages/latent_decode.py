@@ -68,7 +68,12 @@ class PendingDecode:
             if fps is None or self.chunks is None:
                 images = device_uint8(self.decoder(rows)[: len(picked)])
                 if png and worth_filtering(images.device, *images.shape[1:3]):
-                    self.scanlines = filter_scanlines(images).cpu().numpy()
+                    # one image at a time: its int16 work is about 0.2 GB at 1024x1024, beside the
+                    # next set's steps (a decode group of 32 at once: about 6 GB)
+                    rows_filtered = [
+                        filter_scanlines(images[i : i + 1]) for i in range(len(images))
+                    ]
+                    self.scanlines = torch.cat(rows_filtered).cpu().numpy()
                 return images.cpu().numpy(), [Encoded() for _ in picked]
             with StreamedMP4(self.chunks, fps, frames) as mp4:
                 pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
