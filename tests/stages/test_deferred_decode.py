@@ -109,8 +109,11 @@ def test_a_png_consumers_images_come_with_their_filtered_rows(image_stage, monke
     want = _pixels(image_stage.execute(batch, _control()))
     monkeypatch.setattr(latent_decode, "worth_filtering", lambda device, h, w: True)
     batch[0].encodes_png = batch[2].encodes_png = True
-    outputs = image_stage.begin(batch, _control()).finish(batch)
+    part = image_stage.begin(batch, _control())
+    outputs = part.finish(batch)
     _assert_same(want, _pixels(outputs))
+    # then any subset again (the finisher's bisection): each call's own rows, or none
+    outputs += part.finish([batch[1]]) + part.finish([batch[2]])
     for out in outputs:
         for image in out.images:
             if out.request_id == "b":

@@ -58,6 +58,7 @@ class PendingDecode:
         of `frames` frames) and a chunked decoder, each row's MP4 and thumbnail encoded while it
         decodes (else empty `Encoded`s); `png` (images): each row's PNG-filtered scanlines too,
         made on the device (`self.scanlines`, in the rows' order; png_rows.py)."""
+        self.scanlines = None  # (a call of other rows must not find the last call's)
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
             if not bool(torch.isfinite(rows).all()):  # (its bisection fails only that row)
