@@ -115,16 +115,10 @@ class DiffusionState(Stage):
                 for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
             ]
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
-            png = not self.is_video and any(r.encodes_png for r in requests)
+            png = any(r.encodes_png for r in requests)  # (the decode filters images only)
             pixels, encoded = decode(picked, fps, frames, png)
             return latent_decode.split_outputs(
-                self.name,
-                requests,
-                pixels,
-                [seeds[i] for i in picked],
-                encoded,
-                self.is_video,
-                getattr(decode, "scanlines", None),
+                self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
             )
 
         return Deferred(batch, finish)

@@ -46,7 +46,6 @@ class PendingDecode:
         self.stream = stream
         self.buckets = buckets  # a compiled decoder runs only these batch sizes: pad up
         self.ready: torch.cuda.Event | None = None
-        self.scanlines: np.ndarray | None = None  # the last call's, where it made them
         if stream is not None:
             self.ready = torch.cuda.Event()
             self.ready.record()  # on the main stream, after the last step's kernels
@@ -56,9 +55,8 @@ class PendingDecode:
     ) -> tuple[np.ndarray, list[Encoded]]:
         """uint8 pixels of the `picked` rows, on the host; with `fps` (videos, a rate per row,
         of `frames` frames) and a chunked decoder, each row's MP4 and thumbnail encoded while it
-        decodes (else empty `Encoded`s); `png` (images): each row's PNG-filtered scanlines too,
-        made on the device (`self.scanlines`, in the rows' order; png_rows.py)."""
-        self.scanlines = None  # (a call of other rows must not find the last call's)
+        decodes (else empty `Encoded`s); `png` (images): each row's PNG-filtered rows, made on
+        the device (`Encoded.scanlines`; png_rows.py)."""
         with torch.inference_mode(), self._on_side_stream():
             rows = self.latents[picked]
             if not bool(torch.isfinite(rows).all()):  # (its bisection fails only that row)
@@ -68,13 +66,14 @@ class PendingDecode:
                 rows = torch.cat([rows, rows[-1:].expand(pad, *rows.shape[1:])])
             if fps is None or self.chunks is None:
                 images = device_uint8(self.decoder(rows)[: len(picked)])
-                if png and worth_filtering(images.device, *images.shape[1:3]):
+                if png and images.dim() == 4 and worth_filtering(images.device, *images.shape[1:3]):
                     # one image at a time: its int16 work is about 0.2 GB at 1024x1024, beside the
                     # next set's steps (a decode group of 32 at once: about 6 GB)
                     rows_filtered = [
                         filter_scanlines(images[i : i + 1]) for i in range(len(images))
                     ]
-                    self.scanlines = torch.cat(rows_filtered).cpu().numpy()
+                    scanlines = torch.cat(rows_filtered).cpu().numpy()
+                    return images.cpu().numpy(), [Encoded(scanlines=row) for row in scanlines]
                 return images.cpu().numpy(), [Encoded() for _ in picked]
             with StreamedMP4(self.chunks, fps, frames) as mp4:
                 pixels = tensor_to_uint8(self.decoder(rows)[: len(picked)])
@@ -98,7 +97,6 @@ def split_outputs(
     seeds: list[int],
     encoded: list[Encoded],
     is_video: bool,
-    scanlines: np.ndarray | None = None,
 ) -> list[StageOutput]:
     """Each request's output from the decoded rows (a video: one row; images: `n` rows)."""
     outputs, k = [], 0
@@ -113,7 +111,7 @@ def split_outputs(
             k += 1
         else:
             for _ in range(r.params.n):
-                filtered = scanlines[k] if scanlines is not None and r.encodes_png else None
+                filtered = encoded[k].scanlines if r.encodes_png else None
                 out.images.append(ImagePayload(pixels[k], seeds[k], filtered))
                 k += 1
         outputs.append(out)

@@ -35,11 +35,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Encoded:
-    """A video's files, made by the stage: its MP4 and its thumbnail (PNG of the middle frame);
-    None for what it did not make (the API makes it from the frames)."""
+    """What the stage encoded for one row while it decoded: a video's files (its MP4 and its
+    thumbnail, PNG of the middle frame), an image's rows PNG-filtered on the device
+    (png_rows.py); None for what it did not make (the API makes it from the pixels)."""
 
     mp4: bytes | None = None
     thumbnail: bytes | None = None
+    scanlines: Any = None
 
 
 class StreamedMP4:
