@@ -17,6 +17,16 @@ import statistics
 from typing import Any
 
 
+def read_timeline(directory: str) -> list[dict[str, Any]]:
+    """Every set of the rank-0 timelines in `directory` (stages/trace.py), as written."""
+    sets: list[dict[str, Any]] = []
+    for name in os.listdir(directory):
+        if name.endswith("-rank0-timeline.jsonl"):
+            with open(os.path.join(directory, name)) as f:
+                sets += map(json.loads, f)
+    return sets
+
+
 def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
     """Where the step-level server's time went, from its timeline (each set, first join to
     drain: every step's end on the device's clock and the requests it ran; sets that began
@@ -24,12 +34,10 @@ def step_timeline(directory: str, steps: int, since: float) -> dict[str, Any]:
     at each set size, the steps over twice their size's median (stalls), the idle time between
     one set's drain and the next set's start, and the images a second the device's steps made
     (the requests each step ran over its duration, / `steps`)."""
-    sets = []
-    for name in os.listdir(directory):
-        if name.endswith("-rank0-timeline.jsonl"):
-            with open(os.path.join(directory, name)) as f:
-                sets += [line for line in map(json.loads, f) if line["t0"] >= since]
-    sets.sort(key=lambda line: line["t0"])
+    sets = sorted(
+        (line for line in read_timeline(directory) if line["t0"] >= since),
+        key=lambda line: line["t0"],
+    )
     per_rows: dict[int, list[float]] = {}
     leads: list[float] = []  # a set's start to its first step's end
     joins: list[float] = []  # each join's own time (its text encoders and noise)
@@ -73,11 +81,7 @@ def host_spans(directory: str, spans: list[tuple[float, float]]) -> dict[str, fl
     the medians, in ms, of the send to its set's begin (HTTP, API, engine, worker, its join),
     the begin to the set's last mark (the wait for the device after the last step) and that
     mark to the response's end (the hand-over, decode, image encode, HTTP)."""
-    sets = []
-    for name in os.listdir(directory):
-        if name.endswith("-rank0-timeline.jsonl"):
-            with open(os.path.join(directory, name)) as f:
-                sets += list(map(json.loads, f))
+    sets = read_timeline(directory)
     parts: dict[str, list[float]] = {"to_begin": [], "begin_to_synced": [], "synced_to_end": []}
     for sent, ended in spans:
         inside = [line for line in sets if sent <= line["t0"] <= ended]
