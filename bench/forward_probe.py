@@ -151,7 +151,7 @@ def reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
 def server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     from vllm_omni_like.models.adapter import Guidance, adapter_for
     from vllm_omni_like.models.registry import family_for
-    from vllm_omni_like.stages import acceleration as accel
+    from vllm_omni_like.stages.diffusion import acceleration as accel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pipe = build(args.model, DTYPES[args.dtype], str(device))

@@ -30,7 +30,7 @@ import torch
 
 from vllm_omni_like.config import cache_dir
 from vllm_omni_like.params import GuideSpec
-from vllm_omni_like.stages.guided import Guides, apply_masks
+from vllm_omni_like.stages.llm.guided import Guides, apply_masks
 
 SCHEMA = {
     "type": "object",

@@ -31,7 +31,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 

@@ -33,7 +33,7 @@ import raw_diffusers as ref
 import torch
 
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
-from vllm_omni_like.stages.acceleration import compile_models
+from vllm_omni_like.stages.diffusion.acceleration import compile_models
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 
 SDPA_BACKENDS = {

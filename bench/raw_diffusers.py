@@ -27,7 +27,7 @@ from PIL import Image
 
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.torch_utils import dummy_pipeline
 from vllm_omni_like.video_codec import encode_video
 

@@ -35,7 +35,7 @@ def bucket(n: int) -> int:
 
 
 def model_rows(rows: list[dict[str, Any]]) -> int:
-    """As the server pads them (stages/denoise.py `_forward`): a row, and its unconditional
+    """As the server pads them (stages/diffusion/step.py `_forward`): a row, and its unconditional
     twin where it is guided, padded to the compiled buckets of model rows (2 per bucket of
     images: the warm-up's guided calls)."""
     rows_in = len(rows) + sum(r["cfg"] for r in rows)

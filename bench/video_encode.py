@@ -3,13 +3,13 @@
     python bench/video_encode.py                 # on a GPU: 832x480, 33 frames, bf16
     python bench/video_encode.py --device cpu --size 64x48 --frames 9   # a smoke run
 
-The decode phase as the diffusion stage runs it (`stages/latent_decode.py`): the VAE decodes one
-video, its frames go to the host; with an encoder, `StreamedMP4` encodes each chunk of frames
-while the next one decodes, and the phase ends when the MP4's bytes are whole. For each setting
-(no encoder; imageio's ffmpeg; PyAV): the median of `--runs` after 2 warm-ups, and whether every
-run's streamed MP4 equals that encoder's `encode_video` of the finished frames (and each other).
-`encode_alone_s`: `encode_video` of the finished frames, what the overlap hides. Random weights
-(the architecture's config), the same seeded latents for every setting.
+The decode phase as the diffusion stage runs it (`stages/diffusion/vae_decode.py`): the VAE
+decodes one video, its frames go to the host; with an encoder, `StreamedMP4` encodes each chunk
+of frames while the next one decodes, and the phase ends when the MP4's bytes are whole. For each
+setting (no encoder; imageio's ffmpeg; PyAV): the median of `--runs` after 2 warm-ups, and whether
+every run's streamed MP4 equals that encoder's `encode_video` of the finished frames (and each
+other). `encode_alone_s`: `encode_video` of the finished frames, what the overlap hides. Random
+weights (the architecture's config), the same seeded latents for every setting.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from diffusers import AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
 
 from vllm_omni_like import video_codec
+from vllm_omni_like.stages.diffusion.video_stream import StreamedMP4
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
-from vllm_omni_like.stages.video_stream import StreamedMP4
 from vllm_omni_like.video_codec import encode_video
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -47,7 +47,7 @@ from bench.raw_diffusers import DTYPES, PROMPT, free, sync
 from bench.server_proc import Server, make_video
 from bench.step_profile import step_timeline
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.torch_utils import dummy_pipeline
 from vllm_omni_like.stages.trace import TRACE_BATCHES_ENV, TRACE_DIR_ENV
 from vllm_omni_like.video_codec import decode_video, encode_video

@@ -27,8 +27,8 @@ import torch
 
 from bench.forward_probe import launch_and_device_ms
 from vllm_omni_like.models.wan.adapter import WanAdapter
-from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages.host_scheduler import host_scheduler
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.torch_utils import dummy_pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))

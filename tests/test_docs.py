@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from vllm_omni_like.stages.acceleration import DEFAULT_BUCKETS
+from vllm_omni_like.stages.diffusion.acceleration import DEFAULT_BUCKETS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 DOCS = ["README.md", "bench/README.md", "training/README.md"] + [

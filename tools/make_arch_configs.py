@@ -8,7 +8,7 @@ scheduler). They load with `--load-format dummy`: the same
 architecture, random weights, which cost the same compute as trained ones. Models are built on
 the meta device here, so writing the configs takes no memory. The tokenizer is the package's
 word-level one (ids < 49408, 77 tokens); Wan's UMT5 encoder is left out: the stage feeds it
-seeded random prompt embeddings instead (vllm_omni_like/stages/prompt_embeds.py).
+seeded random prompt embeddings instead (vllm_omni_like/stages/diffusion/prompt_embeds.py).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class StageConfig:
     # a step on a replica that has measured none yet; None: COLD_STEP_FACTOR x stall_timeout
     cold_step_timeout: float | None = None
     load_timeout: float = 600.0
-    # speed options of the diffusion stages (the denoiser): see stages/acceleration.py
+    # speed options of the diffusion stages (the denoiser): see stages/diffusion/acceleration.py
     compile: bool = False
     compile_mode: str = "default"
     attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning)

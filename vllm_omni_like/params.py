@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GuideSpec:
-    """A constraint on an LLM row's output (stages/guided.py compiles it): `value` is a JSON
+    """A constraint on an LLM row's output (stages/llm/guided.py compiles it): `value` is a JSON
     schema (as JSON text), a regex, a JSON list of choices, or a Lark grammar."""
 
     kind: str
@@ -33,7 +33,7 @@ class GenerationParams:
     fps: int | None = None
     partial_images: int = 0
     scheduler: str | None = None  # models/schedulers.py's names; None: the model's own
-    # LLM stage (each row of a batch its own: stages/decode_loop.py)
+    # LLM stage (each row of a batch its own: stages/llm/token_rules.py)
     max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0

@@ -1,8 +1,9 @@
 """H.264 MP4 videos: an incremental encoder (frames appended as they are made), and decoding.
 
 One encoder path for everything: `encode_video` and `write_video` append all frames at once, a
-diffusion stage appends each chunk of frames as its VAE decodes it (stages/video_stream.py), so
-a video encoded either way is the same bytes. CPU work: callers keep it off the event loop.
+diffusion stage appends each chunk of frames as its VAE decodes it
+(stages/diffusion/video_stream.py), so a video encoded either way is the same bytes. CPU work:
+callers keep it off the event loop.
 """
 
 from __future__ import annotations

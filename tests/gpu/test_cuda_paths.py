@@ -10,9 +10,9 @@ import torch
 
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines import catalog
-from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 

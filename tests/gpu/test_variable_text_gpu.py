@@ -11,9 +11,9 @@ import torch
 
 from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_z_image import tiny_z_image_path
-from tests.stages.test_running_set import _alone, _Harness, _req
+from tests.stages.diffusion.test_running_set import _alone, _Harness, _req
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 LONG = "a red circle and a blue square " * 12  # past the first text bucket

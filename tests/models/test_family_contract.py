@@ -29,8 +29,8 @@ from vllm_omni_like.models.registry import FAMILIES, family_of
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
-from vllm_omni_like.stages.edits import first_frame
+from vllm_omni_like.stages.diffusion.edits import first_frame
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.wire import StageRequest

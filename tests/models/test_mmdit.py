@@ -24,7 +24,7 @@ from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import arch_path
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.torch_utils import random_diffusers_components, tensor_to_uint8
 from vllm_omni_like.wire import StageRequest
@@ -216,7 +216,7 @@ class WaitSpy(TorchDispatchMode):
 def test_a_step_never_waits_on_the_device(path):
     """Rows with their own guidance (SD3: one without CFG) and steps: every op of three steps
     (the forward, the guidance, each row's scheduler update) runs without reading a value back."""
-    from vllm_omni_like.stages.own_set import OwnLoopSet
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
 
     stage = _stage(path())
     rowset, control = OwnLoopSet(stage), StageControl(FaultInjector((), "diffusion"))

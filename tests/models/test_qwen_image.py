@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.models.tiny_qwen import tiny_qwen_image_path
-from tests.stages.test_running_set import _alone, _Harness, _req
+from tests.stages.diffusion.test_running_set import _alone, _Harness, _req
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.chat_tokenizer import build_chat_tokenizer
@@ -22,7 +22,7 @@ from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.protocol.admission import check_steps
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_a_compiled_stage_runs_every_text_bucket_on_its_warm_up_graphs(stage):
     bucket than the first, true CFG's two lengths beside it, compiles nothing at run time."""
     from torch._dynamo.utils import counters
 
-    from tests.stages.test_compiled import _control
+    from tests.stages.diffusion.test_compiled import _control
 
     config = StageConfig(
         name="diffusion",

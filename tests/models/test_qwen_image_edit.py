@@ -130,7 +130,7 @@ def test_the_stages_edit_texts_are_padded_to_their_text_bucket():
 
     from vllm_omni_like.config import StageConfig
     from vllm_omni_like.models.text_buckets import text_bucket
-    from vllm_omni_like.stages.diffusion import DiffusionStage
+    from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
     config = StageConfig(name="diffusion", kind="diffusion", model=tiny_qwen_image_edit_path())
     stage = DiffusionStage(config)

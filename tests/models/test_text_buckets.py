@@ -11,7 +11,7 @@ from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, bucket_prompts, text_bucket
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
 
 def _words(prompt: str) -> int:

@@ -14,14 +14,14 @@ import torch
 
 from tests.models import test_family_contract as contract
 from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
-from tests.stages.test_running_set import _Harness
+from tests.stages.diffusion.test_running_set import _Harness
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
@@ -203,7 +203,7 @@ def test_the_low_noise_expert_takes_its_own_scale():
 
 
 def test_a_two_expert_model_says_where_its_experts_are(caplog):
-    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion")
+    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion.stage")
     config = StageConfig(
         name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), options=OPTIONS
     )

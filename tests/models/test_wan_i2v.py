@@ -20,7 +20,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages.edits import first_frame
+from vllm_omni_like.stages.diffusion.edits import first_frame
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.wire import StageRequest
 

@@ -12,13 +12,13 @@ import torch
 
 from tests.models.test_mmdit import WaitSpy
 from tests.models.tiny_z_image import tiny_z_image_path
-from tests.stages.test_running_set import _alone, _Harness, _req
+from tests.stages.diffusion.test_running_set import _alone, _Harness, _req
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.own_set import OwnLoopSet
 from vllm_omni_like.stages.torch_utils import tensor_to_uint8
 from vllm_omni_like.wire import StageRequest
 

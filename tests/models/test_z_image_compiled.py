@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.models.tiny_z_image import tiny_z_image_path
-from tests.stages.test_compiled import _compiled_stage, _control
+from tests.stages.diffusion.test_compiled import _compiled_stage, _control
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.z_image.sequence import (
     ZeroedKeysProcessor,
@@ -19,7 +19,7 @@ from vllm_omni_like.models.z_image.sequence import (
     use_zeroed_keys,
 )
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow

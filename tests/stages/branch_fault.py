@@ -3,7 +3,7 @@ module of its own: the null stages' helpers must not import torch)."""
 
 from __future__ import annotations
 
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
 
 class BranchFaultStage(DiffusionStage):

@@ -203,7 +203,7 @@ def test_llm_batch_with_per_request_sampling():
 
 def test_dummy_load_format_builds_the_same_architecture_with_random_weights():
     from vllm_omni_like.models.tiny import ensure_tiny_model
-    from vllm_omni_like.stages.diffusion import DiffusionStage
+    from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
     path = ensure_tiny_model("tiny-image")
     real = DiffusionStage(StageConfig(name="d", kind="diffusion", model=path))

@@ -357,7 +357,7 @@ class VideoService:
         try:
             self.faults.fire("store", [omni])
             started = time.monotonic()
-            # the stage's MP4 when it encoded while decoding (stages/video_stream.py)
+            # the stage's MP4 when it encoded while decoding (stages/diffusion/video_stream.py)
             mp4 = video.mp4 if video.mp4 is not None else encode_video(video.frames, video.fps)
             write_durably(path, mp4)
             png = video.thumbnail

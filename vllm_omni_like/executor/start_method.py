@@ -30,8 +30,8 @@ PRELOAD = (
     "diffusers",
     "transformers",
     "vllm_omni_like.executor.worker",
-    "vllm_omni_like.stages.diffusion",
-    "vllm_omni_like.stages.llm",
+    "vllm_omni_like.stages.diffusion.stage",
+    "vllm_omni_like.stages.llm.stage",
 )
 # where a Linux host shows its NVIDIA GPUs (the driver's, and the devices a container is given)
 GPU_MARKS = ("/proc/driver/nvidia/gpus", "/dev/nvidia0", "/dev/nvidiactl")

@@ -6,7 +6,7 @@ denoiser is called and with which conditioning (`predict`, `experts`, `per_token
 `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
 latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
 its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split,
-and what to compile or lay out for speed. Our own denoising loop (stages/denoise.py) steps
+and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
 with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
 (`Family.own_loop`) go through the diffusers pipeline's own `__call__`. The contract tests
 (tests/models/) hold each family's answers equal to its pipeline's.
@@ -53,8 +53,9 @@ class Expert:
 
 @dataclass(frozen=True)
 class ChunkSource:
-    """A module whose every call makes the next frames of a video (stages/video_stream.py), and
-    its output (B, C, t, H, W in model units) as uint8 frames (B, t, H, W, 3) on the device."""
+    """A module whose every call makes the next frames of a video
+    (stages/diffusion/video_stream.py), and its output (B, C, t, H, W in model units) as uint8
+    frames (B, t, H, W, 3) on the device."""
 
     module: torch.nn.Module
     to_pixels: Callable[[torch.Tensor], torch.Tensor]

@@ -27,7 +27,7 @@ class Family:
     `size_base`: what the pipeline's own `check_inputs` asks width and height to be multiples
     of (the VAE's factor times the patch size is added by the limits). `vae_factors`: the
     VAE's (spatial, temporal) factors from its config. `own_loop`: the modes whose batches
-    run our own denoising loop (stages/denoise.py: rows with their own steps, guidance,
+    run our own denoising loop (stages/diffusion/step.py: rows with their own steps, guidance,
     scheduler and seed); other modes run the diffusers pipeline's own `__call__`, whole
     requests of one step loop batched together. `schedulers`: the names (models/schedulers.py)
     a request may pick from. `adapter`: the module whose `ADAPTER` class runs the family in a

@@ -75,7 +75,7 @@ _CAPTION = re.compile(
 
 
 def caption_grammar() -> str:
-    """What the rewriter may write, as a Lark grammar (stages/guided.py): a caption of the
+    """What the rewriter may write, as a Lark grammar (stages/llm/guided.py): a caption of the
     world's language, or the outside answer (the tokenizer's special token `<outside>`). It
     keeps the syntax and the vocabulary; that a shape's colour differs from its background is
     left to the model (and to `parse_caption`)."""

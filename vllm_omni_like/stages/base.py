@@ -253,8 +253,8 @@ class Stage(ABC):
 
 _KINDS = {
     "null": "vllm_omni_like.stages.null:NullStage",
-    "llm": "vllm_omni_like.stages.llm:LLMStage",
-    "diffusion": "vllm_omni_like.stages.diffusion:DiffusionStage",
+    "llm": "vllm_omni_like.stages.llm.stage:LLMStage",
+    "diffusion": "vllm_omni_like.stages.diffusion.stage:DiffusionStage",
 }
 
 

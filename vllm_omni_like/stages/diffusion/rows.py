@@ -5,7 +5,7 @@ A step is computed, then its step-point faults fire, then it is committed: a ste
 leaves the set as it was before it (each row's schedule position and multistep history are put
 back), so the worker can bisect it (`step(only=...)` steps a subset). What a row computes
 depends on its own inputs only, so a request's latents are the same whether it ran alone or
-joined a busy set at step k (tests/stages/test_running_set.py).
+joined a busy set at step k (tests/stages/diffusion/test_running_set.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_omni_like.stages.denoise import (
+from vllm_omni_like.stages.diffusion.step import (
     DenoiseLoop,
     LoopRow,
     Plan,

@@ -4,7 +4,7 @@ cache the rows join and leave (kv_rows.py).
 A row joins with its prompt's cache (all but its last token, prefilled with the rows that join
 with it) and feeds its last prompt token at its first step, so every step is one token a row.
 What a row draws depends on its own logits, its own seeded generator and its own constraint
-only (decode_loop.py), so it equals its solo run whether it ran alone or joined at step k. A
+only (token_rules.py), so it equals its solo run whether it ran alone or joined at step k. A
 row that does not step (ended, or outside a bisection's `only`) feeds a pad under a zero mask:
 its cache and position are unchanged. A step that raises before its commit changes nothing.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni_like.outputs import TextDelta
-from vllm_omni_like.stages import kv_rows
-from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
-from vllm_omni_like.stages.sampling import RowSampling, choose, penalize
+from vllm_omni_like.stages.llm import kv_rows
+from vllm_omni_like.stages.llm.sampling import RowSampling, choose, penalize
+from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
 
 
 @dataclass

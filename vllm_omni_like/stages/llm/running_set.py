@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from vllm_omni_like.errors import InvalidRequestError, is_fatal_device_error
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
-from vllm_omni_like.stages.decode_set import DecodeSet
-from vllm_omni_like.stages.sampling import RowSampling
+from vllm_omni_like.stages.llm.sampling import RowSampling
+from vllm_omni_like.stages.llm.token_batch import DecodeSet
 from vllm_omni_like.wire import StageRequest
 
 if TYPE_CHECKING:
-    from vllm_omni_like.stages.llm import LLMStage
+    from vllm_omni_like.stages.llm.stage import LLMStage
 
 
 class LLMRows(RowStepper):

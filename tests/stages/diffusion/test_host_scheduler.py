@@ -10,7 +10,7 @@ import torch
 from diffusers import DDIMScheduler, UniPCMultistepScheduler
 
 import vllm_omni_like
-from vllm_omni_like.stages.host_scheduler import HostUniPC, host_scheduler
+from vllm_omni_like.stages.diffusion.host_scheduler import HostUniPC, host_scheduler
 
 WAN = Path(vllm_omni_like.__file__).parent / "assets/archs/wan2.1-t2v-1.3b/scheduler"
 CONFIG = json.loads((WAN / "scheduler_config.json").read_text())

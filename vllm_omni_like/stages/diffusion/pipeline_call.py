@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.stages import acceleration as accel
-from vllm_omni_like.stages import edits
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion_state import DiffusionState
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
-from vllm_omni_like.stages.prompt_length import truncate_prompt
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion import edits
+from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
+from vllm_omni_like.stages.diffusion.runtime import DiffusionState
 from vllm_omni_like.wire import StageRequest
 
 

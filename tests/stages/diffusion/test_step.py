@@ -1,4 +1,4 @@
-"""Our own denoising loop (stages/denoise.py) on the embedded tiny models, CPU fp32: each
+"""Our own denoising loop (stages/diffusion/step.py) on the embedded tiny models, CPU fp32: each
 scheduler steps the latents the diffusers pipeline steps at the same seed, and a request's
 output is the same alone or in a batch of other step counts, guidance scales, schedulers and
 seeds."""
@@ -14,9 +14,9 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.denoise import Settings, text_dtype
-from vllm_omni_like.stages.denoise_set import DenoiseSet
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.rows import DenoiseSet
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+from vllm_omni_like.stages.diffusion.step import Settings, text_dtype
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 

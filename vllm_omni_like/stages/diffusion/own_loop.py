@@ -1,4 +1,4 @@
-"""The diffusion stage's side of our own denoising loop (stages/denoise.py): a batch's rows,
+"""The diffusion stage's side of our own denoising loop (stages/diffusion/step.py): a batch's rows,
 text and noise in, per-request progress and previews out, the latents to the deferred decode;
 and the compile warm-up through the same path. A mixin of `DiffusionStage`, whose load sets
 what it uses (`denoise`, `adapter`, `probe`, `tracer`, the defaults)."""
@@ -11,10 +11,10 @@ import torch
 
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.denoise import Text
-from vllm_omni_like.stages.diffusion_state import DiffusionState
+from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.diffusion.runtime import DiffusionState
+from vllm_omni_like.stages.diffusion.step import Text
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.wire import StageRequest
 
 
@@ -43,8 +43,8 @@ class OwnLoop(DiffusionState):
         self, batch: list[StageRequest], control: StageControl
     ) -> tuple[torch.Tensor, list[int], int]:
         """The batch's latents, each row's seed, and a video's frames (0 for images): a running
-        set that nothing joins (own_set.py), stepped until every live row ended."""
-        from vllm_omni_like.stages.own_set import OwnLoopSet
+        set that nothing joins (running_set.py), stepped until every live row ended."""
+        from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
 
         rowset = OwnLoopSet(self)
         try:

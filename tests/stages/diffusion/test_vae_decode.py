@@ -9,7 +9,7 @@ import pytest
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
@@ -103,11 +103,11 @@ def test_a_png_consumers_images_come_with_their_filtered_rows(image_stage, monke
     encode as PNG comes with its rows filtered on the device, png.filter_rows's bytes exactly;
     the others without; the pixels do not change."""
     from vllm_omni_like.png import filter_rows
-    from vllm_omni_like.stages import latent_decode
+    from vllm_omni_like.stages.diffusion import vae_decode
 
     batch = _text2img()
     want = _pixels(image_stage.execute(batch, _control()))
-    monkeypatch.setattr(latent_decode, "worth_filtering", lambda device, h, w: True)
+    monkeypatch.setattr(vae_decode, "worth_filtering", lambda device, h, w: True)
     batch[0].encodes_png = batch[2].encodes_png = True
     part = image_stage.begin(batch, _control())
     outputs = part.finish(batch)

@@ -10,7 +10,7 @@ import pytest
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
@@ -78,7 +78,7 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     the worker's log says why (the guard that failed)."""
     from torch._dynamo.utils import counters
 
-    from tests.stages.test_running_set import _Harness, _req
+    from tests.stages.diffusion.test_running_set import _Harness, _req
 
     stage = _compiled_stage(8, (1, 4, 8))
     graphs = counters["stats"]["unique_graphs"]
@@ -113,7 +113,7 @@ def test_a_compiled_flux_set_pads_rows_not_cfg_pairs_and_never_recompiles():
     from torch._dynamo.utils import counters
 
     from tests.models.tiny_mmdit import tiny_flux_path
-    from tests.stages.test_running_set import _Harness, _req
+    from tests.stages.diffusion.test_running_set import _Harness, _req
 
     stage = _compiled_stage(4, (1, 4), tiny_flux_path())
     assert stage.denoise.buckets == (1, 4)
@@ -137,7 +137,7 @@ def test_a_compiled_ti2v_stage_warms_up_its_first_frame_call_too(caplog):
     from tests.models.test_family_contract import EDIT_IMAGE
     from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
 
-    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion")
+    caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion.stage")
     stage = DiffusionStage(
         StageConfig(
             name="diffusion",

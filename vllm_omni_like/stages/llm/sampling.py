@@ -25,7 +25,7 @@ class RowSampling:
     logprobs: bool = False  # each output token's log-probability
     top_logprobs: int = 0  # and the most likely tokens' at each position
     stream: bool = False  # hand out the new text at every step
-    guide: Any = None  # stages/guided.py's Guide: the tokens its constraint allows
+    guide: Any = None  # stages/llm/guided.py's Guide: the tokens its constraint allows
 
 
 def penalize(logits: torch.Tensor, row: RowSampling, seen: list[int], out: list[int]) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from vllm_omni_like.models.tiny import ensure_tiny_model
-from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
-from vllm_omni_like.stages.decode_set import DecodeSet
-from vllm_omni_like.stages.sampling import RowSampling, choose, penalize
+from vllm_omni_like.stages.llm.sampling import RowSampling, choose, penalize
+from vllm_omni_like.stages.llm.token_batch import DecodeSet
+from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
 from vllm_omni_like.stages.torch_utils import BatchDimProbe
 
 

@@ -22,11 +22,11 @@ from vllm_omni_like.models.wan.adapter import WanAdapter
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines import catalog
-from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.wire import StageRequest
 
 

@@ -19,7 +19,7 @@ from vllm_omni_like.executor.running_set import Group, RunningSet
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import Deferred, StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.stages.isolation import finish_parts
 from vllm_omni_like.wire import ExecuteBatch, StageRequest
@@ -339,10 +339,10 @@ def test_finished_rows_wait_for_their_decode_group_then_decode_together(stage, m
     steps 2 and 3 and stay in the set, held, until the first of them waited 100 ms (step 5);
     c and d, ending at steps 6 and 7, decode when the set drains. A group ends only once its
     requests were decoded, and each image is the one it makes alone."""
-    from vllm_omni_like.stages import own_set
+    from vllm_omni_like.stages.diffusion import running_set
 
     clock = {"t": 0.0}
-    monkeypatch.setattr(own_set, "_now", lambda: clock["t"])
+    monkeypatch.setattr(running_set, "_now", lambda: clock["t"])
     reqs = [_req("a", 1, 2), _req("b", 2, 3), _req("c", 3, 6), _req("d", 4, 7)]
     alone = {r.request_id: _alone(stage, r) for r in reqs}
     h = _Harness(stage, group=(3, 100.0))

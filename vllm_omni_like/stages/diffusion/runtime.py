@@ -15,10 +15,10 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
-from vllm_omni_like.stages import latent_decode, video_stream
 from vllm_omni_like.stages.base import Deferred, Stage
-from vllm_omni_like.stages.denoise import DenoiseLoop
-from vllm_omni_like.stages.prompt_length import truncate_prompt
+from vllm_omni_like.stages.diffusion import vae_decode, video_stream
+from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.torch_utils import BatchDimProbe, tensor_to_uint8
 from vllm_omni_like.stages.trace import BatchTracer
 from vllm_omni_like.wire import StageRequest
@@ -100,7 +100,7 @@ class DiffusionState(Stage):
             )
         else:
             chunks = self.adapter.chunk_source() if self.is_video else None
-            decode = latent_decode.PendingDecode(
+            decode = vae_decode.PendingDecode(
                 decoder, media, self.side_stream, self.buckets, chunks
             )
         first_row, k = {}, 0
@@ -117,7 +117,7 @@ class DiffusionState(Stage):
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
             png = any(r.encodes_png for r in requests)  # (the decode filters images only)
             pixels, encoded = decode(picked, fps, frames, png)
-            return latent_decode.split_outputs(
+            return vae_decode.split_outputs(
                 self.name, requests, pixels, [seeds[i] for i in picked], encoded, self.is_video
             )
 

@@ -1,5 +1,6 @@
-"""A video's MP4 encoded while its VAE decodes (stages/video_stream.py): chunk by chunk, the same
-bytes as encoding the finished frames, and a failed encode leaves the frames to the API."""
+"""A video's MP4 encoded while its VAE decodes (stages/diffusion/video_stream.py): chunk by
+chunk, the same bytes as encoding the finished frames, and a failed encode leaves the frames to
+the API."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages import video_stream
 from vllm_omni_like.stages.base import StageControl
-from vllm_omni_like.stages.diffusion import DiffusionStage
+from vllm_omni_like.stages.diffusion import video_stream
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.video_codec import VideoBytes, VideoWriter, decode_video, encode_video
 from vllm_omni_like.wire import StageRequest

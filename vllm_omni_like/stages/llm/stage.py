@@ -1,6 +1,6 @@
 """LLM stage: a transformers causal LM from a local directory, decoded by our own loop (each row
-of a batch with its own sampling and constraint: stages/decode_loop.py, stages/guided.py), as a
-running set rows join and leave at step boundaries (stages/llm_rows.py, stages/decode_set.py).
+of a batch with its own sampling and constraint: token_rules.py, guided.py), as a running set
+rows join and leave at step boundaries (running_set.py, token_batch.py).
 
 A row's way in: its chat turns rendered with the model's chat template (or the stage's prompt
 template), tokenized, its constraint started; any of them failing ends that row alone (400 when
@@ -18,9 +18,9 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl, run_whole
-from vllm_omni_like.stages.decode_loop import RowDecoder, RowResult
-from vllm_omni_like.stages.guided import Guides
-from vllm_omni_like.stages.sampling import RowSampling
+from vllm_omni_like.stages.llm.guided import Guides
+from vllm_omni_like.stages.llm.sampling import RowSampling
+from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
@@ -116,7 +116,7 @@ class LLMStage(Stage):
         """Whether the model's KV cache can be cut into rows (full attention in every layer):
         then its rows run as a running set; else each batch runs whole, as a set nothing joins
         (a cache that cannot be cut fails the request, not the load)."""
-        from vllm_omni_like.stages.llm_rows import LLMRows
+        from vllm_omni_like.stages.llm.running_set import LLMRows
 
         probe = LLMRows(self)
         try:
@@ -129,14 +129,14 @@ class LLMStage(Stage):
         return ("text",) if self.steps_rows else ()
 
     def stepper(self, mode: str) -> RowStepper | None:
-        from vllm_omni_like.stages.llm_rows import LLMRows
+        from vllm_omni_like.stages.llm.running_set import LLMRows
 
         return LLMRows(self) if mode in self.stepped_modes() else None
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The batch as a running set that nothing joins; each row's output goes out as it
         ends."""
-        from vllm_omni_like.stages.llm_rows import LLMRows
+        from vllm_omni_like.stages.llm.running_set import LLMRows
 
         return run_whole(LLMRows(self), batch, control)
 

@@ -23,14 +23,14 @@ from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stage_options import DiffusionOptions
-from vllm_omni_like.stages import acceleration as accel
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
-from vllm_omni_like.stages.denoise import DenoiseLoop
-from vllm_omni_like.stages.host_scheduler import host_scheduler
-from vllm_omni_like.stages.own_loop import OwnLoop
-from vllm_omni_like.stages.own_set import OwnLoopSet
-from vllm_omni_like.stages.pipeline_call import PipelineCall
-from vllm_omni_like.stages.prompt_length import check_prompt_length
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
+from vllm_omni_like.stages.diffusion.own_loop import OwnLoop
+from vllm_omni_like.stages.diffusion.pipeline_call import PipelineCall
+from vllm_omni_like.stages.diffusion.prompt_length import check_prompt_length
+from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
@@ -300,7 +300,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
         return tuple(sorted(self.own)) if self.link is None else ()
 
     def stepper(self, mode: str) -> RowStepper | None:
-        """Our own loop's modes run as a running set (own_set.py); the pipeline's call cannot."""
+        """Our own loop's modes run as a running set (running_set.py); a pipeline call cannot."""
         return OwnLoopSet(self) if mode in self.stepped_modes() else None
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_omni_like.png import MIN_PIXELS, filter_rows
-from vllm_omni_like.stages.png_rows import filter_scanlines, worth_filtering
+from vllm_omni_like.stages.diffusion.png_rows import filter_scanlines, worth_filtering
 
 
 @pytest.mark.parametrize("shape", [(2, 33, 17, 3), (1, 64, 80, 4), (1, 5, 7, 1), (1, 9, 11, 2)])

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
-from vllm_omni_like.stages.denoise import Settings, text_dtype
-from vllm_omni_like.stages.denoise_set import DenoiseSet, Left
-from vllm_omni_like.stages.diffusion_state import DiffusionState
+from vllm_omni_like.stages.diffusion.rows import DenoiseSet, Left
+from vllm_omni_like.stages.diffusion.runtime import DiffusionState
+from vllm_omni_like.stages.diffusion.step import Settings, text_dtype
 from vllm_omni_like.wire import StageRequest
 
 _now = time.monotonic  # (a test's fake clock replaces it)

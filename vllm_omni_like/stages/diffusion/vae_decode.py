@@ -17,10 +17,10 @@ import torch
 
 from vllm_omni_like.models.adapter import ChunkSource, Decoder
 from vllm_omni_like.outputs import ImagePayload, StageOutput, VideoPayload
-from vllm_omni_like.stages.acceleration import bucket_for
-from vllm_omni_like.stages.png_rows import filter_scanlines, worth_filtering
+from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.png_rows import filter_scanlines, worth_filtering
+from vllm_omni_like.stages.diffusion.video_stream import Encoded, StreamedMP4
 from vllm_omni_like.stages.torch_utils import device_uint8, tensor_to_uint8
-from vllm_omni_like.stages.video_stream import Encoded, StreamedMP4
 from vllm_omni_like.wire import StageRequest
 
 

@@ -16,7 +16,7 @@ from vllm_omni_like.pipelines.catalog import TINY_OPTIONS
 from vllm_omni_like.shapes.world import caption_grammar, parse_caption
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.stages.llm import LLMStage
+from vllm_omni_like.stages.llm.stage import LLMStage
 from vllm_omni_like.wire import StageRequest
 
 # schemas that force termination: enums, a const, bounded strings and arrays

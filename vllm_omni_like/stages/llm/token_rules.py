@@ -1,6 +1,6 @@
 """The LLM stage's token rules, one row at a time: what a sampled token does to its row (its
 constraint, stop strings, budget, text and log-probabilities) and what a streamed row hands out.
-`DecodeSet` (decode_set.py) steps the rows; this decides each row's fate from its own logits,
+`DecodeSet` (token_batch.py) steps the rows; this decides each row's fate from its own logits,
 its own seeded generator and its own constraint only, so a row equals its solo run.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from vllm_omni_like.outputs import TextDelta
-from vllm_omni_like.stages.guided import Guides, apply_masks
-from vllm_omni_like.stages.sampling import RowSampling, token_logprobs
+from vllm_omni_like.stages.llm.guided import Guides, apply_masks
+from vllm_omni_like.stages.llm.sampling import RowSampling, token_logprobs
 
 REPLACEMENT = "\ufffd"  # a character whose bytes have not all been decoded yet
 

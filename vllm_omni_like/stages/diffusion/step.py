@@ -9,7 +9,7 @@ CFG row with its own scale, and steps every row with its own scheduler (models/r
 one vectorised update a kind, no `step()` per row). A row that ends its steps, or whose request
 is aborted, leaves the forward; the loop ends when none is left. What a row computes depends on
 its own inputs only, so it equals that row run alone (a batched matmul may round differently:
-tests/stages/test_denoise_loop.py bounds it). The latents go to the stage's deferred decode.
+tests/stages/diffusion/test_step.py bounds it). The latents go to the stage's deferred decode.
 
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
 `latent_dtype`, `predict`, `guide`, `scheduler`.
@@ -27,7 +27,7 @@ import torch
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter, Guidance, pad_tokens
 from vllm_omni_like.models.columns import column, mul, to_device
-from vllm_omni_like.stages.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.acceleration import bucket_for
 from vllm_omni_like.wire import StageRequest
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
