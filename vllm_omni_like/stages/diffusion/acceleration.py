@@ -154,11 +154,23 @@ def buckets_for(max_rows: int, configured: Any = None) -> tuple[int, ...]:
     return (*found, max_rows)
 
 
-def model_row_buckets(adapter: Adapter, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The model rows a compiled denoiser is warmed up for at each bucket of images: two per
-    image with classifier-free guidance, one where it is embedded (FLUX.1) or absent."""
-    per_row = 1 if adapter.guidance in (Guidance.DISTILLED, Guidance.NONE) else 2
-    return tuple(per_row * b for b in buckets)
+def guided_rows(adapter: Adapter, batched_cfg: bool) -> int:
+    """Model rows in one forward for an image with guidance: two where both branches share a
+    forward, one where guidance is embedded (FLUX.1), absent, or its branches run apart."""
+    if not batched_cfg or adapter.guidance in (Guidance.DISTILLED, Guidance.NONE):
+        return 1
+    return 2
+
+
+def model_row_buckets(
+    adapter: Adapter, buckets: tuple[int, ...], batched_cfg: bool = True
+) -> tuple[int, ...]:
+    """The model rows a compiled denoiser is warmed up for: each bucket of images once for rows
+    without guidance (one model row an image: a Turbo row at guidance 0, an SD row at scale 1)
+    and once for rows with it (two where both branches share a forward). A set that mixes them
+    pads to the next of these: its rows still step in one forward."""
+    per_row = guided_rows(adapter, batched_cfg)
+    return tuple(sorted({*buckets, *(per_row * b for b in buckets)}))
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:

@@ -9,8 +9,10 @@ import functools
 
 import torch
 
+from vllm_omni_like.models.adapter import Guidance
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.acceleration import guided_rows
 from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.diffusion.runtime import DiffusionState
 from vllm_omni_like.stages.diffusion.step import Text
@@ -23,16 +25,36 @@ class OwnLoop(DiffusionState):
 
     def _warm_up_own(self, rows: int, width: int, height: int) -> int:
         """A batch of `rows` for each of the adapter's warm-up prompts (one a text shape its
-        denoiser sees); returns how many ran."""
+        denoiser sees), without guidance and with it where that makes other model rows;
+        returns how many ran."""
         frames = self.default_frames if self.is_video else None
-        params = GenerationParams(
-            width=width, height=height, num_inference_steps=2, seed=0, num_frames=frames
-        )
         mode = self.family.modes[0]
-        for prompt in self._warm_up_prompts:
-            batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
-            self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
-        return len(self._warm_up_prompts)
+        for guidance in self._warm_up_guidance(rows):
+            params = GenerationParams(
+                width=width,
+                height=height,
+                num_inference_steps=2,
+                seed=0,
+                num_frames=frames,
+                guidance_scale=guidance,
+            )
+            for prompt in self._warm_up_prompts:
+                batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
+                self.begin(batch, StageControl(FaultInjector((), self.name))).finish(batch)
+        return len(self._warm_up_prompts) * len(self._warm_up_guidance(rows))
+
+    def _warm_up_guidance(self, rows: int) -> tuple[float | None, ...]:
+        """The scales a bucket of `rows` images is warmed up at: one without guidance (one model
+        row an image) and one with it, unless its model rows are another bucket's already; a
+        family whose guidance is embedded or absent: its default (one model row either way)."""
+        adapter = self.adapter
+        if adapter.guidance in (Guidance.DISTILLED, Guidance.NONE):
+            return (None,)
+        plain = adapter.cfg_above  # (at or under it: no negative branch)
+        guided = max(self.default_guidance, plain + 1.0)
+        if guided_rows(adapter, self.config.batched_cfg) * rows in self.buckets:
+            return (plain,)
+        return (plain, guided)
 
     @functools.cached_property
     def _warm_up_prompts(self) -> tuple[str, ...]:

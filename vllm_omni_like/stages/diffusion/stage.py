@@ -130,7 +130,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
             adapter,
             self.device,
             self._embed,
-            accel.model_row_buckets(adapter, self.buckets),
+            accel.model_row_buckets(adapter, self.buckets, config.batched_cfg),
             config.batched_cfg,
         )
         self.leader: cfg_parallel.Leader | None = None
