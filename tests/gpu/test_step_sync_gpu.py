@@ -1,0 +1,71 @@
+"""No step waits on the device (#54): a compiled stage's steps on CUDA, rows with and without
+guidance, run under `torch.cuda.set_sync_debug_mode("error")`, which raises at any host-device
+synchronisation (the CPU guard, tests/models/test_step_cost.py, can only count calls); skipped
+where CUDA is absent (CI)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.models.tiny_z_image import tiny_z_image_path
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MODELS = {"stable-diffusion": lambda: "tiny-image", "z-image": tiny_z_image_path}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def stage(request) -> DiffusionStage:
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model=MODELS[request.param](),
+        dtype="bf16",
+        compile=True,
+        max_batch_size=2,
+        batch_buckets=(1, 2),
+    )
+    stage = DiffusionStage(config)
+    stage.load("cuda")
+    return stage
+
+
+@contextlib.contextmanager
+def _steps_raise_on_sync(stepped: list[int]):
+    """Every step of our loop under CUDA's sync debug mode "error"; the rest as it was."""
+    step = DenoiseLoop.step
+
+    def strict(self, plan, latents):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, plan, latents)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            stepped.append(len(plan.group))
+
+    DenoiseLoop.step = strict
+    try:
+        yield
+    finally:
+        DenoiseLoop.step = step
+
+
+def test_a_compiled_step_never_waits_on_the_device(stage):
+    cfg_above = stage.adapter.cfg_above
+    for guidance in (cfg_above, cfg_above + 3.0):  # without guidance and with it
+        params = GenerationParams(seed=1, num_inference_steps=3, guidance_scale=guidance)
+        batch = [StageRequest(f"r{i}", "a red circle", params) for i in range(2)]
+        stepped: list[int] = []
+        with _steps_raise_on_sync(stepped):
+            outs = stage.execute(batch, StageControl(FaultInjector((), "diffusion")))
+        assert [o.error for o in outs] == [None, None]
+        assert stepped == [2, 2, 2]
