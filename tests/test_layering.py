@@ -55,6 +55,30 @@ def test_no_layer_imports_one_above_it():
     assert upward == []
 
 
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The package's modules `path` imports (`from package import module` counted as the
+    module)."""
+    found = {m for m in _imports(path) if m in known}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" for a in node.names} & known
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    """A module that imports another (at its top, in a function or for type checking only) is
+    not imported back by it: a pair that needs each other is one piece cut in two."""
+    modules = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph = {name: _imported_modules(path, set(modules)) for name, path in modules.items()}
+    both = sorted(
+        (a, b) for a, found in graph.items() for b in found if a < b and a in graph.get(b, ())
+    )
+    assert both == []
+
+
 def test_the_batch_command_does_not_import_the_http_layer():
     imported = _imports(PACKAGE / "batch.py")
     assert not [m for m in imported if m.startswith("vllm_omni_like.api")]

@@ -9,21 +9,39 @@ that step (400 when the request caused it, 500 otherwise)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+import torch
 
 from vllm_omni_like.errors import InvalidRequestError, is_fatal_device_error
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
 from vllm_omni_like.stages.llm.sampling import RowSampling
 from vllm_omni_like.stages.llm.token_batch import DecodeSet
+from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
+from vllm_omni_like.stages.torch_utils import BatchDimProbe
 from vllm_omni_like.wire import StageRequest
 
-if TYPE_CHECKING:
-    from vllm_omni_like.stages.llm.stage import LLMStage
+
+class RowSource(Protocol):
+    """What the set asks of its stage (`LLMStage`): its model and decoder, how a request's row
+    gets in (tokens, constraint, sampling) and what an ended row gives out."""
+
+    name: str
+    model: torch.nn.Module
+    decoder: RowDecoder
+    device: torch.device
+    probe: BatchDimProbe
+
+    def admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]: ...
+
+    def sampling(self, request: StageRequest, guide: Any, prompt_tokens: int) -> RowSampling: ...
+
+    def output(self, r: StageRequest, res: RowResult) -> StageOutput: ...
 
 
 class LLMRows(RowStepper):
-    def __init__(self, stage: LLMStage) -> None:
+    def __init__(self, stage: RowSource) -> None:
         self.stage = stage
         self.set = DecodeSet(stage.model, stage.decoder, stage.device)
         self.joined: dict[str, StageRequest] = {}  # in the set, by request id

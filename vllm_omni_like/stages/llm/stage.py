@@ -19,6 +19,7 @@ from vllm_omni_like.params import GuideSpec
 from vllm_omni_like.stage_options import LLMOptions
 from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl, run_whole
 from vllm_omni_like.stages.llm.guided import Guides
+from vllm_omni_like.stages.llm.running_set import LLMRows
 from vllm_omni_like.stages.llm.sampling import RowSampling
 from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
 from vllm_omni_like.stages.torch_utils import (
@@ -116,8 +117,6 @@ class LLMStage(Stage):
         """Whether the model's KV cache can be cut into rows (full attention in every layer):
         then its rows run as a running set; else each batch runs whole, as a set nothing joins
         (a cache that cannot be cut fails the request, not the load)."""
-        from vllm_omni_like.stages.llm.running_set import LLMRows
-
         probe = LLMRows(self)
         try:
             probe.set.join([("probe", [self.decoder.pad, self.decoder.pad], RowSampling(1))])
@@ -129,15 +128,11 @@ class LLMStage(Stage):
         return ("text",) if self.steps_rows else ()
 
     def stepper(self, mode: str) -> RowStepper | None:
-        from vllm_omni_like.stages.llm.running_set import LLMRows
-
         return LLMRows(self) if mode in self.stepped_modes() else None
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The batch as a running set that nothing joins; each row's output goes out as it
         ends."""
-        from vllm_omni_like.stages.llm.running_set import LLMRows
-
         return run_whole(LLMRows(self), batch, control)
 
     def admit(self, request: StageRequest, control: StageControl) -> tuple[list[int], Any]:
