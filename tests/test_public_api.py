@@ -35,7 +35,7 @@ def test_the_offline_example_imports_only_the_public_api():
     assert imported and set(imported) <= set(vllm_omni_like.__all__), imported
 
 
-@pytest.mark.slow
+@pytest.mark.drill  # a fresh interpreter spawning the LLM and image workers: ~75 s on 2 cores
 def test_the_offline_example_runs_and_writes_its_images(tmp_path):
     done = subprocess.run(
         [sys.executable, str(EXAMPLE)], cwd=tmp_path, capture_output=True, text=True, timeout=110
