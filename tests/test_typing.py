@@ -117,3 +117,8 @@ def test_the_fields_once_any_are_typed():
     assert get_type_hints(RequestState, localns=names)["pool"] == StagePool | None
     assert get_type_hints(Server, localns=names)["videos"] == VideoService | None
     assert get_type_hints(StageView)["family"] == StageFamily | None
+
+
+def test_the_architecture_doc_states_the_escape_count():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert f"There are {len(escapes())} today" in doc
