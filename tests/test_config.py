@@ -1,7 +1,7 @@
 import pytest
 
 from vllm_omni_like.config import FAULTS_ENV, FaultRule, StageConfig, faults_from_env, parse_faults
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError, OmniError
 from vllm_omni_like.stage_options import DiffusionOptions, NullOptions
 
 
@@ -19,6 +19,7 @@ def test_fault_rules_parse_both_selectors():
 @pytest.mark.parametrize(
     "text",
     [
+        "stage=diffusion,point=execute,kind=raise,p=lots",
         "stage=diffusion,point=nowhere,kind=raise",
         "stage=diffusion,point=execute,kind=explode",
         "stage=diffusion,kind=raise",
@@ -28,7 +29,7 @@ def test_fault_rules_parse_both_selectors():
     ],
 )
 def test_bad_fault_rules_are_refused(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="fault rule"):
         parse_faults(text)
 
 
@@ -40,9 +41,9 @@ def test_faults_are_read_from_the_environment(monkeypatch):
 
 
 def test_stage_config_checks_its_fields():
-    with pytest.raises(InvalidRequestError, match="kind must be one of"):
+    with pytest.raises(ConfigError, match="kind must be one of"):
         StageConfig(name="x", kind="magic")
-    with pytest.raises(InvalidRequestError, match="replicas"):
+    with pytest.raises(ConfigError, match="replicas"):
         StageConfig(name="x", kind="null", replicas=0)
     assert StageConfig(name="x", kind="tests.stage_helpers:CountingStage").kind.endswith("Stage")
 
@@ -50,16 +51,16 @@ def test_stage_config_checks_its_fields():
 def test_stage_options_are_typed_and_checked_when_the_config_is_built():
     stage = StageConfig(name="d", kind="diffusion", options={"default_steps": "20"})
     assert stage.options == DiffusionOptions(default_steps=20)
-    with pytest.raises(InvalidRequestError) as info:  # misspelt: never silently ignored
+    with pytest.raises(ConfigError) as info:  # misspelt: never silently ignored
         StageConfig(name="d", kind="diffusion", options={"default_step": 20})
-    assert info.value.message.startswith(
+    assert str(info.value).startswith(
         "stage 'd': unknown option default_step for a diffusion stage; known: batch_buckets,"
     )
-    with pytest.raises(InvalidRequestError, match="option default_steps='many' is not a valid int"):
+    with pytest.raises(ConfigError, match="option default_steps='many' is not a valid int"):
         StageConfig(name="d", kind="diffusion", options={"default_steps": "many"})
-    with pytest.raises(InvalidRequestError, match=r"option max_new_tokens=2\.5 is not a valid int"):
+    with pytest.raises(ConfigError, match=r"option max_new_tokens=2\.5 is not a valid int"):
         StageConfig(name="l", kind="llm", options={"max_new_tokens": 2.5})
-    with pytest.raises(InvalidRequestError, match="output must be one of image, video, text"):
+    with pytest.raises(ConfigError, match="output must be one of image, video, text"):
         StageConfig(name="n", kind="null", options={"output": "audio"})
     assert StageConfig(name="n", kind="null", options={"steps": 3}).options.steps == 3
 
@@ -71,7 +72,7 @@ def test_a_stage_class_of_ones_own_types_its_options_itself():
     assert config.options == {"steps": 3}  # the config cannot know the class's options
     assert create_stage(config).options == NullOptions(steps=3)
     bad = StageConfig(name="s", kind="tests.stage_helpers:CountingStage", options={"stepz": 3})
-    with pytest.raises(InvalidRequestError, match="unknown option stepz for a null stage"):
+    with pytest.raises(ConfigError, match="unknown option stepz for a null stage"):
         create_stage(bad)
 
 
@@ -89,3 +90,41 @@ def test_a_misspelt_option_in_a_yaml_pipeline_is_a_startup_error(tmp_path, capsy
     path.write_text(path.read_text().replace("'null'", "null"))  # YAML's null: nothing
     assert main(args) == 2
     assert "not None (in YAML, write kind: 'null')" in capsys.readouterr().err
+
+
+def test_a_misconfiguration_raises_a_config_error_not_a_request_error():
+    with pytest.raises(ConfigError, match="replicas and sizes must be >= 1") as info:
+        StageConfig(name="x", kind="null", replicas=0)
+    assert not isinstance(info.value, OmniError)  # no HTTP status: no request caused it
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["nope"], "error: unknown model 'nope': not a built-in pipeline"),
+        (["null-image", "--ray-address", "x"], "error: --ray-address needs --executor ray"),
+    ],
+)
+def test_the_cli_prints_a_misconfiguration_as_one_line(tmp_path, capsys, argv, message):
+    from vllm_omni_like.cli import main
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "a cat"}\n')
+    args = ["generate", *argv, "--input", str(lines), "--output-dir", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_a_bad_fault_variable_stops_the_cli_with_its_message(tmp_path, capsys, monkeypatch):
+    from vllm_omni_like.cli import main
+
+    monkeypatch.setenv(FAULTS_ENV, "stage=d,point=nowhere,kind=raise")
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "a cat"}\n')
+    args = ["generate", "null-image", "--input", str(lines), "--output-dir", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: fault rule 'stage=d,point=nowhere,kind=raise': point must")
+    assert "Traceback" not in err

@@ -135,3 +135,54 @@ def test_light_modules_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_device_errors_are_recognised_by_torchs_types_not_their_names():
+    import torch
+
+    from vllm_omni_like.errors import is_fatal_device_error, is_out_of_memory
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert is_out_of_memory(oom) and not is_fatal_device_error(oom)
+    assert is_out_of_memory(MemoryError()) and not is_fatal_device_error(MemoryError())
+    assert hasattr(torch, "AcceleratorError")  # torch >= 2.8 (the tests run 2.13)
+    lost = torch.AcceleratorError("an illegal memory access was encountered")  # no "CUDA error"
+    assert is_fatal_device_error(lost) and not is_out_of_memory(lost)
+    # a class of the same name is not torch's: its name decides nothing
+    for name in ("OutOfMemoryError", "AcceleratorError"):
+        namesake = type(name, (RuntimeError,), {})("a namesake")
+        assert not is_out_of_memory(namesake) and not is_fatal_device_error(namesake)
+    # what torch raises as a plain RuntimeError is known by its message
+    assert is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access"))
+    assert is_fatal_device_error(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling"))
+    assert not is_fatal_device_error(RuntimeError("shape mismatch"))
+
+
+def test_recognising_a_device_error_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from vllm_omni_like.errors import is_fatal_device_error, is_out_of_memory; "
+        "e = RuntimeError('x'); print(is_out_of_memory(e), is_fatal_device_error(e), "
+        "is_out_of_memory(MemoryError()), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "False"]
+
+
+def test_a_config_error_is_outside_the_http_taxonomy():
+    assert issubclass(errors.ConfigError, ValueError)
+    assert not issubclass(errors.ConfigError, errors.OmniError)
+    assert not hasattr(errors.ConfigError("x"), "info")  # no kind, no status
+
+
+def test_no_error_is_told_by_its_class_name():
+    """docs/architecture.md ("Errors"): errors.py and the stages compare no class's name."""
+    import re
+    from pathlib import Path
+
+    package = Path(errors.__file__).parent
+    compared = re.compile(r"__name__\s*(==|!=|in\b)|(==|!=)\s*type\([^)]*\)\.__name__")
+    for path in [package / "errors.py", *sorted((package / "stages").rglob("*.py"))]:
+        assert not compared.search(path.read_text()), path

@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
@@ -24,11 +24,11 @@ def test_overrides_apply_to_every_stage():
 
 
 def test_unknown_specs(tmp_path):
-    with pytest.raises(NotFoundError, match="unknown model 'nope'"):
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
         resolve("nope")
     bad = tmp_path / "bad.yaml"
     bad.write_text("pipelines: [{name: x}]\n")
-    with pytest.raises(InvalidRequestError, match="bad pipeline entry"):
+    with pytest.raises(ConfigError, match="bad pipeline entry"):
         from_yaml(str(bad))
     (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     (d,) = resolve(str(tmp_path), llm="/models/llm")
@@ -67,5 +67,22 @@ def test_model_limits_come_from_the_model_and_yaml_or_flags_override_them():
     video = pipeline_limits(builtin("tiny-video", **flags.stage_overrides(args)))
     assert (video.max_side, video.max_steps, video.max_frames) == (64, 30, 17)
     assert pipeline_limits(builtin("tiny-video")).max_frames == 33  # what it was trained for
-    with pytest.raises(InvalidRequestError, match="max_side must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="max_side must be an integer >= 1"):
         builtin("tiny-image", max_side=0)
+
+
+def test_a_diffusion_stage_is_described_by_its_family_and_each_modes_loop():
+    import json
+
+    from vllm_omni_like.models.limits import StageFamily, describe_stage
+
+    (stage,) = builtin("tiny-image").stages
+    family = describe_stage(stage)
+    assert family == {
+        "family": "stable-diffusion",
+        "loop": "own",
+        "loops": {"text2img": "own", "edit": "pipeline"},
+    }
+    assert set(family) == set(StageFamily.__annotations__)  # the TypedDict's keys, no other
+    assert json.loads(json.dumps(family)) == family  # (its modes are strings in /health)
+    assert describe_stage(builtin("null-image").stages[-1]) is None

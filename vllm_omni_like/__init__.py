@@ -9,6 +9,7 @@ from vllm_omni_like.config import EngineConfig, PipelineConfig, StageConfig
 from vllm_omni_like.engine import AsyncOmni, Omni, new_request_id
 from vllm_omni_like.errors import (
     AuthenticationError,
+    ConfigError,
     ConflictError,
     EngineDeadError,
     EngineGenerateError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncOmni",
     "AuthenticationError",
+    "ConfigError",
     "ConflictError",
     "EngineConfig",
     "EngineDeadError",

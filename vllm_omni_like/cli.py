@@ -13,7 +13,7 @@ import signal
 import sys
 
 from vllm_omni_like import flags
-from vllm_omni_like.errors import OmniError
+from vllm_omni_like.errors import ConfigError, OmniError
 from vllm_omni_like.pipelines.catalog import resolve
 
 DEFAULT_MODELS = ("tiny-omni", "tiny-image", "tiny-video")
@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ConfigError as exc:  # a misconfiguration: its message, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OmniError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

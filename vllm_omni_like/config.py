@@ -1,5 +1,6 @@
-"""Frozen configuration: the one place where environment variables and config files are read
-(the command-line flags that fill it are in flags.py)."""
+"""Frozen configuration, and the environment variables it takes (faults, the cache directory).
+The command-line flags that fill it are read in flags.py (with VLLM_OMNI_LIKE_API_KEY), a YAML
+pipeline file in pipelines/catalog.py; what it refuses raises `ConfigError`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
@@ -54,36 +55,40 @@ class FaultRule:
         for part in text.split(","):
             key, sep, value = part.strip().partition("=")
             if not sep or not key:
-                raise ValueError(f"fault rule {text!r}: expected key=value, got {part!r}")
+                raise ConfigError(f"fault rule {text!r}: expected key=value, got {part!r}")
             fields[key.strip()] = value.strip()
         unknown = set(fields) - {"stage", "point", "kind", "match", "p", "seed"}
         if unknown:
-            raise ValueError(f"fault rule {text!r}: unknown keys {sorted(unknown)}")
+            raise ConfigError(f"fault rule {text!r}: unknown keys {sorted(unknown)}")
         for key in ("stage", "point", "kind"):
             if key not in fields:
-                raise ValueError(f"fault rule {text!r}: missing {key}=")
+                raise ConfigError(f"fault rule {text!r}: missing {key}=")
         if fields["point"] not in FAULT_POINTS:
-            raise ValueError(f"fault rule {text!r}: point must be one of {FAULT_POINTS}")
+            raise ConfigError(f"fault rule {text!r}: point must be one of {FAULT_POINTS}")
         if fields["kind"] not in FAULT_KINDS:
-            raise ValueError(f"fault rule {text!r}: kind must be one of {FAULT_KINDS}")
+            raise ConfigError(f"fault rule {text!r}: kind must be one of {FAULT_KINDS}")
         at_store, kind = fields["point"] == "store", fields["kind"]
         if (at_store and kind not in ("enospc", "raise")) or (kind == "enospc" and not at_store):
-            raise ValueError(
+            raise ConfigError(
                 f"fault rule {text!r}: point=store takes kind=enospc or kind=raise, "
                 "and kind=enospc only point=store"
             )
         if fields["point"] == "store" and fields["stage"] not in STORES:
-            raise ValueError(f"fault rule {text!r}: point=store needs stage= one of {STORES}")
-        p = float(fields["p"]) if "p" in fields else None
+            raise ConfigError(f"fault rule {text!r}: point=store needs stage= one of {STORES}")
+        try:
+            p = float(fields["p"]) if "p" in fields else None
+            seed = int(fields.get("seed", "0"))
+        except ValueError:
+            raise ConfigError(f"fault rule {text!r}: p and seed must be numbers") from None
         if p is not None and not 0.0 <= p <= 1.0:
-            raise ValueError(f"fault rule {text!r}: p must be within [0, 1]")
+            raise ConfigError(f"fault rule {text!r}: p must be within [0, 1]")
         return cls(
             stage=fields["stage"],
             point=fields["point"],
             kind=fields["kind"],
             match=fields.get("match"),
             p=p,
-            seed=int(fields.get("seed", "0")),
+            seed=seed,
         )
 
 
@@ -110,7 +115,7 @@ def _device_name(stage: str, device: object) -> str:
         return f"cuda:{text}"
     if text == "cpu" or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
-    raise InvalidRequestError(
+    raise ConfigError(
         f"stage {stage!r}: devices entry {device!r} is not a GPU index, cuda:N or cpu"
     )
 
@@ -198,23 +203,23 @@ class StageConfig:
             object.__setattr__(self, "replicas", max(1, len(devices) // ranks))
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"stage {self.name!r}: gpu_memory_fraction must be within (0, 1], not {fraction}"
             )
         if not isinstance(self.kind, str):  # YAML reads a bare `kind: null` as nothing
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class', "
                 f"not {self.kind!r} (in YAML, write kind: 'null')"
             )
         if self.kind not in STAGE_KINDS and ":" not in self.kind:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"stage {self.name!r}: kind must be one of {STAGE_KINDS} or 'module:Class'"
             )
         object.__setattr__(self, "options", parse_options(self.kind, self.name, self.options))
         if self.replicas < 1 or self.workers_per_replica < 1 or self.max_batch_size < 1:
-            raise InvalidRequestError(f"stage {self.name!r}: replicas and sizes must be >= 1")
+            raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         if self.load_format not in ("auto", "dummy"):
-            raise InvalidRequestError(f"stage {self.name!r}: load_format must be auto or dummy")
+            raise ConfigError(f"stage {self.name!r}: load_format must be auto or dummy")
         for key, value, allowed in (
             ("compile_mode", self.compile_mode, COMPILE_MODES),
             ("attention", self.attention, ATTENTION_BACKENDS),
@@ -223,52 +228,52 @@ class StageConfig:
             ("batch_level", self.batch_level, BATCH_LEVELS),
         ):
             if value not in allowed:
-                raise InvalidRequestError(
+                raise ConfigError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
         self._check_batching()
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidRequestError(f"stage {self.name!r}: {key} must be an integer >= 1")
+                raise ConfigError(f"stage {self.name!r}: {key} must be an integer >= 1")
         if any(int(b) < 1 for b in self.batch_buckets):
-            raise InvalidRequestError(f"stage {self.name!r}: batch buckets must be >= 1")
+            raise ConfigError(f"stage {self.name!r}: batch buckets must be >= 1")
         for size in self.warmup_sizes:
             try:
                 parse_size(size)
             except ValueError as exc:
-                raise InvalidRequestError(f"stage {self.name!r}: warmup {exc}") from None
+                raise ConfigError(f"stage {self.name!r}: warmup {exc}") from None
 
     def _check_batching(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"stage {self.name!r}: batch_policy must be one of {', '.join(BATCH_POLICIES)}"
             )
         if not isinstance(self.replica_queue, int) or self.replica_queue < 0:
-            raise InvalidRequestError(f"stage {self.name!r}: replica_queue must be an integer >= 0")
+            raise ConfigError(f"stage {self.name!r}: replica_queue must be an integer >= 0")
         if self.decode_group_rows < 1 or self.decode_group_ms < 0:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"stage {self.name!r}: decode_group_rows must be >= 1, decode_group_ms >= 0"
             )
         if not isinstance(self.shape_groups, int) or self.shape_groups < 1:
-            raise InvalidRequestError(f"stage {self.name!r}: shape_groups must be an integer >= 1")
+            raise ConfigError(f"stage {self.name!r}: shape_groups must be an integer >= 1")
         if self.batch_max_wait < 0:
-            raise InvalidRequestError(f"stage {self.name!r}: batch_max_wait must be >= 0")
+            raise ConfigError(f"stage {self.name!r}: batch_max_wait must be >= 0")
         if not 0.0 <= self.batch_wait <= 1.0:
-            raise InvalidRequestError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
+            raise ConfigError(f"stage {self.name!r}: batch_wait must be within [0, 1]")
 
     def _check_cfg_parallel(self, devices: tuple[str, ...]) -> None:
         where = f"stage {self.name!r}: cfg_parallel"
         if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
-            raise InvalidRequestError(f"{where} runs diffusion stages only, not {self.kind!r}")
+            raise ConfigError(f"{where} runs diffusion stages only, not {self.kind!r}")
         if self.workers_per_replica not in (1, 2):
-            raise InvalidRequestError(f"{where} runs 2 workers per replica")
+            raise ConfigError(f"{where} runs 2 workers per replica")
         object.__setattr__(self, "workers_per_replica", 2)
         if len(devices) % 2:
-            raise InvalidRequestError(f"{where} takes devices two by two, not {len(devices)}")
+            raise ConfigError(f"{where} takes devices two by two, not {len(devices)}")
         for pair in zip(devices[::2], devices[1::2], strict=True):
             if pair[0] == pair[1] and pair[0] != "cpu":
-                raise InvalidRequestError(f"{where}: the two ranks need two GPUs, not {pair}")
+                raise ConfigError(f"{where}: the two ranks need two GPUs, not {pair}")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -281,7 +286,8 @@ def parse_size(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """A named chain of stages; `kind` says how one stage's output feeds the next."""
+    """A named chain of stages, each fed the output of the one before (pipelines/base.py says
+    how: an LLM's text becomes the next stage's prompt); `output` is what its last one makes."""
 
     name: str
     stages: tuple[StageConfig, ...]

@@ -1,8 +1,11 @@
 """The error taxonomy: an error is one value (`ErrorInfo`, a kind and its detail) from where it
-is raised to the HTTP handler; the exceptions only carry that value through `raise`."""
+is raised to the HTTP handler; the exceptions only carry that value through `raise`. Outside
+it: `ConfigError` (a start-up misconfiguration, no request's doing) and the worker's device
+errors (recognised by torch's types; this module never imports torch)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -220,17 +223,43 @@ def classify(exc: BaseException, stage: str | None = None) -> ErrorInfo:
     return ErrorInfo(ErrorKind.GENERATE, f"{type(exc).__name__}: {detail}", stage=stage)
 
 
+# ---- outside the taxonomy ------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A start-up misconfiguration (a flag, a YAML pipeline, a stage option, the environment):
+    the server or the offline command does not start, and the CLI prints the message. No
+    request caused it, so it has no kind and no HTTP status."""
+
+
 # ---- a worker's device failures (raised and classified inside workers, never sent) --------------
 class FatalStageError(Exception):
     """The device is unusable (a CUDA error other than out-of-memory): the worker must exit."""
 
 
+def _torch_error(*path: str) -> type[BaseException] | None:
+    """torch's exception class at `path` (`"cuda", "OutOfMemoryError"`), if torch is imported
+    already and has it: a device error comes from torch, so a process without torch has none,
+    and the API process never imports torch for this."""
+    found: object = sys.modules.get("torch")
+    for name in path:
+        found = getattr(found, name, None)
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    """The host's `MemoryError` (an injected or a CFG-parallel peer's out-of-memory too) or
+    torch's device one."""
+    oom = _torch_error("cuda", "OutOfMemoryError")  # torch.OutOfMemoryError, on any device
+    return isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom))
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:
+    """Anything but out-of-memory from the device: torch's `AcceleratorError` (torch >= 2.8),
+    or a RuntimeError whose message says it is a CUDA or cuBLAS error (torch before 2.8, and
+    some of its checks since, raise those so)."""
     if is_out_of_memory(exc):
         return False
+    accelerator = _torch_error("AcceleratorError")
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
     text = str(exc)
-    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "CUBLAS_" in text
+    return "CUDA error" in text or "CUBLAS_" in text

@@ -20,7 +20,7 @@ from vllm_omni_like.config import (
     ServerSettings,
     faults_from_env,
 )
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import add_batching_args, stage_flag
 
@@ -307,7 +307,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     if API_KEY_ENV in os.environ:
         keys.extend(os.environ[API_KEY_ENV].split(","))
     if any(not k.strip() for k in keys):
-        raise InvalidRequestError(
+        raise ConfigError(
             f"an empty API key (--api-key '' or an empty entry in {API_KEY_ENV}) would leave "
             "the server open; give non-empty keys, or none for an open server"
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _coerce(stage: str, name: str, hint: Any, value: Any) -> Any:
     if value is None:
         if "None" in text:
             return None
-        raise InvalidRequestError(f"stage {stage!r}: option {name} must not be empty")
+        raise ConfigError(f"stage {stage!r}: option {name} must not be empty")
     try:
         if text.startswith("tuple"):
             values = value if isinstance(value, list | tuple) else str(value).split(",")
@@ -90,7 +90,7 @@ def _coerce(stage: str, name: str, hint: Any, value: Any) -> Any:
     except (TypeError, ValueError):
         pass
     named = text.replace(" | None", "").replace("<class '", "").replace("'>", "")
-    raise InvalidRequestError(f"stage {stage!r}: option {name}={value!r} is not a valid {named}")
+    raise ConfigError(f"stage {stage!r}: option {name}={value!r} is not a valid {named}")
 
 
 def parse_options(kind: str, stage: str, given: Any) -> Any:
@@ -106,11 +106,11 @@ def typed(cls: type, stage: str, given: Any) -> Any:
     if isinstance(given, cls):
         return given
     if not isinstance(given, dict):
-        raise InvalidRequestError(f"stage {stage!r}: options must be a mapping")
+        raise ConfigError(f"stage {stage!r}: options must be a mapping")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(given) - known)
     if unknown:
-        raise InvalidRequestError(
+        raise ConfigError(
             f"stage {stage!r}: unknown option{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(unknown)} for a {cls.__name__.removesuffix('Options').lower()} stage; "
             f"known: {', '.join(sorted(known))}"
@@ -119,7 +119,7 @@ def typed(cls: type, stage: str, given: Any) -> Any:
     values = {name: _coerce(stage, name, hints[name], v) for name, v in given.items()}
     options = cls(**values)
     if isinstance(options, NullOptions) and options.output not in NULL_OUTPUTS:
-        raise InvalidRequestError(
+        raise ConfigError(
             f"stage {stage!r}: option output must be one of {', '.join(NULL_OUTPUTS)}"
         )
     return options

@@ -6,6 +6,7 @@ report of a lost worker (`ReplicaDied`) travels the same sink as the workers' re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from vllm_omni_like.errors import ErrorInfo
@@ -15,6 +16,18 @@ from vllm_omni_like.params import GenerationParams
 # ---- what a stage is asked to do ---------------------------------------------------------------
 
 
+class Mode(StrEnum):
+    """What a stage makes of a request (pipelines/base.py picks it). A `str`: it equals, hashes,
+    formats and serializes as its value, so strings written before it (a pickle, a test's
+    `mode="edit"`) still compare equal."""
+
+    TEXT = "text"  # an LLM stage's (or a null stage's that writes text)
+    TEXT2IMG = "text2img"
+    EDIT = "edit"  # an image from an image (img2img, inpaint, an instruction)
+    TEXT2VIDEO = "text2video"
+    IMAGE2VIDEO = "image2video"
+
+
 @dataclass
 class StageRequest:
     """One request as one stage sees it."""
@@ -22,7 +35,7 @@ class StageRequest:
     request_id: str
     prompt: str
     params: GenerationParams = field(default_factory=GenerationParams)
-    mode: str = "text2img"  # text | text2img | edit | text2video | image2video
+    mode: Mode = Mode.TEXT2IMG
     images: list[Any] = field(default_factory=list)  # HxWx3 uint8 arrays (edit inputs)
     mask: Any | None = None  # HxW uint8, 255 = repaint (diffusers' convention)
     # a prompt written by an earlier stage is truncated to the encoder, not refused
@@ -31,16 +44,19 @@ class StageRequest:
     files_only: bool = False  # see inputs.OmniRequest.files_only
     encodes_png: bool = False  # see inputs.OmniRequest.encodes_png
 
-    def batch_key(self, own_loop: frozenset[str] = frozenset()) -> tuple[Any, ...]:
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)  # a mode given as its string is the member (or refused)
+
+    def batch_key(self, own_loop: frozenset[Mode] = frozenset()) -> tuple[Any, ...]:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
         its own steps, guidance, scheduler and seed: only the shapes count."""
         if self.mode in own_loop:  # (text rows of any length share a step)
-            if self.mode == "text":
+            if self.mode == Mode.TEXT:
                 return (self.mode,)
             return (self.mode, self.params.width, self.params.height, self.params.num_frames)
-        if self.mode == "image2video":  # one image a call (the pipeline encodes one)
+        if self.mode == Mode.IMAGE2VIDEO:  # one image a call (the pipeline encodes one)
             return (*self.params.shape_key(self.mode), self.request_id)
-        if self.mode != "edit":
+        if self.mode != Mode.EDIT:
             return self.params.shape_key(self.mode)
         shape = tuple(self.images[0].shape[:2]) if self.images else None
         return (*self.params.shape_key(self.mode), shape, self.mask is not None)
@@ -84,7 +100,7 @@ class WorkerReady:
     visible_devices: str | None = None  # its CUDA_VISIBLE_DEVICES
     gpu_memory: int = 0  # bytes its CUDA allocator holds once loaded
     # the modes whose rows join and leave its running set at step boundaries (Stage.stepper)
-    stepped: tuple[str, ...] = ()
+    stepped: tuple[Mode, ...] = ()
 
 
 @dataclass

@@ -16,7 +16,7 @@ from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, req
 from vllm_omni_like import flags
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.executor import placement
 from vllm_omni_like.pipelines.catalog import from_yaml
 
@@ -32,9 +32,9 @@ def test_devices_give_one_replica_each_and_name_gpus_or_the_cpu():
         "cuda:1",
     ]
     assert placement.replica_device((), "cpu", 3) == "cpu"
-    with pytest.raises(InvalidRequestError, match="devices entry 'gpu0'"):
+    with pytest.raises(ConfigError, match="devices entry 'gpu0'"):
         StageConfig(name="d", kind="null", devices=("gpu0",))
-    with pytest.raises(InvalidRequestError, match="gpu_memory_fraction"):
+    with pytest.raises(ConfigError, match="gpu_memory_fraction"):
         StageConfig(name="d", kind="null", gpu_memory_fraction=1.5)
 
 

@@ -20,7 +20,7 @@ from tests.conftest import drain_batch, wait_for
 from tests.engine.helpers import engine, final, req
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.engine import stage_pool
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.executor import MultiprocExecutor, placement
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 from vllm_omni_like.models.tiny import image_pipeline
@@ -93,7 +93,7 @@ def test_config_takes_devices_two_by_two():
         ({"kind": "llm"}, "diffusion stages only"),
         ({"workers_per_replica": 3}, "2 workers"),
     ):
-        with pytest.raises(InvalidRequestError, match=why):
+        with pytest.raises(ConfigError, match=why):
             StageConfig(**{"name": "d", "kind": "diffusion", "cfg_parallel": True, **bad})
     # a whole pipeline's flag leaves its LLM stage alone
     llm, diffusion = resolve("tiny-omni", cfg_parallel=True)[0].stages

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -29,6 +29,9 @@ from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items
 from vllm_omni_like.protocol.schemas import ImageRequest
 
+if TYPE_CHECKING:  # (video_jobs.py imports this module)
+    from vllm_omni_like.api.video_jobs import VideoService
+
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 logger = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ class Server:
     engine: AsyncOmni
     settings: ServerSettings
     files: FileStore
-    videos: Any = None  # api.video_jobs.VideoService
+    videos: VideoService | None = None  # set by the app's lifespan once the engine started
     start_error: str | None = None
     drain_deadline: float | None = None  # event-loop time the drain ends (set on SIGTERM)
 

@@ -29,10 +29,11 @@ from collections.abc import Sequence
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.engine.request_state import RequestState
+from vllm_omni_like.wire import Mode
 
 
 def take_compatible(
-    waiting: deque[RequestState], max_batch: int, own_loop: frozenset[str] = frozenset()
+    waiting: deque[RequestState], max_batch: int, own_loop: frozenset[Mode] = frozenset()
 ) -> tuple[list[RequestState], deque[RequestState]]:
     """The oldest request and up to `max_batch - 1` others that may share its batch (same
     shapes; in modes not run by our own loop (`own_loop`), the same step loop too); what stays

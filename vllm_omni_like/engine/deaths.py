@@ -11,7 +11,8 @@
   So a set of 32 with one poison row costs log2(32) more deaths of ever smaller batches, not
   32 runs of one.
 - A death while a cohort ran is the bisection's, not the replica's: its restart is not counted
-  (the bisection bounds them: each halves a cohort or convicts) and waits no back-off.
+  (the bisection bounds them: each halves a cohort or convicts) and waits the first back-off
+  step only, which it does not grow.
 - A cohort of one that dies is **convicted**: it fails, every death of its chain (those it was
   present at since it last ran clean) is refunded to the replicas' restart budgets, and every
   waiting suspect whose chain those deaths explain is cleared: it runs as any request again.
@@ -28,7 +29,7 @@ from vllm_omni_like.engine.replica import Stall
 from vllm_omni_like.engine.request_state import RequestState, after_death
 from vllm_omni_like.engine.stage_pool import StagePool
 from vllm_omni_like.errors import DeathCause, OmniError
-from vllm_omni_like.wire import ReplicaDied
+from vllm_omni_like.wire import Mode, ReplicaDied
 
 
 def lost_requests(
@@ -59,7 +60,7 @@ def convicted(charged: list[RequestState]) -> RequestState | None:
     return None
 
 
-def halves(suspects: list[RequestState], own_loop: frozenset[str]) -> list[list[RequestState]]:
+def halves(suspects: list[RequestState], own_loop: frozenset[Mode]) -> list[list[RequestState]]:
     """The cohorts `suspects` re-run as: the two halves of each shape group (in their order)."""
     groups: dict[tuple[object, ...], list[RequestState]] = {}
     for state in suspects:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from vllm_omni_like import cost
 from vllm_omni_like.engine.replica import Replica
 from vllm_omni_like.engine.stage_pool import StagePool
 from vllm_omni_like.errors import ErrorInfo
+from vllm_omni_like.models.limits import StageFamily
 from vllm_omni_like.params import GenerationParams
 
 
@@ -50,7 +50,7 @@ class StageView:
     default_steps: int = 1
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
     replicas: tuple[ReplicaView, ...] = ()
-    family: dict[str, Any] | None = None  # a diffusion stage's family and its loops (per mode)
+    family: StageFamily | None = None  # a diffusion stage's family and its loops (per mode)
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {

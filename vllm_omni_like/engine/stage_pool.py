@@ -30,7 +30,7 @@ from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.executor.placement import replica_label
 from vllm_omni_like.models.limits import describe_stage
-from vllm_omni_like.wire import ExecuteBatch, FromWorker, Progress
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class StagePool:
         loops = self.family["loops"] if self.family else {}
         self.own_loop = frozenset(mode for mode, loop in loops.items() if loop == "own")
         # the modes whose rows join a running set: what the workers said they step
-        self.stepped: frozenset[str] = frozenset()
+        self.stepped: frozenset[Mode] = frozenset()
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False
@@ -304,7 +304,7 @@ class StagePool:
         replica.executor, replica.stall = None, None
         replica.clock.restarted()
         if (replica.restarts < self.max_restarts or not charged) and not self._stopping.is_set():
-            # a bisection's death (deaths.py) is bounded by it: no back-off either
+            # a bisection's death (deaths.py) is bounded by it: the first back-off, not grown
             self._restart(replica, charged, None if charged else RESTART_BACKOFF_S[0])
 
     def refund(self, replica_index: int) -> None:

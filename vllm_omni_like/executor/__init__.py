@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vllm_omni_like.config import EngineConfig
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.executor.base import Executor, FailureCallback
 from vllm_omni_like.executor.multiproc import MultiprocExecutor
 
@@ -14,20 +14,18 @@ def factory_for(config: EngineConfig) -> Callable[..., Executor]:
     """The executor class `config.executor` names (Ray's, connected to `ray_address`)."""
     if config.executor == "multiproc":
         if config.ray_address:
-            raise InvalidRequestError("--ray-address needs --executor ray")
+            raise ConfigError("--ray-address needs --executor ray")
         return MultiprocExecutor
     if config.executor != "ray":
-        raise InvalidRequestError(f"unknown executor {config.executor!r}: multiproc or ray")
+        raise ConfigError(f"unknown executor {config.executor!r}: multiproc or ray")
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise InvalidRequestError(
-            "--executor ray needs Ray: pip install 'vllm-omni-like[ray]'"
-        ) from None
+        raise ConfigError("--executor ray needs Ray: pip install 'vllm-omni-like[ray]'") from None
     for pipeline in config.pipelines:
         for stage in pipeline.stages:
             if stage.cfg_parallel:
-                raise InvalidRequestError(
+                raise ConfigError(
                     f"stage {stage.name!r}: --cfg-parallel runs on the multiproc executor only"
                 )
     from vllm_omni_like.executor import ray_runtime

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from vllm_omni_like.wire import ExecuteBatch, FromWorker, ReplicaDied
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, ReplicaDied
 
 FailureCallback = Callable[[ReplicaDied], None]
 MessageSink = Callable[[FromWorker], None]
@@ -22,7 +22,7 @@ class Executor(ABC):
 
     gpu_memory: int = 0  # bytes its workers' CUDA allocators held when they last said
     visible_devices: str | None = None  # its workers' CUDA_VISIBLE_DEVICES
-    stepped: tuple[str, ...] = ()  # modes whose rows join its running set (WorkerReady)
+    stepped: tuple[Mode, ...] = ()  # modes whose rows join its running set (WorkerReady)
 
     @abstractmethod
     def start(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
+from vllm_omni_like.wire import Mode
 
 logger = logging.getLogger(__name__)
 Decoder = Callable[[torch.Tensor], torch.Tensor]  # latents -> pixels in [0, 1]
@@ -243,7 +244,7 @@ class Adapter:
         denoiser sees (one, unless the family pads prompts to text buckets)."""
         return ("warm-up",)
 
-    def warm_up_modes(self) -> tuple[str, ...]:
+    def warm_up_modes(self) -> tuple[Mode, ...]:
         """The modes of `edit_pipelines` whose call a compiled stage warms up too, beside its
         first mode's (one request a call, from a blank image): calls over the same denoiser
         that hand it other inputs."""
@@ -329,13 +330,13 @@ def zero_pad(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:
-    """'edit' (img2img) and 'inpaint' pipelines sharing `pipe`'s models (no second copy), as
+    """`Mode.EDIT` (img2img) and 'inpaint' pipelines sharing `pipe`'s models (no second copy), as
     diffusers' auto pipelines map them; a variant the family lacks is left out."""
     import diffusers
 
     pipes = {}
     for mode, auto in (
-        ("edit", diffusers.AutoPipelineForImage2Image),
+        (Mode.EDIT, diffusers.AutoPipelineForImage2Image),
         ("inpaint", diffusers.AutoPipelineForInpainting),
     ):
         try:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from vllm_omni_like.wire import Mode
 
 Config = dict[str, Any]
+Loop = Literal["own", "pipeline"]  # which denoising loop a mode's batches run (registry.py)
 
 
 def vae_factors_by_blocks(vae: Config) -> tuple[int, int | None]:
@@ -41,7 +44,7 @@ class Family:
     default_guidance: float
     adapter: str
     vae_factors: Callable[[Config], tuple[int, int | None]] = field(default=vae_factors_by_blocks)
-    own_loop: tuple[str, ...] = ()
+    own_loop: tuple[Mode, ...] = ()
     schedulers: tuple[str, ...] = ()
     default_frames: int | None = None  # videos: frames when neither request nor options say
     native_side: int | None = None  # images: the side it draws by default where neither its
@@ -58,9 +61,11 @@ class Family:
         return importlib.import_module(self.adapter).ADAPTER
 
     @property
-    def modes(self) -> tuple[str, ...]:
+    def modes(self) -> tuple[Mode, ...]:
         if self.output == "video":
             if self.needs_image:
-                return ("image2video",)
-            return ("text2video", "image2video") if self.video_from_image else ("text2video",)
-        return ("edit",) if self.needs_image else ("text2img", "edit")
+                return (Mode.IMAGE2VIDEO,)
+            if self.video_from_image:
+                return (Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO)
+            return (Mode.TEXT2VIDEO,)
+        return (Mode.EDIT,) if self.needs_image else (Mode.TEXT2IMG, Mode.EDIT)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.registry import family_for, family_of, loops_for, read_config
+from vllm_omni_like.wire import Mode
 
 DEFAULT_MAX_STEPS = 200
 DEFAULT_MAX_FRAMES = 129
@@ -108,9 +109,17 @@ def stage_family(stage: StageConfig) -> Family | None:
     return family_of(model_path(stage)) if stage.kind == "diffusion" else None
 
 
-def describe_stage(stage: StageConfig) -> dict[str, Any] | None:
-    """What `/health` and `/metrics` say of a diffusion stage's model: its family, the loop
-    its generation mode runs ("own" or "pipeline") and each mode's (None: not diffusion)."""
+class StageFamily(TypedDict):
+    """What `/health` and `/metrics` say of a diffusion stage's model (its keys are
+    `/health`'s)."""
+
+    family: str  # the family's name (models/)
+    loop: Loop  # the loop its generation mode (its first) runs
+    loops: dict[Mode, Loop]  # each mode's
+
+
+def describe_stage(stage: StageConfig) -> StageFamily | None:
+    """A diffusion stage's family and the loop each of its modes runs (None: not diffusion)."""
     family = stage_family(stage)
     if family is None:
         return None
@@ -202,7 +211,7 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         needs_image=g["family"].needs_image,
         experts=g["experts"],
         edit_strength=g["family"].edit_strength,
-        image_to_video="image2video" in g["family"].modes,
+        image_to_video=Mode.IMAGE2VIDEO in g["family"].modes,
     )
 
 

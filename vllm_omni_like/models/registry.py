@@ -7,9 +7,10 @@ import os
 from typing import Any
 
 from vllm_omni_like.models import flux, qwen_image, sd3, stable_diffusion, wan, z_image
-from vllm_omni_like.models.family import Config, Family
+from vllm_omni_like.models.family import Config, Family, Loop
 from vllm_omni_like.models.generic import generic_family
 from vllm_omni_like.models.schedulers import unsupported
+from vllm_omni_like.wire import Mode
 
 FAMILIES: tuple[Family, ...] = (
     stable_diffusion.FAMILY,
@@ -52,7 +53,7 @@ def family_of(path: str) -> Family:
     )
 
 
-def loops_for(path: str, cfg_parallel: bool = False) -> dict[str, tuple[str, str | None]]:
+def loops_for(path: str, cfg_parallel: bool = False) -> dict[Mode, tuple[Loop, str | None]]:
     """Per mode of the model at `path`: which denoising loop its batches run, "own" or
     "pipeline" (the diffusers pipeline's call), and why not our own (None where it is).
     The API process (batching, `/health`, `/metrics`) and the worker decide alike."""
@@ -60,7 +61,7 @@ def loops_for(path: str, cfg_parallel: bool = False) -> dict[str, tuple[str, str
     index = read_config(path, "model_index.json")
     scheduler = str((index.get("scheduler") or [None, ""])[1])
     problem = unsupported(scheduler, read_config(path, "scheduler", "scheduler_config.json"))
-    loops: dict[str, tuple[str, str | None]] = {}
+    loops: dict[Mode, tuple[Loop, str | None]] = {}
     for mode in family.modes:
         why = None
         if mode not in family.own_loop:

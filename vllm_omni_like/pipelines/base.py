@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 def _writes_text(stage: StageConfig) -> bool:
@@ -26,12 +26,12 @@ class Pipeline:
     def stages(self) -> tuple[StageConfig, ...]:
         return self.config.stages
 
-    def _mode(self, index: int, request: OmniRequest) -> str:
+    def _mode(self, index: int, request: OmniRequest) -> Mode:
         if _writes_text(self.stages[index]):
-            return "text"
+            return Mode.TEXT
         if self.config.output == "video":
-            return "image2video" if request.images else "text2video"
-        return "edit" if request.images else "text2img"
+            return Mode.IMAGE2VIDEO if request.images else Mode.TEXT2VIDEO
+        return Mode.EDIT if request.images else Mode.TEXT2IMG
 
     def stage_request(
         self, request: OmniRequest, index: int, previous: StageOutput | None

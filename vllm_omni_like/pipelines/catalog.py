@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
-from vllm_omni_like.errors import InvalidRequestError, NotFoundError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.shapes.world import OUTSIDE, caption_grammar, describe
 
@@ -144,9 +144,7 @@ def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> Pipeli
     """A local diffusers directory, optionally with a local LLM directory as prompt stage."""
     index_path = os.path.join(path, "model_index.json")
     if not os.path.exists(index_path):
-        raise NotFoundError(
-            f"{path!r} is not a diffusers directory (no model_index.json)", code="model_not_found"
-        )
+        raise ConfigError(f"{path!r} is not a diffusers directory (no model_index.json)")
     output = family_of(path).output
     stages: tuple[StageConfig, ...] = (_diffusion(path, **stage_kw),)
     if llm:
@@ -158,7 +156,7 @@ def from_directory(path: str, llm: str | None = None, **stage_kw: Any) -> Pipeli
 def from_architecture(name: str, llm: str | None = None, **stage_kw: Any) -> PipelineConfig:
     """A shipped architecture config: the real model's shapes, random weights."""
     if stage_kw.get("load_format") != "dummy":
-        raise InvalidRequestError(
+        raise ConfigError(
             f"{name!r} ships as an architecture config without weights: "
             "serve it with --load-format dummy (random weights)"
         )
@@ -173,7 +171,7 @@ def from_yaml(path: str) -> list[PipelineConfig]:
         doc = yaml.safe_load(f) or {}
     entries = doc.get("pipelines")
     if not isinstance(entries, list) or not entries:
-        raise InvalidRequestError(f"{path}: expected a non-empty 'pipelines' list")
+        raise ConfigError(f"{path}: expected a non-empty 'pipelines' list")
     result = []
     for entry in entries:
         try:
@@ -184,7 +182,7 @@ def from_yaml(path: str) -> list[PipelineConfig]:
                 )
             )
         except (KeyError, TypeError) as exc:
-            raise InvalidRequestError(f"{path}: bad pipeline entry {entry!r}: {exc}") from exc
+            raise ConfigError(f"{path}: bad pipeline entry {entry!r}: {exc}") from exc
     return result
 
 
@@ -199,10 +197,9 @@ def resolve(spec: str, llm: str | None = None, **stage_kw: Any) -> list[Pipeline
         return [_override(p, stage_kw) for p in from_yaml(spec)]
     if os.path.isdir(spec):
         return [from_directory(spec, llm, **stage_kw)]
-    raise NotFoundError(
+    raise ConfigError(
         f"unknown model {spec!r}: not a built-in pipeline ({', '.join(BUILTIN_NAMES)}), "
-        f"an architecture ({', '.join(ARCH_OPTIONS)}), a YAML file or a local diffusers directory",
-        code="model_not_found",
+        f"an architecture ({', '.join(ARCH_OPTIONS)}), a YAML file or a local diffusers directory"
     )
 
 

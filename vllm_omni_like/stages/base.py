@@ -1,4 +1,7 @@
-"""The Stage contract: `load` once, then `execute(batch, control)` many times, in a worker."""
+"""The Stage contract, run in a worker: `load` once, then per batch `begin(batch, control)` and
+the returned part's `finish` (the worker calls them apart, through isolation.py), or, for the
+modes `stepped_modes` names, a `stepper`'s running set. `execute` (both at once) is called only
+by tests."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import typed
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 def preview_steps(total: int, k: int) -> set[int]:
@@ -23,7 +26,8 @@ def preview_steps(total: int, k: int) -> set[int]:
 
 
 class StageAborted(Exception):
-    """Raised inside `execute` when every request of the batch was aborted."""
+    """Raised by `StageControl.step` (inside `begin` or a running set's step) once every
+    request of the batch was aborted."""
 
 
 class StageControl:
@@ -225,17 +229,19 @@ class Stage(ABC):
         worker runs beside the next batch. A stage with nothing to defer returns
         `Deferred.done(batch, outputs)`."""
 
-    def stepper(self, mode: str) -> RowStepper | None:
+    def stepper(self, mode: Mode) -> RowStepper | None:
         """A running set for requests of `mode` whose rows join and leave at step boundaries;
         None (the default): the mode's requests run as whole batches (`begin`)."""
         return None
 
-    def stepped_modes(self) -> tuple[str, ...]:
+    def stepped_modes(self) -> tuple[Mode, ...]:
         """The modes `stepper` runs as a running set (the worker tells the engine at start)."""
         return ()
 
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
-        """The whole batch at once: `begin`, then `finish` of the requests still live."""
+        """The whole batch at once: `begin`, then `finish` of the requests still live. Only
+        tests call it; the worker runs the two apart (isolation.py), `finish` beside the next
+        batch."""
         part = self.begin(batch, control)
         return part.finish(control.live(part.requests))
 

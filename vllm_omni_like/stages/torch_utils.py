@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 
 
 def _not_torchvision_fallback(record: logging.LogRecord) -> bool:
@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str, device: torch.device, gpu_default: torch.dtype) ->
     if dtype == "auto":
         return gpu_default if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
     return _DTYPES[dtype]
 
 

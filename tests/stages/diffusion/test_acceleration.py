@@ -15,7 +15,7 @@ import torch
 
 from vllm_omni_like import flags
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.models.wan.adapter import WanAdapter
@@ -102,7 +102,7 @@ def test_bad_speed_flags_are_refused(argv, capsys):
     ],
 )
 def test_stage_config_refuses_bad_speed_options(kw, message):
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ConfigError, match=message):
         StageConfig(name="d", kind="diffusion", **kw)
 
 
@@ -214,7 +214,7 @@ def test_shipped_architectures_are_the_real_models_sizes():
 
 
 def test_an_architecture_without_weights_needs_dummy_load():
-    with pytest.raises(InvalidRequestError, match="serve it with --load-format dummy"):
+    with pytest.raises(ConfigError, match="serve it with --load-format dummy"):
         catalog.resolve("sd15")
     (video,) = catalog.resolve("wan2.1-t2v-1.3b", load_format="dummy")
     assert video.output == "video" and video.stages[0].options.default_frames == 33

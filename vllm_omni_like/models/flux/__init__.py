@@ -8,6 +8,7 @@ negative branch), FLUX.1-schnell has none (4 steps). The text length is fixed (T
 """
 
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.wire import Mode
 
 FAMILY = Family(
     name="flux",
@@ -16,6 +17,6 @@ FAMILY = Family(
     size_base=16,  # FluxPipeline.check_inputs: the VAE's factor x the 2x2 packing
     default_guidance=3.5,  # FluxPipeline's
     adapter="vllm_omni_like.models.flux.adapter",
-    own_loop=("text2img",),
+    own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
 )

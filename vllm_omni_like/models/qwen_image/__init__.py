@@ -14,6 +14,7 @@ from text alone.
 """
 
 from vllm_omni_like.models.family import Config, Family
+from vllm_omni_like.wire import Mode
 
 
 def qwen_vae_factors(vae: Config) -> tuple[int, int | None]:
@@ -29,7 +30,7 @@ FAMILY = Family(
     default_guidance=4.0,  # the true CFG scale Qwen-Image is shown with
     adapter="vllm_omni_like.models.qwen_image.adapter",
     vae_factors=qwen_vae_factors,
-    own_loop=("text2img",),
+    own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
     native_side=1024,  # QwenImagePipeline.default_sample_size (128) x the VAE's factor
 )

@@ -21,6 +21,7 @@ from vllm_omni_like.models.qwen_image import EDIT_FAMILY
 from vllm_omni_like.models.qwen_image.adapter import QwenImageAdapter
 from vllm_omni_like.models.qwen_image.vl_processor import VisionTextProcessor
 from vllm_omni_like.models.text_buckets import text_bucket
+from vllm_omni_like.wire import Mode
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -35,7 +36,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
         """The model itself (it only edits), its texts padded to text buckets."""
         pad_encoded_prompts(self.pipe)
-        return {"edit": self.pipe}
+        return {Mode.EDIT: self.pipe}
 
 
 def pad_encoded_prompts(pipe: Any) -> None:

@@ -7,6 +7,7 @@ their pooled embeddings. The text length is fixed (77 CLIP + `max_sequence_lengt
 """
 
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.wire import Mode
 
 FAMILY = Family(
     name="stable-diffusion-3",
@@ -19,6 +20,6 @@ FAMILY = Family(
     size_base=16,  # StableDiffusion3Pipeline.check_inputs: the VAE's factor x the patch
     default_guidance=7.0,  # StableDiffusion3Pipeline's
     adapter="vllm_omni_like.models.sd3.adapter",
-    own_loop=("text2img",),
+    own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
 )

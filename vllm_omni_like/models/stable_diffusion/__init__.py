@@ -3,6 +3,7 @@ SDXL (its architecture `sdxl`), torch-free descriptions; the adapters are
 models/stable_diffusion/adapter.py and xl.py."""
 
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.wire import Mode
 
 FAMILY = Family(
     name="stable-diffusion",
@@ -15,7 +16,7 @@ FAMILY = Family(
     size_base=8,  # StableDiffusionPipeline.check_inputs
     default_guidance=7.5,
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
-    own_loop=("text2img",),  # edits (img2img, inpaint) run the pipelines' own calls
+    own_loop=(Mode.TEXT2IMG,),  # edits (img2img, inpaint) run the pipelines' own calls
     schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
 )
 

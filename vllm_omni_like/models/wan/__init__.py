@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_omni_like.models.family import Config, Family
+from vllm_omni_like.wire import Mode
 
 
 def wan_vae_factors(vae: Config) -> tuple[int, int | None]:
@@ -25,7 +26,7 @@ FAMILY = Family(
     default_guidance=5.0,
     adapter="vllm_omni_like.models.wan.adapter",
     vae_factors=wan_vae_factors,
-    own_loop=("text2video",),
+    own_loop=(Mode.TEXT2VIDEO,),
     schedulers=("unipc", "flow-euler"),
 )
 

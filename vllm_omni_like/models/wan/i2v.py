@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_omni_like.models.wan import I2V_FAMILY
 from vllm_omni_like.models.wan.adapter import WanAdapter
+from vllm_omni_like.wire import Mode
 
 
 class WanI2VAdapter(WanAdapter):
@@ -17,7 +18,7 @@ class WanI2VAdapter(WanAdapter):
     branch_inputs = ("encoder_hidden_states_image",)  # (Wan2.1-I2V's CLIP features)
 
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
-        return {"image2video": self.pipe}  # (the model itself: it only starts from an image)
+        return {Mode.IMAGE2VIDEO: self.pipe}  # (the model itself: it only starts from an image)
 
 
 ADAPTER = WanI2VAdapter

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_omni_like.models.wan import TI2V_FAMILY
 from vllm_omni_like.models.wan.adapter import WanAdapter
+from vllm_omni_like.wire import Mode
 
 
 class WanTI2VAdapter(WanAdapter):
@@ -23,10 +24,10 @@ class WanTI2VAdapter(WanAdapter):
             expand_timesteps=True,
         )
         pipe.set_progress_bar_config(disable=True)
-        return {"image2video": pipe}
+        return {Mode.IMAGE2VIDEO: pipe}
 
-    def warm_up_modes(self) -> tuple[str, ...]:
-        return ("image2video",)  # the first frame's latents at timestep 0 beside the noise
+    def warm_up_modes(self) -> tuple[Mode, ...]:
+        return (Mode.IMAGE2VIDEO,)  # the first frame's latents at timestep 0 beside the noise
 
 
 ADAPTER = WanTI2VAdapter

@@ -9,6 +9,7 @@ and the velocity is `cond + scale x (cond - uncond)`.
 """
 
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.wire import Mode
 
 FAMILY = Family(
     name="z-image",
@@ -17,6 +18,6 @@ FAMILY = Family(
     size_base=16,  # the VAE's factor x the 2x2 patches
     default_guidance=0.0,  # Turbo's: no guidance
     adapter="vllm_omni_like.models.z_image.adapter",
-    own_loop=("text2img",),
+    own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 def edit_inputs(
@@ -16,7 +16,8 @@ def edit_inputs(
     size_multiple: int,
     strength: bool = True,
 ) -> str:
-    """Put the batch's images (and masks) into `kwargs`; returns 'edit' or 'inpaint'.
+    """Put the batch's images (and masks) into `kwargs`; returns the `edit_pipes` key of the
+    pipeline that takes them: `Mode.EDIT` (img2img, or an edit by instruction) or "inpaint".
 
     Sizes default to the first image's, rounded down to `size_multiple`; `pad` filler rows
     (a compiled stage's bucket padding) repeat the last image. `strength`: the pipeline takes
@@ -44,7 +45,7 @@ def edit_inputs(
     masks += masks[-1:] * pad
     kwargs["image"] = images
     if not strength:
-        return "edit"
+        return Mode.EDIT
     kwargs["strength"] = first.params.strength if first.params.strength is not None else 0.8
     # diffusers runs int(steps x strength) steps and fails on none: run one at least (the API
     # already asks for enough steps; this covers the Python API)
@@ -53,7 +54,7 @@ def edit_inputs(
     if masks:
         kwargs["mask_image"] = masks
         return "inpaint"
-    return "edit"
+    return Mode.EDIT
 
 
 def first_frame(request: StageRequest, width: int, height: int) -> Any:

@@ -16,7 +16,7 @@ from vllm_omni_like.stages.diffusion import edits
 from vllm_omni_like.stages.diffusion.prompt_embeds import random_prompt_embeds
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.runtime import DiffusionState
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 class PipelineCall(DiffusionState):
@@ -38,7 +38,7 @@ class PipelineCall(DiffusionState):
             blank = Image.new("RGB", (width, height))
             pipe = self.edit_pipes[mode]
             # an image-to-video call takes its one first frame; an edit an image a row
-            kwargs["image"] = blank if mode == "image2video" else [blank] * rows
+            kwargs["image"] = blank if mode == Mode.IMAGE2VIDEO else [blank] * rows
         self._run(pipe, kwargs)
 
     def _prepare(
@@ -71,14 +71,14 @@ class PipelineCall(DiffusionState):
         if self.is_video:
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
-        if first.mode == "edit":
+        if first.mode == Mode.EDIT:
             pad, multiple = len(prompts) - rows, self.limits.size_multiple
             mode = edits.edit_inputs(batch, kwargs, pad, multiple, self.family.edit_strength)
             pipe = self.edit_pipes[mode]
-        elif first.mode == "image2video":  # (one request a batch: the batching key)
+        elif first.mode == Mode.IMAGE2VIDEO:  # (one request a batch: the batching key)
             size = (p.width or self.default_width, p.height or self.default_height)
             kwargs["image"] = edits.first_frame(first, *size)
-            pipe = self.edit_pipes["image2video"]
+            pipe = self.edit_pipes[Mode.IMAGE2VIDEO]
         # the batch's scheduler (one per batch here: the batching key holds it)
         pipe.scheduler = self.adapter.scheduler(p.scheduler) if p.scheduler else self.scheduler
         kwargs.setdefault("height", p.height or self.default_height)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.limits import ModelLimits
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
@@ -21,7 +21,7 @@ from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.torch_utils import BatchDimProbe, tensor_to_uint8
 from vllm_omni_like.stages.trace import BatchTracer
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 class DiffusionState(Stage):
@@ -35,8 +35,8 @@ class DiffusionState(Stage):
     family: Family
     adapter: Adapter
     is_video: bool
-    loops: dict[str, tuple[str, str | None]]  # mode -> ("own" or "pipeline", why not own)
-    own: set[str]  # the modes our own loop runs
+    loops: dict[Mode, tuple[Loop, str | None]]  # mode -> ("own" or "pipeline", why not own)
+    own: set[Mode]  # the modes our own loop runs
     denoiser: Any  # the pipeline's UNet or transformer
     denoiser_dtype: torch.dtype
     tokenizer: Any  # a transformers tokenizer, or None (a dummy without text encoder)

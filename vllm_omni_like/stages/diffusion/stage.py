@@ -40,7 +40,7 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_dtype,
 )
 from vllm_omni_like.stages.trace import BatchTracer
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 logger = logging.getLogger(__name__)
 
@@ -237,18 +237,22 @@ class DiffusionStage(OwnLoop, PipelineCall):
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
         p = request.params
-        if request.mode in ("text2video", "image2video") and not self.is_video:
+        if request.mode in (Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO) and not self.is_video:
             raise InvalidRequestError("this model makes images, not videos", stage=self.name)
-        if request.mode in ("text2img", "edit") and self.is_video:
+        if request.mode in (Mode.TEXT2IMG, Mode.EDIT) and self.is_video:
             raise InvalidRequestError("this model makes videos, not images", stage=self.name)
         if request.mode not in self.family.modes:  # (text alone to an image-only model, or
             if not self.family.needs_image:  # an image to a text-to-video one)
                 raise InvalidRequestError("this model makes videos from text only", stage=self.name)
             what = "makes videos from an image" if self.is_video else "edits an input image"
             raise InvalidRequestError(f"this model {what}: send it one", stage=self.name)
-        if request.mode == "edit" and "edit" not in self.edit_pipes:
+        if request.mode == Mode.EDIT and Mode.EDIT not in self.edit_pipes:
             raise InvalidRequestError("this model does not support image edits", stage=self.name)
-        if request.mode == "edit" and request.mask is not None and "inpaint" not in self.edit_pipes:
+        if (
+            request.mode == Mode.EDIT
+            and request.mask is not None
+            and "inpaint" not in self.edit_pipes
+        ):
             raise InvalidRequestError("this model's edits take no mask", stage=self.name)
         if p.guidance_scale_2 is not None and len(self.adapter.experts()) < 2:
             raise InvalidRequestError(
@@ -256,7 +260,7 @@ class DiffusionStage(OwnLoop, PipelineCall):
                 stage=self.name,
                 param="guidance_scale_2",
             )
-        if request.mode == "edit" and p.strength is not None and not self.family.edit_strength:
+        if request.mode == Mode.EDIT and p.strength is not None and not self.family.edit_strength:
             raise InvalidRequestError(
                 "this model edits by instruction and takes no strength", stage=self.name
             )
@@ -296,10 +300,10 @@ class DiffusionStage(OwnLoop, PipelineCall):
         frames = kwargs.get("num_frames", 0)  # a video's, as the pipeline was asked
         return self.defer(batch, media, seeds, frames, decoder)
 
-    def stepped_modes(self) -> tuple[str, ...]:
+    def stepped_modes(self) -> tuple[Mode, ...]:
         return tuple(sorted(self.own)) if self.link is None else ()
 
-    def stepper(self, mode: str) -> RowStepper | None:
+    def stepper(self, mode: Mode) -> RowStepper | None:
         """Our own loop's modes run as a running set (running_set.py); a pipeline call cannot."""
         return OwnLoopSet(self) if mode in self.stepped_modes() else None
 

@@ -29,7 +29,7 @@ from vllm_omni_like.stages.torch_utils import (
     resolve_device,
     resolve_dtype,
 )
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 class LLMStage(Stage):
@@ -124,10 +124,10 @@ class LLMStage(Stage):
             return False
         return True
 
-    def stepped_modes(self) -> tuple[str, ...]:
-        return ("text",) if self.steps_rows else ()
+    def stepped_modes(self) -> tuple[Mode, ...]:
+        return (Mode.TEXT,) if self.steps_rows else ()
 
-    def stepper(self, mode: str) -> RowStepper | None:
+    def stepper(self, mode: Mode) -> RowStepper | None:
         return LLMRows(self) if mode in self.stepped_modes() else None
 
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
