@@ -27,7 +27,7 @@ from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion.acceleration import guided_rows
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -165,7 +165,7 @@ def _served_flops(stage, case: Case, prompt: str, guidance: float) -> tuple[floa
         negative_prompt=prompt,
         num_frames=5 if case.video else None,
     )
-    mode = "text2video" if case.video else "text2img"
+    mode = Mode.TEXT2VIDEO if case.video else Mode.TEXT2IMG
     request = StageRequest("r", prompt, params, mode=mode)
     flops: list[int] = []
     syncs = dict.fromkeys(SYNCS, 0)
