@@ -1,6 +1,7 @@
 """The layers import only downwards: api -> protocol -> engine -> executor -> stages ->
 pipelines -> models -> parallel -> wire/inputs/outputs -> config/errors; the offline batch command
-never imports the HTTP layer; no model class is named outside models/."""
+never imports the HTTP layer; no model class, and no parameter only some families take, is named
+outside models/."""
 
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ def _names_and_strings(tree: ast.AST) -> set[str]:
             found.add(node.attr)
         elif isinstance(node, ast.alias):
             found.add(node.name.split(".")[-1])
+        elif isinstance(node, (ast.keyword, ast.arg)) and node.arg:  # f(x=...), def f(x)
+            found.add(node.arg)
         elif (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
@@ -118,12 +121,38 @@ def _names_and_strings(tree: ast.AST) -> set[str]:
 
 
 def test_no_model_class_is_named_outside_models():
-    """Model knowledge lives in its family's adapter: stages, engine, executor and parallel
-    name no model or pipeline class (the families' modules under models/ do)."""
+    """Model knowledge lives in its family's adapter: api, protocol, engine, executor, stages,
+    pipelines and parallel name no model or pipeline class (the families' modules under
+    models/ do)."""
     named = []
-    for layer in ("stages", "engine", "executor", "parallel"):
+    for layer in ("api", "protocol", "engine", "executor", "stages", "pipelines", "parallel"):
         for path in (PACKAGE / layer).rglob("*.py"):
             tree = ast.parse(path.read_text())
             hits = sorted(n for n in _names_and_strings(tree) if MODEL_CLASSES.match(n))
             named += [f"{path.relative_to(PACKAGE)}: {hit}" for hit in hits]
+    assert named == []
+
+
+# the call arguments and config keys of some families only (Wan2.2-A14B's second expert and
+# its scale, TI2V's per-token timesteps, Qwen-Image's true CFG, config keys the limits read)
+FAMILY_PARAMS = re.compile(
+    r"\b(guidance_scale_2|transformer_2|boundary_ratio|expand_timesteps|true_cfg_scale"
+    r"|shift_terminal|temperal_downsample|pos_embed_max_size|rope_max_seq_len)\b"
+)
+# the request schema and the params that carry a request's value name its field
+CARRIERS = ("protocol/schemas.py", "params.py")
+
+
+def test_no_family_parameter_is_named_outside_models():
+    """A parameter only some families take is the families' knowledge: outside models/ (and
+    the request's schema and params) no identifier, argument or string names it - the adapter
+    builds the call's arguments, models/limits.py checks a request for it."""
+    named = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "models" or rel.as_posix() in CARRIERS:
+            continue
+        names = _names_and_strings(ast.parse(path.read_text()))
+        hits = sorted({m for n in names for m in FAMILY_PARAMS.findall(n)})
+        named += [f"{rel}: {hit}" for hit in hits]
     assert named == []

@@ -102,20 +102,19 @@ def test_the_readme_and_ci_run_the_checks_before_the_tests():
 
 
 def test_the_fields_once_any_are_typed():
-    """A request's pool, a stage view's family and the server's video service are their own
-    types (imported for the checker only, where the modules import each other)."""
+    """A request's pool (the queue it waits on: a Protocol, so the pool's module and the
+    request's do not import each other; mypy checks that a StagePool is one), a stage view's family and the server's video service
+    are their own types."""
     from typing import get_type_hints
 
     from vllm_omni_like.api.serving import Server
     from vllm_omni_like.api.video_jobs import VideoService
-    from vllm_omni_like.engine.request_state import RequestState
+    from vllm_omni_like.engine.request_state import Queue, RequestState
     from vllm_omni_like.engine.snapshot import StageView
-    from vllm_omni_like.engine.stage_pool import StagePool
     from vllm_omni_like.models.limits import StageFamily
 
-    names = {"StagePool": StagePool, "VideoService": VideoService}
-    assert get_type_hints(RequestState, localns=names)["pool"] == StagePool | None
-    assert get_type_hints(Server, localns=names)["videos"] == VideoService | None
+    assert get_type_hints(RequestState)["pool"] == Queue | None
+    assert get_type_hints(Server)["videos"] == VideoService | None
     assert get_type_hints(StageView)["family"] == StageFamily | None
 
 

@@ -19,7 +19,7 @@ class DiffusionOptions:
     stage flags `--max-side` etc. override the limits."""
 
     default_steps: int | None = None  # None: models/limits.py's default
-    default_guidance: float | None = None  # None: 7.5 for images, 5.0 for video
+    default_guidance: float | None = None  # None: the model family's (`Family.default_guidance`)
     default_size: int | None = None  # None: the model's native size
     default_width: int | None = None
     default_height: int | None = None

@@ -4,11 +4,18 @@ diffusers pipeline gets the generic adapter with what its configs say."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from vllm_omni_like.models.registry import FAMILIES, family_for, family_of, loops_for
-from vllm_omni_like.pipelines.catalog import arch_path
+from vllm_omni_like.models.registry import (
+    ARCHITECTURES,
+    FAMILIES,
+    family_for,
+    family_of,
+    loops_for,
+)
+from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 
 IMAGE_VAE = {"block_out_channels": [128, 256, 512, 512]}
 VIDEO_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
@@ -32,6 +39,22 @@ def test_each_family_claims_its_pipelines():
     wan = family_of(arch_path("wan2.1-t2v-1.3b"))
     assert (wan.name, wan.output, wan.size_base) == ("wan", "video", 16)
     assert wan.vae_factors(VIDEO_VAE) == (8, 4)
+
+
+def test_each_shipped_architecture_has_its_preset_in_the_family_that_serves_it():
+    """The presets live on the family a shipped config's model_index.json picks (none left
+    over), repeat none of the family's defaults, and the catalog serves them with its
+    guidance filled in."""
+    assert sorted(ARCHITECTURES) == sorted(os.listdir(arch_path("")))
+    for arch, family in ARCHITECTURES.items():
+        assert family_of(arch_path(arch)) is family
+        assert family.presets[arch].get("default_guidance") != family.default_guidance
+        assert ARCH_OPTIONS[arch] == {"default_guidance": family.default_guidance} | dict(
+            family.presets[arch]
+        )
+    assert ARCH_OPTIONS["wan2.2-t2v-a14b"]["default_guidance"] == 4.0  # its own
+    assert ARCH_OPTIONS["wan2.1-t2v-1.3b"]["default_guidance"] == 5.0  # the family's
+    assert ARCH_OPTIONS["flux.1-schnell"]["default_guidance"] == 0.0  # no guidance
 
 
 def test_another_pipeline_gets_the_generic_adapter_with_what_its_configs_say():

@@ -9,11 +9,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
+from vllm_omni_like.api.background import retrieve
 from vllm_omni_like.api.file_store import FileStore
+from vllm_omni_like.api.video_jobs import VideoService
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.engine.async_omni import RequestStream
@@ -28,9 +30,6 @@ from vllm_omni_like.outputs import OmniRequestOutput, RequestProgress
 from vllm_omni_like.protocol.envelope import envelope
 from vllm_omni_like.protocol.requests import image_items
 from vllm_omni_like.protocol.schemas import ImageRequest
-
-if TYPE_CHECKING:  # (video_jobs.py imports this module)
-    from vllm_omni_like.api.video_jobs import VideoService
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -133,13 +132,6 @@ async def run_to_outputs(
             work.add_done_callback(retrieve)
         for s in streams:
             s.close()
-
-
-def retrieve(future: asyncio.Future) -> None:
-    """Read an ended future's outcome: one nobody reads makes asyncio log "exception was never
-    retrieved" when it is collected."""
-    if not future.cancelled():
-        future.exception()
 
 
 def image_response(

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni_like.api.serving import retrieve
+from vllm_omni_like.api.background import retrieve
 from vllm_omni_like.api.video_store import VideoStore, write_durably
 from vllm_omni_like.config import ServerSettings
 from vllm_omni_like.engine import AsyncOmni

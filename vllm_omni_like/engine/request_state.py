@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vllm_omni_like.errors import (
     DeathCause,
@@ -20,8 +20,12 @@ from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import RequestEvent, StageOutput
 from vllm_omni_like.wire import StageRequest
 
-if TYPE_CHECKING:  # (stage_pool.py imports this module)
-    from vllm_omni_like.engine.stage_pool import StagePool
+
+class Queue(Protocol):
+    """Where a request waits for its current stage (`StagePool`, which imports this module)."""
+
+    def enqueue(self, state: RequestState, front: bool = False) -> None: ...
+
 
 # how a request can end: success, or the final status of its error's kind
 FINAL_STATUSES = ("success", *dict.fromkeys(kind.value.final for kind in ErrorKind))
@@ -46,7 +50,7 @@ class RequestState:
     units: tuple[float, ...] = ()  # its work at each stage, as admitted (cost.py)
     finished: bool = False
     partials_sent: int = 0  # partial images emitted: such a stream is never re-run
-    pool: StagePool | None = None  # its current stage's (set by the orchestrator)
+    pool: Queue | None = None  # its current stage's (set by the orchestrator)
 
     @property
     def request_id(self) -> str:

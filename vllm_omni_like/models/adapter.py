@@ -25,6 +25,7 @@ import torch
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
+from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
 
 logger = logging.getLogger(__name__)
@@ -193,9 +194,16 @@ class Adapter:
         kwargs["max_sequence_length"] = tokenizer.model_max_length if tokenizer else 512
         return kwargs
 
-    def guidance_kwargs(self, scale: float) -> dict[str, Any]:
-        """The call's argument for a request's guidance scale (Qwen-Image: `true_cfg_scale`)."""
+    def guidance_kwargs(
+        self, scale: float, params: GenerationParams | None = None
+    ) -> dict[str, Any]:
+        """The call's guidance arguments for a guidance scale (Qwen-Image: `true_cfg_scale`),
+        with what else of the request's `params` the family's call takes (Wan2.2-A14B)."""
         return {"guidance_scale": scale}
+
+    def low_noise_scale(self, params: GenerationParams) -> float | None:
+        """A two-expert family's low-noise expert's own scale in `params` (None: one scale)."""
+        return None
 
     def encode_prompt(self, kwargs: dict[str, Any], device: torch.device) -> tuple[Any, ...]:
         """(prompt embeddings, negative prompt embeddings) for a batched-CFG call."""

@@ -8,7 +8,7 @@ chosen once from a model directory's `model_index.json` (models/registry.py).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,7 +34,9 @@ class Family:
     scheduler and seed); other modes run the diffusers pipeline's own `__call__`, whole
     requests of one step loop batched together. `schedulers`: the names (models/schedulers.py)
     a request may pick from. `adapter`: the module whose `ADAPTER` class runs the family in a
-    worker.
+    worker. `presets`: the architecture configs shipped without weights (assets/archs) that
+    the family serves, by name, each with the stage options it is served with (its published
+    steps, sizes, frames...), less what the family says already (`default_guidance`).
     """
 
     name: str
@@ -55,10 +57,16 @@ class Family:
     video_from_image: bool = False  # a video model that also starts from an image (TI2V)
     config_flag: str | None = None  # a model_index.json value that must be true for this
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
+    presets: Mapping[str, Config] = field(default_factory=dict, hash=False)
 
     def adapter_class(self) -> Any:
         """The torch side (imports torch and diffusers)."""
         return importlib.import_module(self.adapter).ADAPTER
+
+    def preset(self, arch: str) -> Config:
+        """The stage options the shipped architecture `arch` is served with: its preset, at
+        the family's default guidance where the preset sets none."""
+        return {"default_guidance": self.default_guidance, **self.presets[arch]}
 
     @property
     def modes(self) -> tuple[Mode, ...]:

@@ -16,6 +16,7 @@ from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.registry import family_for, family_of, loops_for, read_config
+from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
 
 DEFAULT_MAX_STEPS = 200
@@ -94,6 +95,21 @@ class ModelLimits:
         """Rounded up to what the model needs (k x frame_multiple + 1)."""
         k = -(-(max(1, frames) - 1) // (self.frame_multiple or 1))
         return k * (self.frame_multiple or 1) + 1
+
+
+def check_expert_scales(
+    params: GenerationParams, experts: int, model: str, stage: str | None = None
+) -> None:
+    """A low-noise expert's own scale (`guidance_scale_2`, Wan2.2-A14B's) for a model of one
+    denoiser (`experts`: its count) is a 400 naming `model`: at admission an `invalid_value`;
+    in a stage's validate (`stage`: its name) the stage's own error, as its other checks'."""
+    if params.guidance_scale_2 is not None and experts < 2:
+        raise InvalidRequestError(
+            f"guidance_scale_2 is the low-noise expert's scale; {model} has one denoiser",
+            param="guidance_scale_2",
+            code="invalid_value" if stage is None else None,
+            stage=stage,
+        )
 
 
 def model_path(stage: StageConfig) -> str:

@@ -24,6 +24,9 @@ FAMILIES: tuple[Family, ...] = (
     wan.FAMILY,
     wan.I2V_FAMILY,
 )
+# the architecture configs shipped without weights (assets/archs, for benchmarks) by name: the
+# family that serves each (its `presets` hold the options it is served with)
+ARCHITECTURES: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.presets}
 
 
 def read_config(path: str, *parts: str) -> Config:

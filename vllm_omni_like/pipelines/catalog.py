@@ -11,13 +11,15 @@ import yaml
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.models.registry import family_of
+from vllm_omni_like.models.registry import ARCHITECTURES, family_of
 from vllm_omni_like.shapes.world import OUTSIDE, caption_grammar, describe
 
-# how the embedded models were trained (training/): the rewriter reads "<prompt> <sep>" and
-# answers "<outside>" alone to a prompt that names nothing its world draws;
-# the image model draws 64x64 (and up to twice that, the default limit); the video model was
-# trained on 64x64 clips of 9 to 33 frames, at 8 fps 4 seconds at most
+# how the embedded models were trained (training/): settings of these weights and of the shapes
+# world they learned, not of their families (models/), so they stay with the named pipelines.
+# The rewriter reads "<prompt> <sep>" and answers "<outside>" alone to a prompt that names
+# nothing its world draws; the image model draws 64x64 (and up to twice that, the default
+# limit); the video model was trained on 64x64 clips of 9 to 33 frames, at 8 fps 4 seconds at
+# most
 TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "tiny-llm": {
         "prompt_template": "{prompt} <sep>",
@@ -37,57 +39,10 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-WAN_720P = {
-    "default_width": 1280,
-    "default_height": 720,
-    "default_frames": 81,
-    "max_side": 1280,
-    "max_frames": 81,
-    "default_fps": 16,
-    "max_sequence_length": 512,
-}
-# architecture configs shipped without weights (vllm_omni_like/assets/archs, for benchmarks)
+# architecture configs shipped without weights (vllm_omni_like/assets/archs, for benchmarks):
+# the options each is served with, its family's (models/<family>/__init__.py, `presets`)
 ARCH_OPTIONS: dict[str, dict[str, Any]] = {
-    "sd15": {"default_steps": 30, "default_guidance": 7.5},
-    "sdxl": {"default_steps": 30, "default_guidance": 5.0},
-    # the MMDiTs at their published defaults (1024x1024 from their VAE's config)
-    "flux.1-dev": {"default_steps": 28, "default_guidance": 3.5},
-    "flux.1-schnell": {"default_steps": 4, "default_guidance": 0.0},
-    "sd3.5-medium": {"default_steps": 40, "default_guidance": 4.5},
-    "sd3.5-large": {"default_steps": 28, "default_guidance": 3.5},
-    "qwen-image": {"default_steps": 50, "default_guidance": 4.0},
-    "qwen-image-edit": {"default_steps": 50, "default_guidance": 4.0},
-    "z-image-turbo": {"default_steps": 9, "default_guidance": 0.0},  # its published use
-    "wan2.1-t2v-1.3b": {
-        "default_width": 832,
-        "default_height": 480,
-        "default_frames": 33,
-        "max_side": 1280,  # 720p, the largest it was trained for
-        "max_frames": 81,
-        "default_steps": 20,
-        "default_guidance": 5.0,
-        "max_sequence_length": 512,
-    },
-    # 720p, 81 frames at 16 fps (Wan2.2-A14B: its high-noise expert's scale; the low-noise
-    # one's 3.0 is not served: one scale a request)
-    "wan2.1-t2v-14b": {**WAN_720P, "default_steps": 50, "default_guidance": 5.0},
-    "wan2.2-t2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 4.0},
-    # image to video at 720p, as published: Wan2.1-I2V-14B-720P 50 steps at CFG 5, Wan2.2-I2V-A14B
-    # 40 steps at CFG 3.5 for both experts
-    "wan2.1-i2v-14b": {**WAN_720P, "default_steps": 50, "default_guidance": 5.0},
-    "wan2.2-i2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 3.5},
-    # 1280x704, 121 frames at 24 fps
-    "wan2.2-ti2v-5b": {
-        "default_width": 1280,
-        "default_height": 704,
-        "default_frames": 121,
-        "max_side": 1280,
-        "max_frames": 121,
-        "default_fps": 24,
-        "default_steps": 50,
-        "default_guidance": 5.0,
-        "max_sequence_length": 512,
-    },
+    name: family.preset(name) for name, family in ARCHITECTURES.items()
 }
 
 

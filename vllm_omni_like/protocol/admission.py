@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from vllm_omni_like.config import Limits
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.models.limits import OPENAI_VIDEO_SIZES, ModelLimits
+from vllm_omni_like.models.limits import OPENAI_VIDEO_SIZES, ModelLimits, check_expert_scales
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest, parse_size
 
@@ -199,7 +199,7 @@ def video_params(
         height=height,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
-        guidance_scale_2=body.guidance_scale_2,
+        **body.family_params(),
         negative_prompt=body.negative_prompt,
         seed=body.seed,
         fps=fps,
@@ -208,10 +208,5 @@ def video_params(
     )
     check_steps(params, model, name)
     model.check_scheduler(name, params.scheduler)
-    if params.guidance_scale_2 is not None and model.experts < 2:
-        raise InvalidRequestError(
-            f"guidance_scale_2 is the low-noise expert's scale; {name} has one denoiser",
-            param="guidance_scale_2",
-            code="invalid_value",
-        )
+    check_expert_scales(params, model.experts, name)
     return params

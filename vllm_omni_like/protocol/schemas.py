@@ -62,6 +62,11 @@ class VideoRequest(_Sampling):
     # a two-expert model's (Wan2.2-A14B) low-noise expert's scale; None: guidance_scale's
     guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0)
 
+    def family_params(self) -> dict[str, Any]:
+        """The fields only some families take, as GenerationParams names them (models/ checks
+        them against the model: models/limits.py)."""
+        return {"guidance_scale_2": self.guidance_scale_2}
+
     @field_validator("size")
     @classmethod
     def _size_shape(cls, v: str) -> str:

@@ -19,4 +19,9 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.flux.adapter",
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
+    # at their published defaults (1024x1024 from their VAE's config); schnell: no guidance
+    presets={
+        "flux.1-dev": {"default_steps": 28},
+        "flux.1-schnell": {"default_steps": 4, "default_guidance": 0.0},
+    },
 )

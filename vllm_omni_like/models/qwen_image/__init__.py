@@ -33,6 +33,7 @@ FAMILY = Family(
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
     native_side=1024,  # QwenImagePipeline.default_sample_size (128) x the VAE's factor
+    presets={"qwen-image": {"default_steps": 50}},  # its published defaults
 )
 
 
@@ -48,4 +49,5 @@ EDIT_FAMILY = Family(
     native_side=1024,
     needs_image=True,
     edit_strength=False,
+    presets={"qwen-image-edit": {"default_steps": 50}},
 )

@@ -22,6 +22,7 @@ from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
 from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
+from vllm_omni_like.params import GenerationParams
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
 NO_NEGATIVE = " "
@@ -58,7 +59,9 @@ class QwenImageAdapter(PackedLatents):
             "max_sequence_length": MAX_TEXT_TOKENS,
         }
 
-    def guidance_kwargs(self, scale: float) -> dict[str, Any]:
+    def guidance_kwargs(
+        self, scale: float, params: GenerationParams | None = None
+    ) -> dict[str, Any]:
         return {"true_cfg_scale": scale}
 
     def predict(

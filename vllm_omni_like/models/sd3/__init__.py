@@ -22,4 +22,9 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.sd3.adapter",
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
+    # at their published defaults (1024x1024 from their VAE's config)
+    presets={
+        "sd3.5-medium": {"default_steps": 40, "default_guidance": 4.5},
+        "sd3.5-large": {"default_steps": 28, "default_guidance": 3.5},
+    },
 )

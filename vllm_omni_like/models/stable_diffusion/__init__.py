@@ -18,6 +18,7 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
     own_loop=(Mode.TEXT2IMG,),  # edits (img2img, inpaint) run the pipelines' own calls
     schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
+    presets={"sd15": {"default_steps": 30}},
 )
 
 XL_FAMILY = Family(
@@ -33,4 +34,5 @@ XL_FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.xl",
     own_loop=FAMILY.own_loop,
     schedulers=FAMILY.schedulers,
+    presets={"sdxl": {"default_steps": 30}},
 )

@@ -18,6 +18,17 @@ def wan_vae_factors(vae: Config) -> tuple[int, int | None]:
     return int(vae["scale_factor_spatial"]), int(vae["scale_factor_temporal"])
 
 
+# 720p, 81 frames at 16 fps: the 14B models' published settings
+WAN_720P = {
+    "default_width": 1280,
+    "default_height": 720,
+    "default_frames": 81,
+    "max_side": 1280,
+    "max_frames": 81,
+    "default_fps": 16,
+    "max_sequence_length": 512,
+}
+
 FAMILY = Family(
     name="wan",
     pipelines=("WanPipeline",),
@@ -28,6 +39,21 @@ FAMILY = Family(
     vae_factors=wan_vae_factors,
     own_loop=(Mode.TEXT2VIDEO,),
     schedulers=("unipc", "flow-euler"),
+    presets={
+        "wan2.1-t2v-1.3b": {
+            "default_width": 832,
+            "default_height": 480,
+            "default_frames": 33,
+            "max_side": 1280,  # 720p, the largest it was trained for
+            "max_frames": 81,
+            "default_steps": 20,
+            "max_sequence_length": 512,
+        },
+        "wan2.1-t2v-14b": {**WAN_720P, "default_steps": 50},
+        # Wan2.2-A14B: its high-noise expert's scale (the low-noise one's published 3.0 is a
+        # request's own `guidance_scale_2`; without it, this scale for both)
+        "wan2.2-t2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 4.0},
+    },
 )
 
 # its first frame given: WanImageToVideoPipeline over the same models (the pipeline's call)
@@ -37,6 +63,18 @@ TI2V_FAMILY = dataclasses.replace(
     adapter="vllm_omni_like.models.wan.ti2v",
     video_from_image=True,
     config_flag="expand_timesteps",
+    presets={  # 1280x704, 121 frames at 24 fps
+        "wan2.2-ti2v-5b": {
+            "default_width": 1280,
+            "default_height": 704,
+            "default_frames": 121,
+            "max_side": 1280,
+            "max_frames": 121,
+            "default_fps": 24,
+            "default_steps": 50,
+            "max_sequence_length": 512,
+        },
+    },
 )
 
 I2V_FAMILY = dataclasses.replace(
@@ -47,4 +85,10 @@ I2V_FAMILY = dataclasses.replace(
     own_loop=(),  # (the pipeline's call: the image's latents and mask join each step's input)
     schedulers=(),  # (its own scheduler)
     needs_image=True,
+    # at 720p as published: Wan2.1-I2V-14B-720P 50 steps at CFG 5, Wan2.2-I2V-A14B 40 steps at
+    # CFG 3.5 for both experts
+    presets={
+        "wan2.1-i2v-14b": {**WAN_720P, "default_steps": 50},
+        "wan2.2-i2v-a14b": {**WAN_720P, "default_steps": 40, "default_guidance": 3.5},
+    },
 )

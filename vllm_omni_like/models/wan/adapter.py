@@ -13,6 +13,7 @@ from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.wan import FAMILY
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
+from vllm_omni_like.params import GenerationParams
 
 
 class WanAdapter(Adapter):
@@ -36,6 +37,20 @@ class WanAdapter(Adapter):
             return [first]
         boundary = ratio * self.pipe.scheduler.config.num_train_timesteps
         return [Expert("transformer", first.model, boundary), Expert("transformer_2", second)]
+
+    def guidance_kwargs(
+        self, scale: float, params: GenerationParams | None = None
+    ) -> dict[str, Any]:
+        """WanPipeline's `guidance_scale_2`: the low-noise expert's, from the step it takes over
+        (absent: `guidance_scale` throughout)."""
+        kwargs = super().guidance_kwargs(scale, params)
+        low = None if params is None else self.low_noise_scale(params)
+        if low is not None:
+            kwargs["guidance_scale_2"] = low
+        return kwargs
+
+    def low_noise_scale(self, params: GenerationParams) -> float | None:
+        return params.guidance_scale_2
 
     @property
     def per_token_timesteps(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import edits
@@ -65,9 +66,8 @@ class PipelineCall(DiffusionState):
             generators.append(torch.Generator(device=self.device).manual_seed(0))
         guidance = self.default_guidance if p.guidance_scale is None else p.guidance_scale
         steps = p.num_inference_steps or self.default_steps
-        kwargs = self._call_kwargs(prompts, negatives, generators, steps, guidance)
-        if p.guidance_scale_2 is not None:  # (one a batch: the batching key holds it)
-            kwargs["guidance_scale_2"] = p.guidance_scale_2
+        # (one guidance a batch, a family's second scale too: the batching key holds them)
+        kwargs = self._call_kwargs(prompts, negatives, generators, steps, guidance, p)
         if self.is_video:
             kwargs["num_frames"] = p.num_frames or self.default_frames
         pipe = self.pipe
@@ -127,10 +127,11 @@ class PipelineCall(DiffusionState):
         generators: list[torch.Generator],
         steps: int,
         guidance: float,
+        params: GenerationParams | None = None,
     ) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "num_inference_steps": steps,
-            **self.adapter.guidance_kwargs(guidance),
+            **self.adapter.guidance_kwargs(guidance, params),
             "output_type": "pt",
             "generator": generators,
         }

@@ -254,12 +254,8 @@ class DiffusionStage(OwnLoop, PipelineCall):
             and "inpaint" not in self.edit_pipes
         ):
             raise InvalidRequestError("this model's edits take no mask", stage=self.name)
-        if p.guidance_scale_2 is not None and len(self.adapter.experts()) < 2:
-            raise InvalidRequestError(
-                "guidance_scale_2 is the low-noise expert's scale; this model has one denoiser",
-                stage=self.name,
-                param="guidance_scale_2",
-            )
+        experts = len(self.adapter.experts())
+        model_limits.check_expert_scales(p, experts, "this model", stage=self.name)
         if request.mode == Mode.EDIT and p.strength is not None and not self.family.edit_strength:
             raise InvalidRequestError(
                 "this model edits by instruction and takes no strength", stage=self.name

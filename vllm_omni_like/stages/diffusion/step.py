@@ -150,6 +150,7 @@ class DenoiseLoop:
         rows = []
         for r in batch:
             p = r.params
+            low_noise = self.adapter.low_noise_scale(p)  # (two experts: the second's scale)
             base = p.seed if p.seed is not None else random.randrange(2**31)
             guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
             steps = p.num_inference_steps or settings.steps
@@ -163,7 +164,7 @@ class DenoiseLoop:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
-                row = LoopRow(r, base + i, guidance, state, prompt, negative, p.guidance_scale_2)
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise)
                 rows.append(row)
         text = self.embed(list(prompts))
         if negatives:
