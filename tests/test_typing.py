@@ -103,8 +103,8 @@ def test_the_readme_and_ci_run_the_checks_before_the_tests():
 
 def test_the_fields_once_any_are_typed():
     """A request's pool (the queue it waits on: a Protocol, so the pool's module and the
-    request's do not import each other; mypy checks that a StagePool is one), a stage view's family and the server's video service
-    are their own types."""
+    request's do not import each other; mypy checks that a StagePool is one), a stage view's
+    family and the server's video service are their own types."""
     from typing import get_type_hints
 
     from vllm_omni_like.api.serving import Server
