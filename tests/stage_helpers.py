@@ -65,9 +65,6 @@ class TokenRows(RowStepper):
     def requests(self) -> list[StageRequest]:
         return [request for request, _ in self.rows.values()]
 
-    def accepts(self, request: StageRequest) -> bool:
-        return True  # one shape group: text
-
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
         for r in batch:
             self.rows[r.request_id] = (r, [])
@@ -132,6 +129,14 @@ class TokenStepStage(NullStage):
         if self.output_kind != "text":
             return super().begin(batch, control)
         return run_whole(TokenRows(self), batch, control)
+
+
+class LaneStepStage(TokenStepStage):
+    """An image stand-in with both kinds of group: its text2img rows step as a running set
+    (`TokenRows`, a lane a size), its edits run as whole batches (`NullStage`)."""
+
+    def stepped_modes(self) -> tuple[str, ...]:
+        return ("text2img",)
 
 
 class HeapStage(NullStage):

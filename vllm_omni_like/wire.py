@@ -136,6 +136,15 @@ class Compiling:
 
 
 @dataclass
+class Held:
+    """The group waits at the worker: its running set has no room for it now (the running-set
+    policy, executor/join_policy.py; only a group sent ahead, `--replica-queue`, ever does). It
+    starts when a `Progress` names it."""
+
+    batch_id: int
+
+
+@dataclass
 class Denoised:
     """The batch left the critical path: its rest (decode) runs beside the next batch, whose
     ExecuteBatch the worker may take now; its results and BatchDone follow."""
@@ -186,6 +195,7 @@ FromWorker = (
     | Progress
     | Compiling
     | Denoised
+    | Held
     | RequestResult
     | BatchDone
     | ReplicaDied

@@ -23,6 +23,7 @@ def engine(
     faults: str = "",
     stage_kw: dict | None = None,
     stage_kind: str | None = None,  # every stage's class ('module:Class'), for test stages
+    executor_factory=None,  # the replicas' executor class (a test's, wrapping the real one)
     **kw,
 ):
     pipelines = resolve(spec, **(stage_kw or {}))
@@ -34,7 +35,7 @@ def engine(
             for p in pipelines
         ]
     config = EngineConfig(pipelines=tuple(pipelines), faults=parse_faults(faults), **kw)
-    eng = AsyncOmni(config)
+    eng = AsyncOmni(config, executor_factory)
     eng.batches = record_batches(eng)
     eng.start()
     try:

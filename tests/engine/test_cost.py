@@ -18,6 +18,7 @@ from vllm_omni_like.engine.routing import choose
 from vllm_omni_like.engine.snapshot import StageView, drain_seconds
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import QueueFullError
+from vllm_omni_like.executor.join_policy import JoinPolicy
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Progress
 
@@ -95,14 +96,19 @@ def _replica(index: int, credits: int = 4, rate: float | None = None) -> Replica
     return r
 
 
-def _batch(bid: int, units: float, steps: int = 4, now: float = 0.0) -> InFlight:
-    return InFlight(bid, [object()], now, units=units, steps=steps)
+def _batch(bid: int, units: float, steps: int = 4, now: float = 0.0, whole=False) -> InFlight:
+    return InFlight(bid, [object()], now, units=units, steps=steps, whole=whole)
+
+
+def _room(r: Replica, key, units: float, budget: int, lanes: int = 1) -> int:
+    """How many requests of `units` a step each of shape group `key` may join `r`'s set."""
+    return r.joinable(key, [units] * budget, JoinPolicy(lanes, budget))
 
 
 def test_credits_queue_batches_and_the_next_starts_when_the_one_before_is_denoised():
     r = _replica(0, credits=2)
-    r.dispatched(_batch(1, 10.0, now=1.0))
-    r.dispatched(_batch(2, 20.0, now=1.5))  # queued behind batch 1
+    r.dispatched(_batch(1, 10.0, now=1.0, whole=True))
+    r.dispatched(_batch(2, 20.0, now=1.5, whole=True))  # queued behind batch 1
     assert r.credits == 0 and not r.can_take
     assert r.critical.batch_id == 1 and r.clock.units == 10.0 and r.clock.last_step == 1.0
     assert r.outstanding() == (2, 10.0 * 4 + 20.0 * 4)
@@ -235,10 +241,10 @@ def test_a_request_whose_rows_ended_frees_its_row_at_once_though_its_decode_wait
     a, b = (SimpleNamespace(request_id=rid, cohort=None) for rid in "ab")
     group = InFlight(1, [a, b], 1.0, units=4.0, steps=10, key=("k",))
     r.dispatched(group)
-    assert r.joinable(("k",), 2.0, budget=3) == 1 and r.clock.units == 4.0
+    assert _room(r, ("k",), 2.0, 3) == 1 and r.clock.units == 4.0
     r.progress(Progress(1, ["a", "b"], 3, 10, progress={"a": (3, 3), "b": (3, 10)}), now=2.0)
     assert group.ended == {"a"} and group.rows == 1
-    assert r.joinable(("k",), 2.0, budget=3) == 2  # a's row is free: it left the set
+    assert _room(r, ("k",), 2.0, 3) == 2  # a's row is free: it left the set
     assert r.clock.units == 2.0  # one of its two requests still steps
     assert r.credits == 0 and group.denoised is None  # the group itself has not left
 
@@ -267,17 +273,52 @@ def test_only_a_group_of_the_running_sets_shape_group_may_join_and_up_to_its_bud
     r = _replica(0, credits=1)
     queued = [SimpleNamespace(cohort=None), SimpleNamespace(cohort=None)]
     r.dispatched(InFlight(1, queued, 1.0, units=2.0, key=("a",)))
-    assert r.joinable(("a",), 1.0, budget=4) == 2  # two requests in the set, room for two more
-    assert r.joinable(("a",), 1.5, budget=4) == 2  # 2 + 2 x 1.5 <= 4 x 1.5
-    assert r.joinable(("a",), 0.6, budget=4) == 0  # its work is over 4 requests' of 0.6 already
-    assert r.joinable(("b",), 1.0, budget=4) == 0  # one lane: another shape group waits
+    assert _room(r, ("a",), 1.0, 4) == 2  # two requests in the set, room for two more
+    assert _room(r, ("a",), 1.5, 4) == 2  # 2 + 2 x 1.5 <= 4 x 1.5
+    assert _room(r, ("a",), 0.6, 4) == 0  # its work is over 4 requests' of 0.6 already
+    assert _room(r, ("b",), 1.0, 4) == 0  # one lane: another shape group waits
     # two lanes: another shape group opens one, within the rows left; its lane's work is its own
-    assert r.joinable(("b",), 1.0, budget=4, lanes=2) == 2
-    assert r.joinable(("b",), 5.0, budget=4, lanes=2) == 2  # (the set's 2.0 is another lane's)
+    assert _room(r, ("b",), 1.0, 4, 2) == 2
+    assert _room(r, ("b",), 5.0, 4, 2) == 2  # (the set's 2.0 is another lane's)
     r.dispatched(
         InFlight(2, [SimpleNamespace(cohort=None)], 1.5, units=1.0, key=("b",), joined=True)
     )
-    assert r.joinable(("c",), 1.0, budget=4, lanes=2) == 0  # both lanes are taken
-    assert r.joinable(("b",), 1.0, budget=4, lanes=2) == 1  # 3 of the 4 rows are in the set
+    assert _room(r, ("c",), 1.0, 4, 2) == 0  # both lanes are taken
+    assert _room(r, ("b",), 1.0, 4, 2) == 1  # 3 of the 4 rows are in the set
     idle = _replica(1)
-    assert idle.joinable(("a",), 1.0, budget=4) == 0  # no set to join (it takes a new batch)
+    assert _room(idle, ("a",), 1.0, 4) == 0  # no set to join (it takes a new batch)
+
+
+def _group(bid: int, key, joined: bool = False, whole: bool = False) -> InFlight:
+    requests = [SimpleNamespace(cohort=None)]
+    return InFlight(bid, requests, 1.0, units=1.0, key=key, joined=joined, whole=whole)
+
+
+def test_a_join_counts_the_groups_sent_ahead_and_nothing_joins_a_whole_batch():
+    """The worker may have let a group sent ahead into its set before a step report says so:
+    ahead of a join it counts (a lane, its rows). A whole batch runs alone: nothing joins it."""
+    r = _replica(0, credits=2)
+    r.dispatched(_group(1, ("a",)))
+    r.dispatched(_group(2, ("b",)))  # sent ahead: not started
+    assert r.inflight[2].started is None
+    assert _room(r, ("c",), 1.0, 4, 2) == 0  # its lane may be open at the worker
+    assert _room(r, ("a",), 1.0, 4, 2) == 2  # and its row taken
+    whole = _replica(1, credits=1)
+    whole.dispatched(_group(3, ("edit",), whole=True))
+    assert _room(whole, ("a",), 1.0, 4, 2) == 0
+
+
+def test_a_group_sent_ahead_starts_when_a_step_report_names_it():
+    """Sent ahead of others, a group may wait at the worker for room (`Held`): it starts when
+    a report names it, in a lane of its own or another's; a join the worker held back would be
+    the policy's views disagreeing: counted, and no longer counted in the set."""
+    r = _replica(0, credits=3)
+    for bid, key in ((1, "a"), (2, "b"), (3, "c")):
+        r.dispatched(_group(bid, (key,)))
+    r.denoised(1, now=2.0)
+    assert r.inflight[2].started is None  # (3 is on the path too: 2 may still wait)
+    assert r.held(2) and r.misjudged == []  # the worker says it waits, as counted
+    r.progress(Progress(2, [], 1, 4), now=3.0)  # a step of its own lane
+    assert r.inflight[2].started == 3.0
+    r.dispatched(_group(4, ("b",), joined=True))
+    assert not r.held(4) and r.misjudged == [4] and r.inflight[4].started is None

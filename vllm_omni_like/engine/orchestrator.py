@@ -49,7 +49,15 @@ from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestEvent, RequestProgress, StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
-from vllm_omni_like.wire import BatchDone, Compiling, Denoised, Progress, ReplicaDied, RequestResult
+from vllm_omni_like.wire import (
+    BatchDone,
+    Compiling,
+    Denoised,
+    Held,
+    Progress,
+    ReplicaDied,
+    RequestResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +311,8 @@ class Orchestrator:
                 self.stats.batch_done(BatchReport(*report, done.phases))
             case Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
+            case Held(batch_id=bid):
+                pool.held(replica, bid)
             case Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
                 if active:

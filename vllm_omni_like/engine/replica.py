@@ -14,12 +14,14 @@ that moment (`stall`): it takes no work, and `/health` does not call it ready.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
+from vllm_omni_like.executor.join_policy import GroupLoad, JoinPolicy
 from vllm_omni_like.wire import Progress
 
 
@@ -35,6 +37,7 @@ class InFlight:
     denoised: float | None = None  # when it left the critical path (its credit came back)
     joined: bool = False  # it joined the replica's running set (it spent no credit)
     key: tuple[object, ...] = ()  # its shape group (StageRequest.batch_key)
+    whole: bool = False  # its mode does not step rows: it runs alone (join_policy.py)
     # its requests whose rows have all ended in the running set (their decode may still wait
     # for its group): their rows and work are free for others to join
     ended: set[str] = field(default_factory=set)
@@ -51,7 +54,12 @@ class InFlight:
     @property
     def step_units(self) -> float:
         """The work of one step of its requests still stepping."""
-        return self.units * self.rows / len(self.requests) if self.requests else 0.0
+        return self.load.step_units
+
+    @property
+    def load(self) -> GroupLoad:
+        """It as the running-set policy sees it."""
+        return GroupLoad(self.key, self.whole, len(self.requests), self.rows, self.units)
 
 
 def _ended(rows: dict[str, tuple[int, int]], request_id: str) -> bool:
@@ -86,6 +94,8 @@ class Replica:
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
     device: str = "auto"  # where its workers run, as the host names it
     gpu_memory: int = 0  # bytes its worker's CUDA allocator held when it last said
+    # groups the engine counted in the running set that the worker held back (a bug: see held)
+    misjudged: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.credits = self.max_credits
@@ -135,21 +145,16 @@ class Replica:
         """The work of one step of its running set (cost.py units): its rows still stepping."""
         return sum(f.step_units for f in self.stepping)
 
-    def joinable(self, key: tuple[object, ...], units: float, budget: int, lanes: int = 1) -> int:
-        """How many requests of shape group `key`, of `units` of work a step each, may join
-        its running set now (0: none). The set holds at most `budget` requests (its row
-        budget) in at most `lanes` shape groups (a group of a new shape opens a lane beside
-        the others; lanes step one at a time); a lane's step does at most the work of `budget`
-        such requests (its memory budget: a request of n images is n rows)."""
-        groups = self.stepping
-        if not (self.live and groups) or self.holds_suspect:
+    def joinable(self, key: tuple[object, ...], units: Sequence[float], policy: JoinPolicy) -> int:
+        """How many of the leading queued requests of shape group `key` (`units`: each one's
+        work a step, in order) may join its running set now (0: none), as `policy` says. Ahead
+        of them it counts every group on its critical path, those sent ahead that the worker
+        has not yet said it steps included (the worker may have let them in): so the worker,
+        which sees no more than that, always has room for them (join_policy.py)."""
+        if not (self.live and self.stepping) or self.holds_suspect:
             return 0
-        keys = {f.key for f in groups}
-        if key not in keys and len(keys) >= lanes:
-            return 0
-        rows = budget - sum(f.rows for f in groups)  # (rows that ended are free at once)
-        work = budget * units - sum(f.step_units for f in groups if f.key == key)
-        return max(0, min(rows, int(work // units) if units > 0 else rows))
+        ahead = [f.load for f in self.inflight.values() if f.denoised is None]
+        return policy.room(ahead, key, units)
 
     def outstanding(self) -> tuple[int, float]:
         """Requests and units of work on its critical path (running and queued)."""
@@ -177,16 +182,17 @@ class Replica:
 
     def progress(self, report: Progress, now: float) -> None:
         """A step of its running batch (or set: the report's groups) was reported: each
-        group's steps (its requests' own where they differ), and the clock. A batch sent ahead
-        of the set that the worker joined to it starts now: its work is the set's from here."""
+        group's steps (its requests' own where they differ), and the clock. A group sent ahead
+        of the set that the worker let in (to a lane of its own or another's) starts now: its
+        work is the set's from here."""
         step, total, rows = report.step, report.total, report.progress
         stepped = False
         for batch_id in [report.batch_id, *report.joined]:
             batch = self.inflight.get(batch_id)
             if batch is None:
                 continue
-            if batch.started is None and batch_id in report.joined:
-                batch.started = now  # sent ahead (`--replica-queue`): the worker joined it
+            if batch.started is None and not batch.whole:
+                batch.started = now  # sent ahead (`--replica-queue`): the worker let it in
                 self.clock.units = self.set_units
             own = (
                 [rows[s.request_id] for s in batch.requests if s.request_id in rows] if rows else []
@@ -235,10 +241,25 @@ class Replica:
         self.inflight.clear()
         self.credits = self.max_credits
 
+    def held(self, batch_id: int) -> bool:
+        """The worker holds this group back (sent ahead; its set has no room for it yet): it
+        starts when a step report names it. False if the engine had counted it in the set:
+        the policy's two views disagreed (a bug): it is not counted from now."""
+        batch = self.inflight.get(batch_id)
+        if batch is None or batch.started is None:
+            return True
+        self.misjudged.append(batch_id)
+        batch.started = None
+        self.clock.units = self.set_units
+        return False
+
     def _start_next(self, now: float) -> None:
         """The worker runs its batches in order: the next one starts when the one before leaves
-        the critical path."""
+        the critical path. A group of a running set's mode with others still on it may wait at
+        the worker for room (join_policy.py): it starts when a step report names it."""
         batch = self.critical
-        if batch is not None and batch.started is None:
+        if batch is None or batch.started is not None:
+            return
+        if batch.whole or all(f is batch or f.denoised is not None for f in self.inflight.values()):
             batch.started = now
             self.clock.begin(self.set_units, now)

@@ -6,6 +6,7 @@ through the orchestrator's inbox.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -28,6 +29,7 @@ from vllm_omni_like.engine.request_state import RequestState
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError, classify
 from vllm_omni_like.executor import Executor, MultiprocExecutor
+from vllm_omni_like.executor.join_policy import JoinPolicy
 from vllm_omni_like.executor.placement import replica_label
 from vllm_omni_like.models.limits import describe_stage
 from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, Progress
@@ -69,8 +71,10 @@ class StagePool:
             for i in range(config.replicas)
         ]
         options = config.options
+        # who may join a replica's running set, and how many (the workers ask it too)
+        self.join = JoinPolicy.of(config)
         # the cost model's view of the stage: text stages count rows x tokens
-        self.text = config.kind == "llm" or getattr(options, "output", None) == "text"
+        self.text = self.join.text
         steps = getattr(options, "max_new_tokens" if self.text else "default_steps", None)
         self.default_steps = steps or getattr(options, "steps", None) or cost.DEFAULT_STEPS
         self.family = describe_stage(config)  # which adapter its workers run (models/)
@@ -207,20 +211,19 @@ class StagePool:
         self, next_batch_id: Callable[[], int], now: float, failed: set[int]
     ) -> tuple[Replica, InFlight] | None:
         """The queue's head and the requests behind it that share its shape group, as a group
-        that joins the running set of a busy replica: one stepping that group (the one with
-        most room) before one where it opens a lane beside other shape groups (up to
-        `--shape-groups`), up to the set's budget (`--max-batch-size` requests); None if none
-        may (FIFO: the head waits for a lane to drain)."""
+        that joins the running set of a busy replica, as many as the running-set policy lets in
+        (executor/join_policy.py): one stepping that group (the one with most room) before one
+        where it opens a lane; None if none may (FIFO: the head waits for room)."""
         head = self.waiting[0]
         if head.cohort is not None or head.staged.mode not in self.stepped:
             return None
         key = head.staged.batch_key(self.own_loop)
-        budget = self.config.max_batch_size
-        units = cost.step_units(head.staged.params, self.text)
+        same = (
+            s for s in self.waiting if s.cohort is None and s.staged.batch_key(self.own_loop) == key
+        )
+        units = [self.join.units(s.staged.params) for s in itertools.islice(same, self.join.budget)]
         rooms = [
-            (r.joinable(key, units, budget, self.config.shape_groups), r)
-            for r in self.replicas
-            if r.index not in failed
+            (r.joinable(key, units, self.join), r) for r in self.replicas if r.index not in failed
         ]
         room, replica = max(
             rooms,
@@ -245,6 +248,7 @@ class StagePool:
             units=sum(cost.step_units(p, self.text) for p in params),
             steps=max(cost.steps_of(p, self.default_steps, self.text) for p in params),
             key=batch[0].staged.batch_key(self.own_loop),
+            whole=batch[0].staged.mode not in self.stepped,
         )
 
     def parallel_rate(self) -> float | None:
@@ -273,6 +277,11 @@ class StagePool:
         replica = self.replicas[state.replica]
         if replica.executor is not None and replica.holds(state):
             replica.executor.abort([state.request_id])
+
+    def held(self, replica_index: int, batch_id: int) -> None:
+        """The replica's worker holds a group back until its running set has room."""
+        if not self.replicas[replica_index].held(batch_id):  # the policy's two views disagree
+            logger.error("stage %s: group %d held at the worker, yet counted", self.name, batch_id)
 
     def on_progress(self, replica_index: int, report: Progress, now: float) -> None:
         """A step of a batch (a running set: its groups) was reported: the replica's step

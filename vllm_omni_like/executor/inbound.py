@@ -1,11 +1,10 @@
 """What a replica's workers send, sorted the same way whatever carries it (a pipe, Ray).
 
 Startup answers (`WorkerReady`, `WorkerLoadFailed`) go to `startup`, read by the executor's
-start; results of requests still in flight, their batches' ends, progress, `Denoised` and
-`Compiling` go to
-the owner's sink; a result for a request no longer the replica's (a second copy, one sent after
-a death listed it as lost) is dropped. A death takes what is in flight (`lost`): no result and
-no `BatchDone` is made up for it.
+start; results of requests still in flight, their batches' ends, progress, `Denoised`, `Held`
+and `Compiling` go to the owner's sink; a result for a request no longer the replica's (a
+second copy, one sent after a death listed it as lost) is dropped. A death takes what is in
+flight (`lost`): no result and no `BatchDone` is made up for it.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from vllm_omni_like.wire import (
     BatchDone,
     Compiling,
     Denoised,
+    Held,
     Progress,
     ReplicaDied,
     RequestResult,
@@ -60,7 +60,7 @@ class Inbound:
                 with self._lock:
                     self._batches.pop(bid, None)
                 self.sink(msg)
-            case Progress() | Denoised() | Compiling():
+            case Progress() | Denoised() | Held() | Compiling():
                 self.sink(msg)
 
     def lost(self) -> list[str]:

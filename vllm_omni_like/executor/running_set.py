@@ -2,10 +2,13 @@
 engine one group at a time (an `ExecuteBatch`: the rows it adds), stepped together, each
 request leaving as its rows end.
 
-- A group joins at the next step boundary the lane of its shape group (a stepper that
-  `accepts` it); a group of another shape group opens a lane of its own beside it, up to
-  `--shape-groups` lanes; past that it waits, in order, until a lane drains (FIFO by group; a
-  whole-batch group waits until every lane has drained and runs alone, as before).
+- A group joins at the next step boundary the lane of its shape group, or opens a lane of its
+  own beside the others, when the running-set policy (executor/join_policy.py, the one the
+  engine sends joins by) admits it beside the groups ahead of it: lanes (`--shape-groups`),
+  rows and work (`--max-batch-size`). Else it waits, in order, until there is room, and the
+  worker says so (`Held`); only a group sent ahead (`--replica-queue`) ever waits, a join the
+  engine sent always has room. A whole-batch group waits until every lane has drained and runs
+  alone, as before; while one waits nothing joins.
 - Lanes step one at a time, by an age rule: the lane that waited longest since its last step
   steps next, so a short request of another size is not stuck behind a long set, and a long
   set is slowed, not stopped, while it runs beside it.
@@ -24,9 +27,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
+from vllm_omni_like.executor.join_policy import GroupLoad, JoinPolicy
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl
 from vllm_omni_like.stages.isolation import bisect_isolated
@@ -41,6 +45,7 @@ class Group:
     ids: list[str]
     started: float
     left: set[str] = field(default_factory=set)  # still to leave
+    units: float = 0.0  # the work of one step of all its requests (the policy's)
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Lane:
 
     stepper: RowStepper
     waited: float  # since when it waits for its next step (its last step, or its opening)
+    key: Hashable = ()  # its shape group
     groups: dict[int, Group] = field(default_factory=dict)
 
     @property
@@ -96,7 +102,7 @@ class RunningSet:
         hand_over: HandOver,
         validate: Callable[[ExecuteBatch], list[StageRequest]],
         stepped: tuple[str, ...],
-        max_lanes: int = 1,
+        policy: JoinPolicy,
     ) -> None:
         self.stage = stage
         self.control = control
@@ -104,7 +110,7 @@ class RunningSet:
         self.hand_over = hand_over
         self.validate = validate  # the group's valid requests (the others answered)
         self.stepped = stepped  # the modes whose rows run as a set (none: whole batches)
-        self.max_lanes = max_lanes
+        self.policy = policy
         self.lanes: list[Lane] = []  # in the order they opened
         self.lane_of: dict[int, Lane] = {}  # a group's batch id -> its lane
         self.group_of: dict[str, int] = {}  # request id -> its group's batch id
@@ -122,34 +128,63 @@ class RunningSet:
     def _stepped(self, batch: ExecuteBatch) -> bool:
         return bool(batch.requests) and batch.requests[0].mode in self.stepped
 
-    def add(self, batch: ExecuteBatch) -> None:
-        """Join its lane now, or open one; else wait for a lane to drain."""
-        lane = self._lane_for(batch)
-        if lane is None:
-            self.waiting.append(batch)
-            return
-        self._join(lane, batch)
+    def add(self, batch: ExecuteBatch) -> bool:
+        """A group that arrived: it joins its lane (or opens one) now if the policy admits it
+        beside every group ahead of it, in the set or waiting; else it waits (False)."""
+        if self._admits(batch, self._placed() + [self._load(b)[0] for b in self.waiting]):
+            self.place(batch)
+            return True
+        self.waiting.append(batch)
+        return False
 
-    def _lane_for(self, batch: ExecuteBatch) -> Lane | None:
-        """The lane `batch` joins (a new one if it may open one), or None: it waits."""
-        if not self._stepped(batch):
-            return None  # a whole batch waits for the set to drain
-        for lane in self.lanes:
-            if all(lane.stepper.accepts(r) for r in batch.requests):
-                return lane
-        if len(self.lanes) >= self.max_lanes:
+    def next_waiting(self) -> ExecuteBatch | None:
+        """The first group that waited, once the policy admits it beside the set (a whole
+        batch: once every lane has drained): the caller places it, or runs it whole."""
+        if not self.waiting or not self._admits(self.waiting[0], self._placed()):
             return None
-        if not self.lanes:
-            self.control.max_model_batch = 0
-        stepper = self.stage.stepper(batch.requests[0].mode)
-        assert stepper is not None
-        lane = Lane(stepper, time.monotonic())
-        self.lanes.append(lane)
-        return lane
+        return self.waiting.popleft()
 
-    def _join(self, lane: Lane, batch: ExecuteBatch) -> None:
+    def place(self, batch: ExecuteBatch) -> None:
+        """An admitted group joins the lane of its shape group, or opens one."""
+        load = self._load(batch)[0]
+        lane = next((lane for lane in self.lanes if lane.key == load.key), None)
+        if lane is None:
+            assert len(self.lanes) < self.policy.lanes  # (the policy counted the lanes)
+            if not self.lanes:
+                self.control.max_model_batch = 0
+            stepper = self.stage.stepper(batch.requests[0].mode)
+            assert stepper is not None
+            lane = Lane(stepper, time.monotonic(), load.key)
+            self.lanes.append(lane)
+        self._join(lane, batch, load.units)
+
+    def _load(self, batch: ExecuteBatch) -> tuple[GroupLoad, list[float]]:
+        """The group as the policy sees it (as the engine does: its key, its requests' work),
+        and each request's work a step."""
+        units = [self.policy.units(r.params) for r in batch.requests]
+        key = batch.requests[0].batch_key(frozenset(self.stepped)) if batch.requests else ()
+        n = len(units)
+        return GroupLoad(key, not self._stepped(batch), n, n, sum(units)), units
+
+    def _placed(self) -> list[GroupLoad]:
+        """The groups in the set, each with its rows still stepping."""
+        loads = []
+        for lane in self.lanes:
+            stepping = {r.request_id for r in lane.stepper.stepping}
+            for g in lane.groups.values():
+                loads.append(
+                    GroupLoad(lane.key, False, len(g.ids), len(g.left & stepping), g.units)
+                )
+        return loads
+
+    def _admits(self, batch: ExecuteBatch, ahead: list[GroupLoad]) -> bool:
+        group, units = self._load(batch)
+        return self.policy.admits(ahead, group, units)
+
+    def _join(self, lane: Lane, batch: ExecuteBatch, units: float) -> None:
         stepper = lane.stepper
-        group = Group(batch.batch_id, [r.request_id for r in batch.requests], time.monotonic())
+        ids = [r.request_id for r in batch.requests]
+        group = Group(batch.batch_id, ids, time.monotonic(), units=units)
         lane.groups[batch.batch_id] = group
         self.lane_of[batch.batch_id] = lane
         for rid in group.ids:
@@ -192,13 +227,6 @@ class RunningSet:
             yield
         finally:
             self.control.report = None
-
-    def next_waiting(self) -> ExecuteBatch | None:
-        """The first group that waited, once it may join or open a lane (a whole batch: once
-        every lane has drained)."""
-        if not self.waiting or (self.running and self._lane_for(self.waiting[0]) is None):
-            return None
-        return self.waiting.popleft()
 
     def _culprit(self, out: StageOutput) -> None:
         """A request whose join or step raised alone: its error goes out, it leaves the set."""

@@ -25,6 +25,7 @@ from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import EngineDeadError, FatalStageError, InvalidRequestError, classify
 from vllm_omni_like.executor import placement, process_life, transport
 from vllm_omni_like.executor.finisher import Finisher
+from vllm_omni_like.executor.join_policy import JoinPolicy
 from vllm_omni_like.executor.placement import gpu_memory_in_use
 from vllm_omni_like.executor.running_set import Group, Job, RunningSet
 from vllm_omni_like.outputs import StageOutput
@@ -39,6 +40,7 @@ from vllm_omni_like.wire import (
     Denoised,
     ExecuteBatch,
     FollowBatch,
+    Held,
     Progress,
     RequestResult,
     Shutdown,
@@ -126,7 +128,7 @@ class _Worker:
             self._set_left,
             self._validate,
             stepped,
-            self.config.shape_groups,
+            JoinPolicy.of(self.config),
         )
         memory = gpu_memory_in_use()
         self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped))
@@ -179,10 +181,12 @@ class _Worker:
             return None
 
     def _accept(self, batch: ExecuteBatch) -> None:
-        """A group joins the running set (or waits for it to drain), or runs whole."""
+        """A group joins the running set (or waits for room in it, and says so), or runs
+        whole."""
         if self.rows.takes(batch):
             self.batch_id, self.joined = batch.batch_id, []
-            self._guard(self.rows.add, batch)
+            if not self._guard(self.rows.add, batch) and self.reports:
+                self.send(Held(batch.batch_id))
         else:
             self.run_batch(batch)
 
@@ -191,8 +195,12 @@ class _Worker:
         ids = lane.batch_ids
         self.batch_id, self.joined = ids[0], ids[1:]
         self._guard(self.rows.step, lane)
-        while (batch := self.rows.next_waiting()) is not None:  # a lane drained: room now
-            self._accept(batch)
+        while (batch := self.rows.next_waiting()) is not None:  # rows left the set: room now
+            if self.rows.takes(batch):
+                self.batch_id, self.joined = batch.batch_id, []
+                self._guard(self.rows.place, batch)
+            else:
+                self.run_batch(batch)
 
     def _validate(self, batch: ExecuteBatch) -> list[StageRequest]:
         """The batch's requests the stage takes; the others are answered now."""

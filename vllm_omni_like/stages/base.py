@@ -152,7 +152,8 @@ class Deferred:
 class RowStepper(ABC):
     """A stage's running set of rows: the worker's side of the running-set contract.
 
-    Groups of requests `join` at a step boundary (rows of one shape group: `accepts`), `step`
+    Groups of requests `join` at a step boundary (rows of one shape group: which group joins
+    which set, and when, is the worker's running-set policy's, executor/join_policy.py), `step`
     advances every live row one step (a subset with `only`: bisection) and reports progress, and
     `leave` takes out the requests whose rows all ended (their rest deferred, as `begin`'s) and
     drops the aborted ones. A `join` or `step` that raises changes nothing, so the worker can
@@ -164,9 +165,11 @@ class RowStepper(ABC):
     def requests(self) -> list[StageRequest]:
         """The requests in the set (joined, not yet left)."""
 
-    @abstractmethod
-    def accepts(self, request: StageRequest) -> bool:
-        """Whether `request` may join the set now (its shape group's; any, when empty)."""
+    @property
+    def stepping(self) -> list[StageRequest]:
+        """The requests whose rows still step: the set's rows for its budget (a request whose
+        rows ended may stay in `requests` a while, waiting for its rest: a decode group)."""
+        return self.requests
 
     @abstractmethod
     def join(self, batch: list[StageRequest], control: StageControl) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from vllm_omni_like.config import FaultRule, StageConfig
 from vllm_omni_like.errors import ErrorKind
+from vllm_omni_like.executor.join_policy import JoinPolicy
 from vllm_omni_like.executor.running_set import Group, RunningSet
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
@@ -67,7 +68,7 @@ class _Harness:
             self._handed,
             self._valid,
             stage.stepped_modes(),
-            lanes,
+            JoinPolicy(lanes, budget=16),
         )
         self.stepped: list[list[int]] = []  # the groups of the lane each step stepped
         self.decodes: list[list[str]] = []  # the requests of each decode, in order
@@ -92,7 +93,7 @@ class _Harness:
 
     def add(self, batch_id: int, *requests: StageRequest) -> None:
         assert self.rows.takes(ExecuteBatch(batch_id, list(requests)))
-        self.rows.add(ExecuteBatch(batch_id, list(requests)))
+        assert self.rows.add(ExecuteBatch(batch_id, list(requests)))  # (it joins at once)
 
     def steps(self, n: int | None = None) -> None:
         """`n` steps, or until the set drained."""
@@ -172,7 +173,7 @@ def test_a_group_of_another_shape_waits_for_a_lane_to_drain(stage):
     h = _Harness(stage)
     h.add(1, _req("a", seed=1, steps=4))
     other = ExecuteBatch(2, [_req("b", seed=2, steps=2, width=48, height=48)])
-    h.rows.add(other)  # another shape group: it waits
+    assert not h.rows.add(other)  # another shape group: it waits
     assert h.batch_ids == [1] and list(h.rows.waiting) == [other]
     assert h.rows.next_waiting() is None  # not while the set runs
     h.steps()
@@ -194,13 +195,13 @@ def test_another_shape_opens_a_lane_and_the_lanes_step_by_age_each_image_as_alon
     h.add(2, short)  # opens a second lane
     assert [lane.batch_ids for lane in h.rows.lanes] == [[1], [2]]
     waiting = ExecuteBatch(3, [third])
-    h.rows.add(waiting)  # a third shape: both lanes are taken
+    assert not h.rows.add(waiting)  # a third shape: both lanes are taken
     assert list(h.rows.waiting) == [waiting] and h.rows.next_waiting() is None
     h.steps(6)
     assert h.stepped[2:] == [[1], [2], [1], [2], [1], [2]]  # in turn: the older wait first
     assert h.groups == [2] and "short" in h.outputs  # it ended; the long set runs on
     assert h.rows.next_waiting() is waiting  # its lane drained: the third may open one
-    h.rows.add(waiting)
+    h.rows.place(waiting)
     h.steps()
     assert sorted(h.groups) == [1, 2, 3]
     for rid, image in alone.items():

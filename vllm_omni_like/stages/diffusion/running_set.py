@@ -12,7 +12,6 @@ the set (`requests`) until its group is handed over, so its group's end follows 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -29,7 +28,6 @@ class OwnLoopSet(RowStepper):
     def __init__(self, stage: DiffusionState) -> None:
         self.stage = stage
         self.set = DenoiseSet(stage.denoise)
-        self.key: tuple[Any, ...] | None = None  # the shape group of the rows in the set
         self.frames = 0
         # from the first join until the set drains: one batch of the stage's timeline (shared
         # with the other lanes of the worker's running set)
@@ -43,8 +41,9 @@ class OwnLoopSet(RowStepper):
         held = [r for left in self.held for r in left.requests if r.request_id not in self.dropped]
         return self.set.requests + held
 
-    def accepts(self, request: StageRequest) -> bool:
-        return self.set.empty or request.batch_key(frozenset(self.stage.own)) == self.key
+    @property
+    def stepping(self) -> list[StageRequest]:
+        return self.set.requests  # (not the held ones: their rows ended)
 
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
         stage, p = self.stage, batch[0].params
@@ -67,7 +66,6 @@ class OwnLoopSet(RowStepper):
             raise
         stage.tracer.mark("joined")  # (the next step's time is the step's alone)
         if self.set.empty:
-            self.key = batch[0].batch_key(frozenset(stage.own))
             self.frames = frames if stage.is_video else 0
             stage.probe.reset()
         self.set.join(rows, embeds, latents)
@@ -139,7 +137,6 @@ class OwnLoopSet(RowStepper):
         """The set is empty: its steps end when the device's do (the denoise phase is device
         time, as a whole batch's), and its timeline is written - not after a `failure` (its
         device may be gone)."""
-        self.key = None
         if not self._traced:
             return
         self._traced = False

@@ -51,9 +51,6 @@ class LLMRows(RowStepper):
     def requests(self) -> list[StageRequest]:
         return list(self.joined.values())
 
-    def accepts(self, request: StageRequest) -> bool:
-        return True  # text rows of any length share a step
-
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
         stage = self.stage
         entries: list[tuple[str, list[int], RowSampling]] = []
