@@ -34,7 +34,7 @@ from vllm_omni_like.executor.join_policy import GroupLoad, JoinPolicy
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, RowStepper, Stage, StageControl
 from vllm_omni_like.stages.isolation import bisect_isolated
-from vllm_omni_like.wire import ExecuteBatch, StageRequest
+from vllm_omni_like.wire import ExecuteBatch, Mode, StageRequest
 
 
 @dataclass
@@ -101,7 +101,7 @@ class RunningSet:
         deliver: Callable[[int, StageOutput], None],
         hand_over: HandOver,
         validate: Callable[[ExecuteBatch], list[StageRequest]],
-        stepped: tuple[str, ...],
+        stepped: tuple[Mode, ...],
         policy: JoinPolicy,
     ) -> None:
         self.stage = stage
