@@ -1,6 +1,7 @@
-"""The worker's running set: the rows of a stage that steps them (`Stage.stepper`), fed by the
-engine one group at a time (an `ExecuteBatch`: the rows it adds), stepped together, each
-request leaving as its rows end.
+"""The worker's running set: groups of rows join at step boundaries and leave as they end.
+
+The rows of a stage that steps them (`Stage.stepper`), fed by the engine one group at a time
+(an `ExecuteBatch`: the rows it adds), stepped together, each request leaving as its rows end.
 
 - A group joins at the next step boundary the lane of its shape group, or opens a lane of its
   own beside the others, when the running-set policy (executor/join_policy.py, the one the

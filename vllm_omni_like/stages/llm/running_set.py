@@ -1,5 +1,7 @@
-"""The LLM stage's side of the running-set contract (stages/base.py `RowStepper`): requests join
-the stage's `DecodeSet` at a step boundary and leave as soon as their text has ended, so a
+"""The LLM stage's running set: requests join at a step boundary and leave when their text ends.
+
+The stage's side of the running-set contract (stages/base.py `RowStepper`): requests join the
+stage's `DecodeSet` at a step boundary and leave as soon as their text has ended, so a
 short rewrite is not padded until a long chat reply ends. A whole batch is a set that nothing
 joins (`LLMStage.begin`), so both run the same loop.
 

@@ -1,5 +1,6 @@
-"""One LLM row's sampling: its settings, penalties, the choice of the next token, and the
-log-probabilities a client may ask for."""
+"""One LLM row's sampling: its settings, penalties and the choice of its next token.
+
+With the log-probabilities a client may ask for."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The LLM stage's running set of rows: one forward a step for every row that steps, with a KV
-cache the rows join and leave (kv_rows.py).
+"""One forward a step for every LLM row that steps, over a KV cache the rows join and leave.
+
+The LLM stage's running set of rows, its cache cut by rows in kv_rows.py.
 
 A row joins with its prompt's cache (all but its last token, prefilled with the rows that join
 with it) and feeds its last prompt token at its first step, so every step is one token a row.

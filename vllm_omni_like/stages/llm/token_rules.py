@@ -1,4 +1,6 @@
-"""The LLM stage's token rules, one row at a time: what a sampled token does to its row (its
+"""What a sampled token does to its LLM row: its constraint, stop strings, budget and text.
+
+The LLM stage's token rules, one row at a time: what a sampled token does to its row (its
 constraint, stop strings, budget, text and log-probabilities) and what a streamed row hands out.
 `DecodeSet` (token_batch.py) steps the rows; this decides each row's fate from its own logits,
 its own seeded generator and its own constraint only, so a row equals its solo run.
