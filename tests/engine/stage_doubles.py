@@ -1,8 +1,11 @@
-"""Stages for the engine's fault tests (kind 'tests.engine.stage_doubles:Class'): the null
-stage, plus a torch.compile that takes a while, or a decode that holds the device's memory."""
+"""Stages for the engine's tests (kind 'tests.engine.stage_doubles:Class'): the null stage,
+plus a torch.compile that takes a while, a decode that holds the device's memory, or a batch that
+waits for the test to let it run."""
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 
@@ -12,6 +15,7 @@ from vllm_omni_like.wire import StageRequest
 
 COMPILE_S = 1.5  # what one compilation of CompilingStage takes (over the cold bound of 1 s)
 DECODE_S = 0.6  # how long DecodeHoldsMemoryStage's decode holds its memory
+GATE_S = 60.0  # the longest a GatedStage batch waits for its gate (a test that never opens it)
 
 
 class CompilingStage(NullStage):
@@ -59,3 +63,21 @@ class DecodeHoldsMemoryStage(NullStage):
                 self.held.clear()
 
         return Deferred(part.requests, finish)
+
+
+class GatedStage(NullStage):
+    """A batch with a prompt that says '@gate=PATH' waits at its begin, before its first step,
+    until the file PATH exists (GATE_S at most, then it fails): a test holds the replica with
+    it, so that nothing else runs there, drains or reports a step until the test creates PATH."""
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        for r in batch:
+            match = re.search(r"@gate=(\S+)", r.prompt)
+            if match is None:
+                continue
+            deadline = time.monotonic() + GATE_S
+            while not os.path.exists(match.group(1)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gate {match.group(1)} not opened in {GATE_S:g}s")
+                time.sleep(0.01)
+        return super().begin(batch, control)

@@ -4,6 +4,7 @@ queued batches on replicas, and routing by cost against routing by count."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from vllm_omni_like.engine.snapshot import StageView, drain_seconds
 from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import QueueFullError
 from vllm_omni_like.executor.join_policy import JoinPolicy
+from vllm_omni_like.executor.start_method import START_ENV
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Progress
 
@@ -199,22 +201,71 @@ async def _admitted_until_refused(eng, side: int, prefix: str) -> tuple[int, Que
     raise AssertionError("never refused")
 
 
-def test_the_engine_admits_seconds_of_work_not_a_number_of_requests():
-    """Measured on the replica: about 1 s of 128x128 images is 4x as many requests as 1 s of
-    256x256 ones; the refusal says how long to wait, in seconds of that work."""
+def _fits(held: float, units: float, rate: float, limit: float) -> tuple[int, float]:
+    """Admission's arithmetic (admission.py): how many requests of `units` each are taken in
+    beside `held` units, each while all it holds with it drains within `limit` seconds at
+    `rate`; and the units held when the next is refused."""
+    n = 0
+    while (held + units) * rate <= limit:
+        held, n = held + units, n + 1
+    return n, held
+
+
+def test_the_engine_admits_seconds_of_work_not_a_number_of_requests(tmp_path, monkeypatch):
+    """At the speed the replica measured, 2 s of 128x128 images are 4x as many requests as 2 s
+    of 256x256 ones; the refusal says how long to wait, in seconds of that work.
+
+    A request held at the replica's gate (GatedStage) keeps the rest queued: while requests are
+    admitted nothing drains and no step changes the measured rate, so what fits is what that
+    rate says, however fast or loaded the machine is."""
     kw = {"max_batch_size": 1, "batch_wait": 0.0, "options": dict(NULL_SPEED)}
-    with engine("null-image", stage_kw=kw, max_queue_seconds=1.0) as eng:
-        asyncio.run(
-            final(eng, req("calibrate", pipeline="null-image", steps=4, width=128, height=128))
-        )
-        wait_for(lambda: eng.orchestrator.snapshot.stages[0].rate is not None, 5, "a rate")
-        small, refused = asyncio.run(_admitted_until_refused(eng, 128, "s"))
-        wait_for(lambda: eng.orchestrator.admission.held("null-image")[0] == 0, 10, "drained")
-        big, _ = asyncio.run(_admitted_until_refused(eng, 256, "b"))
-        wait_for(lambda: eng.orchestrator.admission.held("null-image")[0] == 0, 10, "drained")
-    # a 128x128 request is ~66 ms of work here, a 256x256 one ~0.26 s
-    assert 8 <= small <= 25 and 2 <= big <= 7 and small >= 2.5 * big, (small, big)
-    assert refused.retry_after >= 1 and "--max-queue-seconds 1" in refused.message
+    monkeypatch.setenv(START_ENV, "spawn")  # a null stage's double: no torch to preload
+    gate = tmp_path / "gate"
+    doubles = "tests.engine.stage_doubles:GatedStage"
+    with engine("null-image", stage_kw=kw, stage_kind=doubles, max_queue_seconds=2.0) as eng:
+
+        def stage() -> StageView:
+            return eng.orchestrator.snapshot.stages[0]
+
+        def held() -> tuple[int, tuple[float, ...]]:
+            return eng.orchestrator.admission.held("null-image")
+
+        async def scenario():
+            # calibrate on steps that the null stage's sleep dominates (66 ms each)
+            calibrate = req("calibrate", pipeline="null-image", steps=4, width=256, height=256)
+            await final(eng, calibrate)
+            hold = eng.open(
+                req("hold", f"@gate={gate}", pipeline="null-image", steps=1, width=8, height=8),
+                progress=False,
+            )
+            try:
+                # running alone, published with the rate measured up to the calibration's end
+                wait_for(lambda: stage().running == held()[0] == 1, 10, "the hold alone, running")
+                rate, (_, (base,)) = stage().rate, held()
+                small, refused = await _admitted_until_refused(eng, 128, "s")
+                wait_for(lambda: held()[0] == 1, 10, "the small ones aborted")
+                big, _ = await _admitted_until_refused(eng, 256, "b")
+                wait_for(lambda: held()[0] == 1, 10, "the big ones aborted")
+                assert stage().rate == rate  # nothing ran meanwhile: the same measured speed
+            finally:
+                gate.touch()  # (a failed check leaves no batch waiting at the gate)
+            out = await hold.next(timeout=30)
+            assert out.ok, out.error
+            return rate, base, small, refused, big
+
+        rate, base, small, refused, big = asyncio.run(scenario())
+        wait_for(lambda: held()[0] == 0, 10, "drained")
+    assert rate is not None
+    u128, u256 = 128 * 128 * 2 * 4, 256 * 256 * 2 * 4  # a request's units: 4 steps with CFG
+    fits_small, at_refusal = _fits(base, u128, rate, 2.0)
+    fits_big, _ = _fits(base, u256, rate, 2.0)
+    assert (small, big) == (fits_small, fits_big), (small, big, rate)
+    # the same seconds hold 4x as many requests of a quarter of the work (x4 + 0..3 left over)
+    assert 4 * big <= small <= 4 * big + 3, (small, big)
+    over = (at_refusal + u128) * rate - 2.0
+    assert refused.retry_after == max(1, math.ceil(over))  # whole seconds over the bound
+    assert f"holds {at_refusal * rate:.1f}s of work" in refused.message
+    assert "--max-queue-seconds 2;" in refused.message
 
 
 def test_a_running_sets_clock_counts_its_groups_and_its_credit_passes_to_a_joined_group():
