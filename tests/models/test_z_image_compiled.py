@@ -42,8 +42,9 @@ def test_prompts_of_new_lengths_run_on_the_warm_up_graphs(capfd):
     )
     plain.load("cpu")
     stage = _compiled_stage(2, (1, 2), model=tiny_z_image_path())
-    assert type(stage.pipe.transformer).__name__ == "ZImageTransformer2DModel"  # its blocks:
-    assert type(stage.pipe.transformer.layers[0]).__name__ == "OptimizedModule"
+    transformer = stage.runtime.pipe.transformer
+    assert type(transformer).__name__ == "ZImageTransformer2DModel"  # its blocks:
+    assert type(transformer.layers[0]).__name__ == "OptimizedModule"
     graphs = counters["stats"]["unique_graphs"]
     capfd.readouterr()
     for prompt in PROMPTS:
