@@ -47,12 +47,12 @@ def pixels(out) -> np.ndarray:
 
 
 def run(stage: DiffusionStage, batch: list[StageRequest], own: bool) -> dict[str, np.ndarray]:
-    modes = stage.own
-    stage.own = modes if own else set()
+    modes = stage.runtime.own
+    stage.runtime.own = modes if own else set()
     try:
         outs = stage.begin(batch, StageControl(FaultInjector((), "diffusion"))).finish(batch)
     finally:
-        stage.own = modes
+        stage.runtime.own = modes
     return {o.request_id: pixels(o) for o in outs}
 
 
@@ -80,13 +80,14 @@ def main() -> None:
     )
     stage = DiffusionStage(config)
     stage.load("cuda:0" if torch.cuda.is_available() else "cpu")
-    video = stage.is_video
+    rt = stage.runtime
+    video = rt.is_video
     width, height = (
         (int(s) for s in args.size.split("x"))
         if args.size
-        else (stage.default_width, stage.default_height)
+        else (rt.defaults.width, rt.defaults.height)
     )
-    names = stage.family.schedulers if args.schedulers == "all" else args.schedulers.split(",")
+    names = rt.family.schedulers if args.schedulers == "all" else args.schedulers.split(",")
 
     def request(rid: str, **params) -> StageRequest:
         params = {"width": width, "height": height, "num_inference_steps": args.steps, **params}
@@ -115,7 +116,7 @@ def main() -> None:
             max_level_diff=int(np.abs(ours.astype(int) - theirs.astype(int)).max()),
             seconds=round(time.perf_counter() - started, 2),
         )
-    kinds = stage.family.schedulers
+    kinds = stage.runtime.family.schedulers
     batch = [
         request("a", seed=1),
         request("b", seed=2, num_inference_steps=args.steps + 5, guidance_scale=1.0),

@@ -13,7 +13,6 @@ MODULE_LINES, FUNCTION_LINES = 420, 50
 LONGER = {
     "flags.py:add_engine_args": 181,  # the engine's flag table, one add_argument per flag
     "stage_flags.py:add_batching_args": 75,  # the batching flags' table, likewise
-    "stages/diffusion/stage.py:load": 111,  # a stage's load, step by step in the order it must run
     "api/serving.py:stream_images": 61,  # one SSE generator: its events in their order
     "api/metrics.py:collect": 61,  # the Prometheus families, one after another
     "api/middleware.py:__call__": 60,  # one ASGI call: the request id, the key, the limits

@@ -38,7 +38,7 @@ def sd15():
 
 def test_sd15_on_cuda_uses_the_fast_kernels_and_batches_match_singles(sd15):
     # eager: NCHW and cuDNN's heuristics (measured faster, see acceleration.py), fused QKV
-    assert not sd15.channels_last and sd15.tuned == ["fused_qkv"]
+    assert not sd15.runtime.speed.channels_last and sd15.runtime.speed.tuned == ["fused_qkv"]
     batched = _run(sd15, [1, 2, 3])
     for seed, image in zip([1, 2, 3], batched, strict=True):
         (alone,) = _run(sd15, [seed])
@@ -47,10 +47,10 @@ def test_sd15_on_cuda_uses_the_fast_kernels_and_batches_match_singles(sd15):
 
 
 def test_xformers_is_used_only_when_its_kernels_run(caplog, sd15):
-    unet = sd15.pipe.unet
+    unet = sd15.runtime.pipe.unet
     before = dict(unet.attn_processors)
     with caplog.at_level(logging.WARNING):
-        got = accel.set_attention(sd15.pipe, "xformers", torch.device("cuda"), "diffusion")
+        got = accel.set_attention(sd15.runtime.pipe, "xformers", torch.device("cuda"), "diffusion")
     problem = accel.xformers_problem(torch.device("cuda"))
     assert got == ("xformers" if problem is None else "sdpa")
     if problem is not None:  # the fallback leaves the (fused SDPA) processors as they were
@@ -64,7 +64,7 @@ def test_the_decode_on_the_side_stream_equals_the_pipelines_own(sd15):
     from another thread (as the worker's finisher does) while the main stream runs on."""
     import threading
 
-    assert sd15.side_stream is not None and sd15.config.decode_overlap
+    assert sd15.runtime.side_stream is not None and sd15.config.decode_overlap
     control = StageControl(FaultInjector((), "diffusion"))
     reqs = [
         StageRequest(f"s{s}", "a red circle", GenerationParams(seed=s, num_inference_steps=3))

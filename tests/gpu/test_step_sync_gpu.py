@@ -60,7 +60,7 @@ def _steps_raise_on_sync(stepped: list[int]):
 
 
 def test_a_compiled_step_never_waits_on_the_device(stage):
-    cfg_above = stage.adapter.cfg_above
+    cfg_above = stage.runtime.adapter.cfg_above
     for guidance in (cfg_above, cfg_above + 3.0):  # without guidance and with it
         params = GenerationParams(seed=1, num_inference_steps=3, guidance_scale=guidance)
         batch = [StageRequest(f"r{i}", "a red circle", params) for i in range(2)]

@@ -37,7 +37,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_rows_of_other_lengths_joining_a_set_make_what_they_make_alone(stage):
     fast = {"zeroed padding keys", "padded_text_attention"}  # (Z-Image's, Qwen-Image's)
-    assert fast & set(stage.tuned), stage.tuned
+    assert fast & set(stage.runtime.speed.tuned), stage.runtime.speed.tuned
     a = _req("a", seed=3, steps=5, prompt="a red circle", guidance_scale=2.0)
     b = _req("b", seed=4, steps=4, prompt=LONG)  # the second text bucket
     c = _req("c", seed=5, steps=4, prompt="a blue square", guidance_scale=3.0, negative_prompt=LONG)

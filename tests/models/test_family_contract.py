@@ -169,7 +169,8 @@ def test_every_registered_family_has_a_tiny_model_here():
 
 def test_the_stage_makes_what_its_diffusers_pipeline_makes(case):
     stage = case.stage()
-    assert stage.family.name == case.name and type(stage.adapter).family.name == case.name
+    rt = stage.runtime
+    assert rt.family.name == case.name and type(rt.adapter).family.name == case.name
     got = _run(stage, case.request())
     want = _pixels(case, case.call(case.pipeline()))
     assert got.shape == want.shape
@@ -315,14 +316,14 @@ def test_the_cfg_parallel_split_reproduces_one_rank(case):
     # one forward, or branches of two lengths: no split
     if case.name in ("flux", "qwen-image", "qwen-image-edit", "z-image"):
         with pytest.raises(ValueError, match="CFG-parallel does not run"):
-            case.stage().adapter.split_cfg(LocalLeader(torch.nn.Identity()))
+            case.stage().runtime.adapter.split_cfg(LocalLeader(torch.nn.Identity()))
         return
     one_rank = _run(case.stage(), case.request())
     stage = case.stage(batched_cfg=False)
-    stage.own = set()  # CFG-parallel ranks run the pipeline's call (registry.loops_for)
-    model = getattr(stage.pipe, stage.adapter.denoiser_name)
+    stage.runtime.own = set()  # CFG-parallel ranks run the pipeline's call (registry.loops_for)
+    model = getattr(stage.runtime.pipe, stage.runtime.adapter.denoiser_name)
     leader = LocalLeader(model)
-    stage.cfg = stage.adapter.split_cfg(leader)
+    stage.runtime.cfg = stage.runtime.adapter.split_cfg(leader)
     split = _run(stage, case.request())
     assert leader.calls == STEPS  # one exchange a step
     assert np.abs(split.astype(int) - one_rank.astype(int)).max() <= 1

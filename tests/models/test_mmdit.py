@@ -123,7 +123,7 @@ def test_other_sizes_and_schnell_and_sd35_large_equal_the_pipeline(path):
     path = path()
     stage, pipe = _stage(path), _pipeline(path)
     adapter = adapter_for(pipe, family_of(path))
-    guidance = stage.default_guidance
+    guidance = stage.runtime.defaults.guidance
     params = GenerationParams(seed=5, num_inference_steps=3, width=80, height=48)
     got = _run(stage, [StageRequest("r", "a blue square", params)])["r"]
     with torch.inference_mode():
@@ -161,7 +161,7 @@ def test_rows_with_their_own_guidance_steps_and_seeds_equal_each_alone(path):
 def test_edits_run_the_familys_image_to_image_and_inpaint_pipelines(path):
     path = path()
     stage, pipe = _stage(path), _pipeline(path)
-    assert set(stage.edit_pipes) == {"edit", "inpaint"}
+    assert set(stage.runtime.edit_pipes) == {"edit", "inpaint"}
     image = np.zeros((64, 64, 3), dtype=np.uint8)
     image[16:48, 16:48] = (200, 30, 30)
     params = GenerationParams(seed=4, num_inference_steps=4, strength=0.75)
@@ -170,7 +170,7 @@ def test_edits_run_the_familys_image_to_image_and_inpaint_pipelines(path):
     img2img = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
     kwargs = (
         {"negative_prompt": [""]}
-        if "negative_prompt" in stage.adapter.text_kwargs(["x"], [""], None)
+        if "negative_prompt" in stage.runtime.adapter.text_kwargs(["x"], [""], None)
         else {}
     )
     with torch.inference_mode():
@@ -181,9 +181,9 @@ def test_edits_run_the_familys_image_to_image_and_inpaint_pipelines(path):
             width=64,
             height=64,
             num_inference_steps=4,
-            guidance_scale=stage.default_guidance,
+            guidance_scale=stage.runtime.defaults.guidance,
             generator=[torch.Generator().manual_seed(4)],
-            max_sequence_length=stage.adapter.text_length(),
+            max_sequence_length=stage.runtime.adapter.text_length(),
             output_type="pt",
             **kwargs,
         ).images
@@ -219,7 +219,7 @@ def test_a_step_never_waits_on_the_device(path):
     from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
 
     stage = _stage(path())
-    rowset, control = OwnLoopSet(stage), StageControl(FaultInjector((), "diffusion"))
+    rowset, control = OwnLoopSet(stage.runtime), StageControl(FaultInjector((), "diffusion"))
     requests = [
         StageRequest("a", "a red circle", GenerationParams(seed=1, num_inference_steps=5)),
         StageRequest(

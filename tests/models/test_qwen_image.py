@@ -58,7 +58,8 @@ def test_the_template_prefix_the_pipeline_cuts_is_its_system_prompt():
 
 def test_texts_are_padded_to_their_bucket_with_a_mask(stage):
     with torch.inference_mode():
-        text = stage.adapter.encode_text(["a red circle", None, LONG], torch.device("cpu"), 0)
+        adapter = stage.runtime.adapter
+        text = adapter.encode_text(["a red circle", None, LONG], torch.device("cpu"), 0)
     assert text["embeds"].shape[1] == text["mask"].shape[1] == TEXT_BUCKETS[1]
     # None: " " (a word-level tokenizer keeps no space: the template's last 5 tokens alone)
     assert text["mask"].sum(dim=1).tolist() == [8, 5, len(LONG.split()) + 5]

@@ -135,7 +135,7 @@ def test_the_stages_edit_texts_are_padded_to_their_text_bucket():
     config = StageConfig(name="diffusion", kind="diffusion", model=tiny_qwen_image_edit_path())
     stage = DiffusionStage(config)
     stage.load("cpu")
-    pipe = stage.edit_pipes["edit"]
+    pipe = stage.runtime.edit_pipes["edit"]
     image = [Image.new("RGB", (64, 48), (90, 30, 200))]
     shapes, counts = set(), []
     with torch.inference_mode():

@@ -78,14 +78,14 @@ def served(case: Case):
 def _filling_prompt(stage) -> str:
     """A prompt of exactly the first text bucket's tokens for a family that pads texts to
     buckets (counted as its warm-up counts them), else a plain one."""
-    adapter = stage.adapter
+    adapter = stage.runtime.adapter
     if type(adapter).warm_up_prompts is Adapter.warm_up_prompts:
         return "a red circle"
     with torch.inference_mode():
         counts = {}
         for words in range(1, 2 * TEXT_BUCKETS[0]):
             prompt = " ".join([WORD] * words)
-            text = adapter.encode_text([prompt], stage.device, 0)
+            text = adapter.encode_text([prompt], stage.runtime.device, 0)
             counts[words] = int(text["mask"].sum() if "mask" in text else text["lengths"][0])
             if counts[words] == TEXT_BUCKETS[0]:
                 return prompt
@@ -169,7 +169,7 @@ def _served_flops(stage, case: Case, prompt: str, guidance: float) -> tuple[floa
     request = StageRequest("r", prompt, params, mode=mode)
     flops: list[int] = []
     syncs = dict.fromkeys(SYNCS, 0)
-    with _counting(stage.adapter, "predict", flops), _syncs_in_steps(syncs):
+    with _counting(stage.runtime.adapter, "predict", flops), _syncs_in_steps(syncs):
         (out,) = stage.execute([request], StageControl(FaultInjector((), "diffusion")))
     assert out.error is None, out.error
     return sum(flops) / STEPS, syncs
@@ -211,10 +211,10 @@ def _syncs_in_steps(syncs: dict[str, int]):
 
 def _guidances(stage) -> list[float]:
     """Without guidance (one model row an image) and, where the family has it, with it."""
-    plain = stage.adapter.cfg_above
-    if stage.adapter.guidance in (Guidance.DISTILLED, Guidance.NONE):
-        return [stage.family.default_guidance]
-    return [plain, max(stage.family.default_guidance, plain + 1.0)]
+    plain = stage.runtime.adapter.cfg_above
+    if stage.runtime.adapter.guidance in (Guidance.DISTILLED, Guidance.NONE):
+        return [stage.runtime.family.default_guidance]
+    return [plain, max(stage.runtime.family.default_guidance, plain + 1.0)]
 
 
 def test_a_served_step_costs_what_the_pipelines_step_costs(case, served):
@@ -231,6 +231,6 @@ def test_a_served_step_costs_what_the_pipelines_step_costs(case, served):
 
 def test_the_model_row_buckets_hold_rows_with_and_without_guidance(served):
     stage, _ = served
-    buckets = stage.denoise.buckets
+    buckets = stage.runtime.denoise.buckets
     assert 1 in buckets  # a row without guidance: one model row, not padded to two
-    assert guided_rows(stage.adapter, stage.config.batched_cfg) in buckets
+    assert guided_rows(stage.runtime.adapter, stage.config.batched_cfg) in buckets

@@ -45,6 +45,7 @@ def test_the_families_prompts_land_in_each_of_their_buckets(path):
     stage.load("cpu")
     device = torch.device("cpu")
     with torch.inference_mode():
-        prompts = stage.adapter.warm_up_prompts(device)
-        padded = [stage.adapter.encode_text([p], device, 0)["embeds"].shape[1] for p in prompts]
+        adapter = stage.runtime.adapter
+        prompts = adapter.warm_up_prompts(device)
+        padded = [adapter.encode_text([p], device, 0)["embeds"].shape[1] for p in prompts]
     assert padded == list(TEXT_BUCKETS)

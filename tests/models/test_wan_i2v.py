@@ -53,7 +53,8 @@ def test_the_first_frame_covers_the_size_from_the_centre():
 def test_ti2v_makes_from_a_first_frame_what_diffusers_image_to_video_pipeline_makes():
     path = tiny_wan22_ti2v_path()
     stage = _case(path).stage()
-    assert stage.family.modes == ("text2video", "image2video")
+    family = stage.runtime.family
+    assert family.modes == ("text2video", "image2video")
     got = contract._run(stage, _request())
     base = diffusers.WanPipeline.from_pretrained(path, dtype=torch.float32)
     pipe = diffusers.WanImageToVideoPipeline(**base.components, expand_timesteps=True)
@@ -61,12 +62,12 @@ def test_ti2v_makes_from_a_first_frame_what_diffusers_image_to_video_pipeline_ma
     with torch.inference_mode():
         want = pipe(
             image=first_frame(_request(), 64, 32),
-            **adapter_for(base, stage.family).text_kwargs(["a red circle"], [""], base.tokenizer),
+            **adapter_for(base, family).text_kwargs(["a red circle"], [""], base.tokenizer),
             num_frames=5,
             width=64,
             height=32,
             num_inference_steps=3,
-            guidance_scale=stage.default_guidance,
+            guidance_scale=stage.runtime.defaults.guidance,
             generator=[torch.Generator().manual_seed(3)],
             output_type="pt",
         ).frames

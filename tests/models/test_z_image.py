@@ -67,9 +67,9 @@ def test_the_pipelines_call_leaves_the_prompts_it_was_given_as_they_were(stage):
     arguments are copies, so a caller's prompts (a batch's, a warm-up's kept for the next
     call) do not grow by a template a call."""
     prompts, negatives = ["a red circle"], ["a green triangle"]
-    kwargs = stage.adapter.text_kwargs(prompts, negatives, None)
+    kwargs = stage.runtime.adapter.text_kwargs(prompts, negatives, None)
     with torch.inference_mode():
-        stage.adapter.pipe(
+        stage.runtime.adapter.pipe(
             **kwargs,
             guidance_scale=0.5,
             num_inference_steps=1,
@@ -95,7 +95,7 @@ def test_rows_of_their_own_lengths_and_guidance_joining_a_set_make_what_they_mak
 
 
 def test_a_step_hands_each_row_its_tokens_without_waiting(stage):
-    rowset, control = OwnLoopSet(stage), StageControl(FaultInjector((), "diffusion"))
+    rowset, control = OwnLoopSet(stage.runtime), StageControl(FaultInjector((), "diffusion"))
     requests = [
         StageRequest("a", "a red circle", GenerationParams(seed=1, num_inference_steps=4)),
         StageRequest(

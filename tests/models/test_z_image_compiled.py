@@ -42,8 +42,9 @@ def test_prompts_of_new_lengths_run_on_the_warm_up_graphs(capfd):
     )
     plain.load("cpu")
     stage = _compiled_stage(2, (1, 2), model=tiny_z_image_path())
-    assert type(stage.pipe.transformer).__name__ == "ZImageTransformer2DModel"  # its blocks:
-    assert type(stage.pipe.transformer.layers[0]).__name__ == "OptimizedModule"
+    transformer = stage.runtime.pipe.transformer
+    assert type(transformer).__name__ == "ZImageTransformer2DModel"  # its blocks:
+    assert type(transformer.layers[0]).__name__ == "OptimizedModule"
     graphs = counters["stats"]["unique_graphs"]
     capfd.readouterr()
     for prompt in PROMPTS:
@@ -106,3 +107,15 @@ def test_zeroed_keys_attention_is_diffusers_masked_attention(transformer):
         assert not use_zeroed_keys(transformer)  # (not diffusers' processor any more: kept)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_a_padded_single_row_has_the_strides_of_a_new_tensor():
+    """One row sliced from a longer sequence counts as contiguous whatever its first stride; a
+    compiled block guards on it, so a row without guidance (one model row) gets fresh ones."""
+    from vllm_omni_like.models.z_image.sequence import pad_to
+
+    row = torch.randn(3, 736, 4)[:1, :200]
+    assert row.is_contiguous() and row.stride() != torch.empty(1, 256, 4).stride()
+    padded = pad_to(row, 256)
+    assert padded.stride() == torch.empty(1, 256, 4).stride()
+    assert torch.equal(padded[:, :200], row) and not padded[:, 200:].any()

@@ -13,7 +13,9 @@ class BranchFaultStage(DiffusionStage):
 
     def load(self, device: str) -> None:
         super().load(device)
-        model, calls = self.branch_model, {"n": 0}
+        ranks = self.runtime.cfg_ranks
+        assert ranks is not None  # (the CFG-parallel tests' replicas only)
+        model, calls = ranks.branch_model, {"n": 0}
 
         def branch(*args, **kwargs):
             side = (args[0] if args else kwargs["sample"]).shape[-1]
@@ -24,4 +26,4 @@ class BranchFaultStage(DiffusionStage):
                 raise RuntimeError("simulated failure on rank 1")
             return model(*args, **kwargs)
 
-        self.branch_model = branch
+        ranks.branch_model = branch

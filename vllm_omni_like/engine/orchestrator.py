@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from vllm_omni_like import wire
 from vllm_omni_like.config import EngineConfig
 from vllm_omni_like.engine import deaths, snapshot
 from vllm_omni_like.engine.admission import Admission
@@ -25,11 +26,7 @@ from vllm_omni_like.engine.events import (
 )
 from vllm_omni_like.engine.ledger import Ledger, Unstored
 from vllm_omni_like.engine.replica_start import in_parallel
-from vllm_omni_like.engine.request_state import (
-    BatchReport,
-    EngineStats,
-    RequestState,
-)
+from vllm_omni_like.engine.request_state import BatchReport, EngineStats, RequestState
 from vllm_omni_like.engine.snapshot import EngineSnapshot
 from vllm_omni_like.engine.stage_pool import ExecutorFactory, StagePool
 from vllm_omni_like.errors import (
@@ -49,15 +46,6 @@ from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, RequestEvent, RequestProgress, StageOutput
 from vllm_omni_like.pipelines.base import Pipeline
-from vllm_omni_like.wire import (
-    BatchDone,
-    Compiling,
-    Denoised,
-    Held,
-    Progress,
-    ReplicaDied,
-    RequestResult,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +280,7 @@ class Orchestrator:
     def _on_replica_message(self, pipe: str, stage: int, replica: int, msg: object) -> None:
         pool = self.pools[pipe][stage]
         match msg:
-            case RequestResult(output=out):
+            case wire.RequestResult(output=out):
                 state = self.requests.get(out.request_id)
                 if state is None or state.stage_index != stage or state.replica != replica:
                     return  # finished or aborted already
@@ -305,19 +293,19 @@ class Orchestrator:
                     self._enter_stage(state, stage + 1, out)
                 else:
                     self._finish(state, None)
-            case BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
+            case wire.BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
                 pool.batch_done(replica, bid, done.gpu_memory)
                 report = (pool.name, size, steps, done.steps_after_abort, done.model_batch_dim)
                 self.stats.batch_done(BatchReport(*report, done.phases))
-            case Denoised(batch_id=bid):
+            case wire.Denoised(batch_id=bid):
                 pool.denoised(replica, bid)
-            case Held(batch_id=bid):
+            case wire.Held(batch_id=bid):
                 pool.held(replica, bid)
-            case Compiling(active=active, rank=rank):
+            case wire.Compiling(active=active, rank=rank):
                 pool.on_compiling(replica, rank, active, time.monotonic())
                 if active:
                     self.stats.compiled()
-            case Progress(request_ids=ids, step=step, total=total) as report:
+            case wire.Progress(request_ids=ids, step=step, total=total) as report:
                 pool.on_progress(replica, report, time.monotonic())
                 own = report.progress or {}
                 for rid in ids:
@@ -327,10 +315,10 @@ class Orchestrator:
                         state.partials_sent += preview is not None
                         at, of = own.get(rid, (step, total))
                         state.emit(RequestProgress(rid, pool.name, at, of, preview))
-            case ReplicaDied() as event:
+            case wire.ReplicaDied() as event:
                 self._on_replica_death(pool, replica, event)
 
-    def _on_replica_death(self, pool: StagePool, replica: int, event: ReplicaDied) -> None:
+    def _on_replica_death(self, pool: StagePool, replica: int, event: wire.ReplicaDied) -> None:
         self.stats.worker_died()
         stall = pool.stall_of(replica)  # read before on_death forgets it
         lost = deaths.lost_requests(self.requests, pool, replica, event)

@@ -263,3 +263,34 @@ class Replica:
         if batch.whole or all(f is batch or f.denoised is not None for f in self.inflight.values()):
             batch.started = now
             self.clock.begin(self.set_units, now)
+
+    def stalled_batch(
+        self, now: float, stall_timeout: float, compile_timeout: float, peer_rate: float | None
+    ) -> Stall | None:
+        """The batch that passed its bound, if one did: the oldest one being finished (its
+        decode, bound by `stall_timeout`, or `compile_timeout` while it compiles), else the
+        one running (its step clock's bound; `peer_rate`: a peer's measured speed)."""
+        oldest = next(iter(self.inflight.values()))
+        if oldest.denoised is not None:
+            bound, why = stall_timeout, "decode"
+            if self.clock.compiling:
+                bound, why = compile_timeout, "decode, compiling"
+            if now - oldest.denoised > bound:
+                return _stall([oldest], now - oldest.denoised, bound, why)
+        running = self.critical
+        if running is None:
+            return None
+        quiet = now - self.clock.last_step
+        bound, why = self.clock.bound(peer_rate)
+        if quiet > bound:  # a running set's step is all its groups': each is charged
+            return _stall(
+                [running, *(f for f in self.stepping if f is not running)], quiet, bound, why
+            )
+        return None
+
+
+def _stall(batches: list[InFlight], quiet: float, bound: float, why: str) -> Stall:
+    """The stall of the first of `batches`, charged to the requests of all of them."""
+    ids = frozenset(s.request_id for f in batches for s in f.requests)
+    reason = f"no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
+    return Stall(batches[0].batch_id, ids, reason)

@@ -383,34 +383,16 @@ class StagePool:
         for r in self.replicas:
             if r.executor is None or r.stall is not None or not r.inflight:
                 continue
-            stalled = self._stalled_batch(r, now)
+            config = self.config
+            stalled = r.stalled_batch(
+                now, config.stall_timeout, config.compile_timeout, self._peer_rate(r)
+            )
             if stalled is not None:
                 r.stall = stalled
                 logger.error(
                     "stage %s replica %d: %s; killing it", self.name, r.index, stalled.reason
                 )
                 r.executor.kill(f"stalled: {stalled.reason}")
-
-    def _stalled_batch(self, r: Replica, now: float) -> Stall | None:
-        """The batch that passed its bound, if one did: the oldest one being finished (its
-        decode), else the one running."""
-        oldest = next(iter(r.inflight.values()))
-        if oldest.denoised is not None:
-            bound, why = self.config.stall_timeout, "decode"
-            if r.clock.compiling:
-                bound, why = self.config.compile_timeout, "decode, compiling"
-            if now - oldest.denoised > bound:
-                return _stall([oldest], now - oldest.denoised, bound, why)
-        running = r.critical
-        if running is None:
-            return None
-        quiet = now - r.clock.last_step
-        bound, why = r.clock.bound(self._peer_rate(r))
-        if quiet > bound:  # a running set's step is all its groups': each is charged
-            return _stall(
-                [running, *(f for f in r.stepping if f is not running)], quiet, bound, why
-            )
-        return None
 
     def _peer_rate(self, replica: Replica) -> float | None:
         """The speed another replica of this stage measured on the same kind of device."""
@@ -419,10 +401,3 @@ class StagePool:
             if r is not replica and r.device.split(":")[0] == kind and r.clock.speed.rate:
                 return r.clock.speed.rate
         return None
-
-
-def _stall(batches: list[InFlight], quiet: float, bound: float, why: str) -> Stall:
-    """The stall of the first of `batches`, charged to the requests of all of them."""
-    ids = frozenset(s.request_id for f in batches for s in f.requests)
-    reason = f"no progress for {quiet:.1f}s (bound {bound:.1f}s: {why})"
-    return Stall(batches[0].batch_id, ids, reason)

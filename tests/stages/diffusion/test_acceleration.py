@@ -252,7 +252,7 @@ def test_dummy_model_without_text_encoder_runs_on_seeded_embeddings(wan_without_
     )
     stage = DiffusionStage(config)
     stage.load("cpu")
-    assert stage.embed_shape[0] == 16
+    assert stage.runtime.text.random_shape[0] == 16
 
     def clip(prompt: str) -> np.ndarray:
         params = GenerationParams(seed=3, num_inference_steps=2, num_frames=9, width=64, height=64)

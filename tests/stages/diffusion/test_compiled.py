@@ -54,9 +54,9 @@ def _compiled_stage(
 def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_stage):
     """torch.compile (the eager backend here: real dynamo tracing, no C compiler needed)."""
     stage = _compiled_stage(4, (1, 4))  # compiles and warms up buckets 1 and 4
-    assert stage.buckets == (1, 4)
-    assert type(stage.pipe.unet).__name__ == "OptimizedModule"
-    assert type(stage.pipe.vae.decoder).__name__ == "OptimizedModule"  # the image VAE's too
+    assert stage.runtime.buckets == (1, 4)
+    assert type(stage.runtime.pipe.unet).__name__ == "OptimizedModule"
+    assert type(stage.runtime.pipe.vae.decoder).__name__ == "OptimizedModule"  # the image VAE's too
     colours = ("red", "blue", "green")
     reqs = [_image(f"r{i}", f"a {c} circle", seed=i) for i, c in enumerate(colours)]
     control = _control()
@@ -116,7 +116,7 @@ def test_a_compiled_flux_set_pads_rows_not_cfg_pairs_and_never_recompiles():
     from tests.stages.diffusion.test_running_set import _Harness, _req
 
     stage = _compiled_stage(4, (1, 4), tiny_flux_path())
-    assert stage.denoise.buckets == (1, 4)
+    assert stage.runtime.denoise.buckets == (1, 4)
     graphs = counters["stats"]["unique_graphs"]
     h = _Harness(stage, lanes=1, group=(2, 0.0))
     h.add(1, _req("a", 1, 4, guidance_scale=2.0), _req("b", 2, 3))
@@ -151,7 +151,8 @@ def test_a_compiled_ti2v_stage_warms_up_its_first_frame_call_too(caplog):
     stage.load("cpu")
     assert "warmed up 64x64 from an image" in caplog.text
     graphs = counters["stats"]["unique_graphs"]
-    params = GenerationParams(seed=1, num_inference_steps=3, num_frames=stage.default_frames)
+    frames = stage.runtime.defaults.frames
+    params = GenerationParams(seed=1, num_inference_steps=3, num_frames=frames)
     request = StageRequest("r", "x", params, mode="image2video", images=[EDIT_IMAGE])
     (out,) = stage.execute([request], _control())
     assert out.error is None and out.video.frames.shape[1:] == (64, 64, 3)

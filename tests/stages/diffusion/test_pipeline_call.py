@@ -22,9 +22,10 @@ pytestmark = pytest.mark.slow
 def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypatch):
     stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model="tiny-video"))
     stage.load("cpu")
-    pipe = stage.pipe
+    rt = stage.runtime
+    pipe = rt.pipe
     assert type(pipe).__name__ == "WanPipeline" and type(pipe).__mro__[1].__name__ == "WanPipeline"
-    assert pipe._execution_device == stage.device and pipe.transformer.dtype == stage.denoiser_dtype
+    assert pipe._execution_device == rt.device and pipe.transformer.dtype == rt.text.dtype
     batch = [
         StageRequest(
             "v",
@@ -55,7 +56,7 @@ def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypa
     # the pipeline's own call with diffusers' own lookups (the walks) gives the same video (one
     # level apart at most: our loop runs both guidance branches in one forward)
     monkeypatch.setattr(type(pipe), "_execution_device", type(pipe).__mro__[1]._execution_device)
-    monkeypatch.setattr(stage, "own", set())
+    monkeypatch.setattr(stage.runtime, "own", set())
     walked = stage.execute(batch, control)[0].video.frames
     assert "WanTransformer3DModel" in calls["onload"]
     assert np.abs(pinned.astype(int) - walked.astype(int)).max() <= 1

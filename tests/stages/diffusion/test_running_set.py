@@ -53,9 +53,10 @@ class _Harness:
         lanes: int = 1,
         group: tuple[int, float] = (1, 0.0),  # decode groups: rows, ms (default: at once)
     ) -> None:
-        stage.config = dataclasses.replace(
+        config = dataclasses.replace(
             stage.config, decode_group_rows=group[0], decode_group_ms=group[1]
         )
+        stage.config = stage.runtime.config = config  # (the running set reads the runtime's)
         self.stage = stage
         self.control = StageControl(FaultInjector(faults, "diffusion"), self._progress)
         self.previews: dict[str, list[tuple[int, int]]] = {}  # request -> (its step, total)
@@ -280,7 +281,7 @@ def test_a_request_that_joins_later_gets_its_partial_images_at_its_own_steps(sta
 
 
 def test_a_set_from_its_first_join_to_its_drain_is_one_batch_of_the_timeline(stage, tmp_path):
-    tracer = stage.tracer
+    tracer = stage.runtime.tracer
     tracer.directory, tracer.batches = str(tmp_path), set()  # timelines only, no profiler
     try:
         h = _Harness(stage)
@@ -299,16 +300,16 @@ def test_a_set_from_its_first_join_to_its_drain_is_one_batch_of_the_timeline(sta
 
 
 def test_a_first_join_that_fails_closes_the_timeline_it_opened(stage, tmp_path, monkeypatch):
-    tracer = stage.tracer
+    tracer = stage.runtime.tracer
     tracer.directory, tracer.batches = str(tmp_path), set()
-    rows = stage.denoise.rows
+    rows = stage.runtime.denoise.rows
 
     def failing(batch, *args):
         if any(r.prompt == "boom" for r in batch):
             raise RuntimeError("text encoder failed")
         return rows(batch, *args)
 
-    monkeypatch.setattr(stage.denoise, "rows", failing)
+    monkeypatch.setattr(stage.runtime.denoise, "rows", failing)
     try:
         h = _Harness(stage)
         h.add(1, _req("x", seed=1, steps=2, prompt="boom"))

@@ -16,7 +16,7 @@ from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.stages.diffusion.step import Settings, text_dtype
+from vllm_omni_like.stages.diffusion.step import text_dtype
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
@@ -58,23 +58,23 @@ def _control(progress=None) -> StageControl:
 
 
 def _request(stage: DiffusionStage, rid: str = "a", prompt: str = "a red cat", **params):
-    mode = "text2video" if stage.is_video else "text2img"
-    if stage.is_video:
+    mode = "text2video" if stage.runtime.is_video else "text2img"
+    if stage.runtime.is_video:
         params.setdefault("num_frames", FRAMES)
     return StageRequest(rid, prompt, GenerationParams(**params), mode=mode)
 
 
 def _our_latents(stage: DiffusionStage, request: StageRequest) -> list[torch.Tensor]:
     """The latents after each step of our loop."""
-    settings = Settings(stage.default_steps, stage.default_guidance, stage._rows, stage._prompt)
-    frames = FRAMES if stage.is_video else 1
+    rt = stage.runtime
+    frames = FRAMES if rt.is_video else 1
     seen = []
     with torch.inference_mode():
-        rows, embeds = stage.denoise.rows([request], settings)
-        shape = stage.adapter.latent_shape(1, stage.default_width, stage.default_height, frames)
-        dtype = stage.adapter.latent_dtype(text_dtype(embeds))
-        latents = stage.denoise.noise(rows, shape, dtype)
-        rowset = DenoiseSet(stage.denoise)  # a set nothing joins: a whole batch
+        rows, embeds = rt.denoise.rows([request], rt.settings())
+        shape = rt.adapter.latent_shape(1, rt.defaults.width, rt.defaults.height, frames)
+        dtype = rt.adapter.latent_dtype(text_dtype(embeds))
+        latents = rt.denoise.noise(rows, shape, dtype)
+        rowset = DenoiseSet(rt.denoise)  # a set nothing joins: a whole batch
         rowset.join(rows, embeds, latents)
         while rowset.step({request.request_id}):
             assert rowset.latents is not None
@@ -84,9 +84,9 @@ def _our_latents(stage: DiffusionStage, request: StageRequest) -> list[torch.Ten
 
 def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torch.Tensor]:
     """The latents after each step of the diffusers pipeline's own call."""
-    p = request.params
-    pipe = stage.pipe
-    chosen = stage.adapter.scheduler(p.scheduler)
+    rt, p = stage.runtime, request.params
+    pipe = rt.pipe
+    chosen = rt.adapter.scheduler(p.scheduler)
     pipe.scheduler = type(chosen).from_config(chosen.config)  # a fresh one, as a user builds it
     seen = []
 
@@ -94,7 +94,7 @@ def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torc
         seen.append(kwargs["latents"].clone())
         return kwargs
 
-    kwargs = stage.adapter.text_kwargs([request.prompt], [p.negative_prompt or ""], stage.tokenizer)
+    kwargs = rt.adapter.text_kwargs([request.prompt], [p.negative_prompt or ""], rt.text.tokenizer)
     # (none given: the pipeline's own default)
     kwargs["negative_prompt"] = None if p.negative_prompt is None else [p.negative_prompt]
     kwargs.update(
@@ -103,14 +103,14 @@ def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torc
         generator=[torch.Generator().manual_seed(p.seed)],
         output_type="latent",
         callback_on_step_end=record,
-        width=stage.default_width,
-        height=stage.default_height,
+        width=rt.defaults.width,
+        height=rt.defaults.height,
     )
-    if stage.is_video:
+    if rt.is_video:
         kwargs["num_frames"] = FRAMES
     with torch.inference_mode():
         pipe(**kwargs)
-    pipe.scheduler = stage.scheduler
+    pipe.scheduler = rt.scheduler
     return seen
 
 
@@ -159,7 +159,7 @@ def _run(stage: DiffusionStage, batch: list[StageRequest], control=None) -> dict
 
 
 def _mixed(stage: DiffusionStage) -> list[StageRequest]:
-    schedulers = stage.family.schedulers
+    schedulers = stage.runtime.family.schedulers
     return [
         _request(stage, "a", "a red cat", seed=1, num_inference_steps=3),
         _request(stage, "b", "a blue dog", seed=2, num_inference_steps=6, guidance_scale=1.0),
@@ -175,7 +175,7 @@ def _mixed(stage: DiffusionStage) -> list[StageRequest]:
             guidance_scale=2.5,
             negative_prompt="fog",
             scheduler=schedulers[0],
-            **({} if stage.is_video else {"n": 2}),
+            **({} if stage.runtime.is_video else {"n": 2}),
         ),
     ]
 
@@ -196,7 +196,7 @@ def test_a_request_is_the_same_alone_or_among_other_steps_scales_schedulers_and_
 
 def test_rows_with_and_without_guidance_share_one_forward_padded_to_the_bucket(image):
     sizes = []
-    hook = image.pipe.unet.register_forward_pre_hook(
+    hook = image.runtime.pipe.unet.register_forward_pre_hook(
         lambda module, args, kwargs: sizes.append(args[0].shape[0]), with_kwargs=True
     )
     batch = [
@@ -208,11 +208,11 @@ def test_rows_with_and_without_guidance_share_one_forward_padded_to_the_bucket(i
         want = _run(image, batch)
         assert sizes == [7, 7]  # one forward a step: 3 + 1 + ... each row once, CFG rows twice
         sizes.clear()
-        image.denoise.buckets = (2, 4, 8)  # as a compiled stage's: 7 model rows pad to 8
+        image.runtime.denoise.buckets = (2, 4, 8)  # as a compiled stage's: 7 model rows pad to 8
         padded = _run(image, batch)
         assert sizes == [8, 8]
     finally:
-        image.denoise.buckets = ()
+        image.runtime.denoise.buckets = ()
         hook.remove()
     for rid in want:
         assert np.abs(want[rid].astype(int) - padded[rid].astype(int)).max() <= 1
@@ -221,7 +221,7 @@ def test_rows_with_and_without_guidance_share_one_forward_padded_to_the_bucket(i
 def test_each_request_reports_its_own_steps_and_a_finished_row_leaves_the_forward(image):
     reports, sizes = [], []
     control = _control(lambda ids, step, total, previews, progress: reports.append(progress))
-    hook = image.pipe.unet.register_forward_pre_hook(
+    hook = image.runtime.pipe.unet.register_forward_pre_hook(
         lambda module, args, kwargs: sizes.append(args[0].shape[0]), with_kwargs=True
     )
     batch = [
@@ -244,7 +244,7 @@ def test_each_request_reports_its_own_steps_and_a_finished_row_leaves_the_forwar
 
 def test_an_aborted_request_leaves_the_forward_and_its_peers_run_on(image):
     sizes = []
-    hook = image.pipe.unet.register_forward_pre_hook(
+    hook = image.runtime.pipe.unet.register_forward_pre_hook(
         lambda module, args, kwargs: sizes.append(args[0].shape[0]), with_kwargs=True
     )
     batch = [
@@ -278,9 +278,9 @@ def test_an_edit_runs_the_pipelines_call_with_the_scheduler_asked(image):
     def edit(scheduler):
         params = GenerationParams(seed=5, num_inference_steps=4, strength=0.8, scheduler=scheduler)
         batch = [StageRequest("e", "a blue square", params, mode="edit", images=[base])]
-        return _run(image, batch)["e"], type(image.edit_pipes["edit"].scheduler).__name__
+        return _run(image, batch)["e"], type(image.runtime.edit_pipes["edit"].scheduler).__name__
 
-    assert image.loops["edit"][0] == "pipeline"
+    assert image.runtime.loops["edit"][0] == "pipeline"
     default, used = edit(None)
     assert used == "DDIMScheduler"  # the model's own
     euler, used = edit("euler")

@@ -66,7 +66,8 @@ def _assert_same(expected: dict, got: dict, levels: int = 0) -> None:
 
 
 def test_the_split_batch_equals_the_pipeline_call(image_stage):
-    assert image_stage.adapter.decoder(image_stage.pipe) is not None  # the latent path runs
+    rt = image_stage.runtime
+    assert rt.adapter.decoder(rt.pipe) is not None  # the latent path runs
     batch = _text2img()
     whole = image_stage.execute(batch, _control())
     part = image_stage.begin(batch, _control())
@@ -83,14 +84,14 @@ def test_a_compiled_decoder_gets_its_bucket_sizes(image_stage, monkeypatch):
     batch = _text2img()
     want = _pixels(image_stage.execute(batch, _control()))
     seen = []
-    decoder = image_stage.adapter.decoder(image_stage.pipe)
+    decoder = image_stage.runtime.adapter.decoder(image_stage.runtime.pipe)
 
     def recording(latents):
         seen.append(latents.shape[0])
         return decoder(latents)
 
-    monkeypatch.setattr(image_stage.adapter, "decoder", lambda pipe: recording)
-    monkeypatch.setattr(image_stage, "buckets", (1, 2, 4, 8))
+    monkeypatch.setattr(image_stage.runtime.adapter, "decoder", lambda pipe: recording)
+    monkeypatch.setattr(image_stage.runtime, "buckets", (1, 2, 4, 8))
     part = image_stage.begin(batch, _control())
     got = _pixels(part.finish([batch[0], batch[2]]))  # 3 rows, decoded as 4
     assert seen == [4]
@@ -130,9 +131,9 @@ def test_a_png_consumers_images_come_with_their_filtered_rows(image_stage, monke
 
 def test_a_pipeline_without_a_known_decode_decodes_in_its_call(image_stage, monkeypatch):
     batch = _text2img()
-    monkeypatch.setattr(image_stage, "own", set())  # (our own loop always has its decoder)
+    monkeypatch.setattr(image_stage.runtime, "own", set())  # (our own loop always has its decoder)
     want = _pixels(image_stage.execute(batch, _control()))
-    monkeypatch.setattr(image_stage.adapter, "decoder", lambda pipe: None)
+    monkeypatch.setattr(image_stage.runtime.adapter, "decoder", lambda pipe: None)
     part = image_stage.begin(batch, _control())
     _assert_same(want, _pixels(part.finish(batch)))
 
@@ -141,8 +142,8 @@ def test_edits_split_the_same_way(image_stage):
     base = np.full((64, 64, 3), 200, dtype=np.uint8)
     mask = np.zeros((64, 64), dtype=np.uint8)
     mask[:, :32] = 255
-    for name, pipe in image_stage.edit_pipes.items():
-        assert image_stage.adapter.decoder(pipe) is not None, name
+    for name, pipe in image_stage.runtime.edit_pipes.items():
+        assert image_stage.runtime.adapter.decoder(pipe) is not None, name
         params = GenerationParams(seed=5, num_inference_steps=4, strength=0.8)
         batch = [
             StageRequest(
@@ -162,7 +163,7 @@ def test_edits_split_the_same_way(image_stage):
 def test_video_splits_the_same_way():
     stage = _stage("tiny-video")
     try:
-        assert stage.adapter.decoder(stage.pipe) is not None
+        assert stage.runtime.adapter.decoder(stage.runtime.pipe) is not None
         batch = [
             StageRequest(
                 f"v{i}",

@@ -92,7 +92,7 @@ def test_each_clip_is_encoded_chunk_by_chunk_to_the_bytes_of_its_finished_frames
 
     monkeypatch.setattr(VideoBytes, "append", spy)
     outs = _run(video_stage)
-    ratio = video_stage.pipe.vae_scale_factor_temporal
+    ratio = video_stage.runtime.pipe.vae_scale_factor_temporal
     chunks = [1] + [ratio] * (8 // ratio)  # as the decoder made them
     assert len(chunks) > 2 and list(appends.values()) == [chunks, chunks]
     for out, fps in zip(outs, (8, 12), strict=True):
@@ -154,10 +154,10 @@ def test_a_video_of_other_than_the_expected_frames_gets_no_thumbnail(video_stage
 
 
 def test_only_an_untiled_wan_decoder_streams(video_stage):
-    source = video_stage.adapter.chunk_source()
-    assert source is not None and source.module is video_stage.pipe.vae.decoder
-    video_stage.pipe.vae.enable_tiling()
+    source = video_stage.runtime.adapter.chunk_source()
+    assert source is not None and source.module is video_stage.runtime.pipe.vae.decoder
+    video_stage.runtime.pipe.vae.enable_tiling()
     try:
-        assert video_stage.adapter.chunk_source() is None  # it decodes tile by tile
+        assert video_stage.runtime.adapter.chunk_source() is None  # it decodes tile by tile
     finally:
-        video_stage.pipe.vae.disable_tiling()
+        video_stage.runtime.pipe.vae.disable_tiling()

@@ -24,9 +24,23 @@ from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attent
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`zero_pad`, contiguous (diffusers' frequencies are a slice whose strides follow the
-    rows' lengths: a compiled block's guard)."""
-    return zero_pad(x, length).contiguous()
+    """`zero_pad`, with the strides of a new tensor of its shape (diffusers' frequencies are a
+    slice whose strides follow the rows' lengths: a compiled block's guard). A slice of one row
+    counts as contiguous whatever its first stride, so `contiguous()` would keep that stride:
+    a single row (one model row: a row without guidance) would compile again."""
+    out = zero_pad(x, length)
+    if out.stride() == fresh_strides(out.shape):
+        return out
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def fresh_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides a new contiguous tensor of `shape` has."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def key_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:

@@ -4,13 +4,19 @@ Wan2.1's UMT5-XXL encoder (5.7B parameters) is not part of the `wan2.1-t2v-1.3b`
 config; with `--load-format dummy` the stage feeds the transformer these embeddings instead, and
 the benchmark's plain-diffusers reference does exactly the same, so both sides stay comparable.
 The same text always gives the same embedding (seeded by its CRC-32), on any device.
+`PromptEncoder` is our own loop's text conditioning: the text encoders', or these.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.stages.diffusion.step import Text
 
 
 def random_prompt_embeds(
@@ -22,3 +28,23 @@ def random_prompt_embeds(
         gen = torch.Generator(device=device).manual_seed(zlib.crc32(text.encode("utf-8")))
         rows.append(torch.randn(seq_len, dim, generator=gen, device=device, dtype=torch.float32))
     return torch.stack(rows).to(dtype)
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """A batch's text conditioning (step.py's `Embed`): the text encoders', or a dummy's seeded
+    random embeddings (`random_shape`: (seq_len, dim); None: a negative prompt not given)."""
+
+    adapter: Adapter
+    device: torch.device
+    tokenizer: Any  # a transformers tokenizer, or None
+    random_shape: tuple[int, int] | None
+    dtype: torch.dtype  # the denoiser's (random embeddings only)
+
+    def __call__(self, texts: list[str | None]) -> Text:
+        if self.random_shape is not None:
+            seq_len, dim = self.random_shape
+            given = [t or "" for t in texts]
+            return random_prompt_embeds(given, seq_len, dim, self.dtype, self.device)
+        max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
+        return self.adapter.encode_text(texts, self.device, max_length)

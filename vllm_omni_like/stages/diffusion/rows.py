@@ -99,7 +99,7 @@ class DenoiseSet:
             return {}
         plan = self._plan
         if plan is None or plan.active != active:
-            plan = self.loop._plan(self.rows, active, self.text, self.latents)
+            plan = self.loop.plan(self.rows, active, self.text, self.latents)
         saved = [(r.state.index, dict(r.state.history)) for r in plan.group]
         try:
             part = self.latents if plan.index is None else self.latents[plan.index]

@@ -17,17 +17,17 @@ import torch
 
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet, Left
-from vllm_omni_like.stages.diffusion.runtime import DiffusionState
-from vllm_omni_like.stages.diffusion.step import Settings, text_dtype
+from vllm_omni_like.stages.diffusion.runtime import DiffusionRuntime
+from vllm_omni_like.stages.diffusion.step import text_dtype
 from vllm_omni_like.wire import StageRequest
 
 _now = time.monotonic  # (a test's fake clock replaces it)
 
 
 class OwnLoopSet(RowStepper):
-    def __init__(self, stage: DiffusionState) -> None:
-        self.stage = stage
-        self.set = DenoiseSet(stage.denoise)
+    def __init__(self, runtime: DiffusionRuntime) -> None:
+        self.runtime = runtime
+        self.set = DenoiseSet(runtime.denoise)
         self.frames = 0
         # from the first join until the set drains: one batch of the stage's timeline (shared
         # with the other lanes of the worker's running set)
@@ -46,28 +46,27 @@ class OwnLoopSet(RowStepper):
         return self.set.requests  # (not the held ones: their rows ended)
 
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
-        stage, p = self.stage, batch[0].params
-        settings = Settings(stage.default_steps, stage.default_guidance, stage._rows, stage._prompt)
-        frames = (p.num_frames or stage.default_frames) if stage.is_video else 1
-        width, height = p.width or stage.default_width, p.height or stage.default_height
+        rt, d, p = self.runtime, self.runtime.defaults, batch[0].params
+        frames = (p.num_frames or d.frames) if rt.is_video else 1
+        width, height = p.width or d.width, p.height or d.height
         opened = self.set.empty and not self._traced
         if opened:  # the set's timeline begins before its first rows' text encoders
             self._traced = True
-            stage.tracer.open_shared()
+            rt.tracer.open_shared()
         try:
             with torch.inference_mode():
-                rows, embeds = stage.denoise.rows(batch, settings, (width, height))
-                shape = stage.adapter.latent_shape(len(rows), width, height, frames)
-                dtype = stage.adapter.latent_dtype(text_dtype(embeds))
-                latents = stage.denoise.noise(rows, shape, dtype)
+                rows, embeds = rt.denoise.rows(batch, rt.settings(), (width, height))
+                shape = rt.adapter.latent_shape(len(rows), width, height, frames)
+                dtype = rt.adapter.latent_dtype(text_dtype(embeds))
+                latents = rt.denoise.noise(rows, shape, dtype)
         except BaseException as exc:
             if opened:
                 self.drained(exc)
             raise
-        stage.tracer.mark("joined")  # (the next step's time is the step's alone)
+        rt.tracer.mark("joined")  # (the next step's time is the step's alone)
         if self.set.empty:
-            self.frames = frames if stage.is_video else 0
-            stage.probe.reset()
+            self.frames = frames if rt.is_video else 0
+            rt.probe.reset()
         self.set.join(rows, embeds, latents)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
@@ -86,17 +85,17 @@ class OwnLoopSet(RowStepper):
                 for r in requests
                 if r.request_id in progress and control.wants_preview(r, *progress[r.request_id])
             ]
-            stage, previews = self.stage, None
+            rt, previews = self.runtime, None
             if want:
                 assert self.set.latents is not None
                 first = self.set.first_rows()
-                previews = stage._preview_images(stage.pipe, want, first, self.set.latents)
+                previews = rt.preview_images(rt.pipe, want, first, self.set.latents)
         step = max(at for at, _ in progress.values())
         total = max(of for _, of in progress.values())
         stepped = [r for r in requests if r.request_id in progress]
-        control.saw_model_batch(stage.probe.max_seen)
+        control.saw_model_batch(rt.probe.max_seen)
         control.step(stepped, step, total, previews, progress, fire=False)
-        self.stage.tracer.mark("step", len(stepped))
+        rt.tracer.mark("step", len(stepped))
         return True
 
     def leave(self, control: StageControl) -> Deferred | None:
@@ -113,7 +112,7 @@ class OwnLoopSet(RowStepper):
 
     def _decode_group(self, control: StageControl) -> Deferred | None:
         """The held rows as one decode, once their group is complete (see above)."""
-        config = self.stage.config
+        config = self.runtime.config
         rows = sum(len(left.seeds) for left in self.held)
         waited = (_now() - self.held_since) * 1000.0
         if not (
@@ -128,9 +127,8 @@ class OwnLoopSet(RowStepper):
         with torch.inference_mode():
             latents = held[0].latents if len(held) == 1 else torch.cat([h.latents for h in held])
         seeds = [seed for h in held for seed in h.seeds]
-        stage = self.stage
-        decoder = stage.adapter.decoder(stage.pipe)
-        part = stage.defer(everyone, latents, seeds, self.frames, decoder)
+        rt = self.runtime
+        part = rt.defer(everyone, latents, seeds, self.frames, rt.adapter.decoder(rt.pipe))
         return Deferred(requests, part.finish)
 
     def drained(self, failure: BaseException | None = None) -> None:
@@ -140,12 +138,12 @@ class OwnLoopSet(RowStepper):
         if not self._traced:
             return
         self._traced = False
-        stage = self.stage
-        if failure is None and stage.tracer.sharing == 1:  # the last lane: wait for the device
-            if stage.device.type == "cuda":
-                torch.cuda.current_stream(stage.device).synchronize()
-            stage.tracer.mark("synced")
-        stage.tracer.close_shared(failure)
+        rt = self.runtime
+        if failure is None and rt.tracer.sharing == 1:  # the last lane: wait for the device
+            if rt.device.type == "cuda":
+                torch.cuda.current_stream(rt.device).synchronize()
+            rt.tracer.mark("synced")
+        rt.tracer.close_shared(failure)
 
     def drop(self, request_ids: set[str]) -> None:
         self.set.remove(request_ids)

@@ -1,13 +1,16 @@
-"""What the diffusion stage's load sets, typed once for the stage and its two loops' mixins
-(own_loop.py, pipeline_call.py), and the little both loops share: a request's rows and the
-preview decode."""
+"""What the diffusion stage's load builds (load.py): one `DiffusionRuntime`, which the stage, its
+two loops (own_loop.py, pipeline_call.py) and the running set (running_set.py) each receive,
+and the little they share: a request's rows and prompt, the preview decode, the deferred
+decode."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.limits import ModelLimits
@@ -15,61 +18,108 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
-from vllm_omni_like.stages.base import Deferred, Stage
+from vllm_omni_like.stages.base import Deferred
 from vllm_omni_like.stages.diffusion import vae_decode, video_stream
+from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
-from vllm_omni_like.stages.diffusion.step import DenoiseLoop
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
 from vllm_omni_like.stages.torch_utils import BatchDimProbe, tensor_to_uint8
 from vllm_omni_like.stages.trace import BatchTracer
 from vllm_omni_like.wire import Mode, StageRequest
 
 
-class DiffusionState(Stage):
-    """The attributes `DiffusionStage.load` sets (its docstrings say what each is for)."""
+@dataclass(frozen=True)
+class Defaults:
+    """What a request leaves unsaid."""
 
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    frames: int  # a video's
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What makes the model fast (none of it changes the maths)."""
+
+    attention: str  # the attention kernels that run
+    channels_last: bool
+    tuned: list[str]  # the kernels tuned, for the start-up log
+
+
+@dataclass(eq=False)
+class CfgRanks:
+    """CFG-parallel: this rank's side of the two (rank 0 leads, rank 1 serves its denoiser)."""
+
+    link: Link
+    leader: cfg_parallel.Leader | None  # rank 0's
+    follower: cfg_parallel.Follower | None  # rank 1's
+    branch_model: Any  # the denoiser rank 1 serves, compiled or not (a test wraps it)
+
+
+@dataclass(eq=False)
+class DiffusionRuntime:
+    """A loaded diffusion stage, its fields in the order the load builds them (load.py's
+    steps). Not frozen: a test swaps a field (`own`, `buckets`, `cfg`, `config`) to run another
+    path on the same models. A CFG-parallel rank 1 runs its denoiser only: its probe is attached to
+    nothing, it has no edit pipelines and no side stream."""
+
+    config: StageConfig
+    # 1. where it runs
     device: torch.device
-    dtype: torch.dtype
-    link: Link | None
+    dtype: torch.dtype  # the weights' as loaded
     tracer: BatchTracer
-    pipe: Any  # a diffusers pipeline (untyped upstream)
+    # 2. the pipeline, what its family says of it, and which loop runs each mode
     family: Family
+    pipe: Any  # a diffusers pipeline (untyped upstream)
     adapter: Adapter
-    is_video: bool
     loops: dict[Mode, tuple[Loop, str | None]]  # mode -> ("own" or "pipeline", why not own)
     own: set[Mode]  # the modes our own loop runs
-    denoiser: Any  # the pipeline's UNet or transformer
-    denoiser_dtype: torch.dtype
-    tokenizer: Any  # a transformers tokenizer, or None (a dummy without text encoder)
-    embed_shape: tuple[int, int] | None  # (seq_len, dim) of seeded random prompt embeddings
+    # 3. text, limits, what a request leaves unsaid
+    text: PromptEncoder  # (its tokenizer; a dummy's random embeddings)
     limits: ModelLimits
-    default_width: int
-    default_height: int
-    default_steps: int
-    default_guidance: float
-    default_frames: int
-    attention: str
-    channels_last: bool
-    tuned: list[str]
+    defaults: Defaults
+    # 4. speed: kernels, memory format, compilation
+    speed: Speed
     scheduler: Any  # the pipeline call's default scheduler
     buckets: tuple[int, ...]  # the batch sizes a compiled denoiser was warmed up for
+    # 5. our own loop
     denoise: DenoiseLoop
-    leader: cfg_parallel.Leader | None
+    # 6. guidance: batched in one forward, or split over CFG-parallel ranks
     cfg: BatchedCFG | cfg_parallel.SplitCFG | None  # the denoiser's CFG wrapper, if any
-    branch_model: Any
-    follower: cfg_parallel.Follower
-    probe: BatchDimProbe
-    edit_pipes: dict[str, Any]  # "edit" / "inpaint" -> a pipeline sharing the models
-    side_stream: torch.cuda.Stream | None
+    cfg_ranks: CfgRanks | None  # None: one rank
+    # 7. what runs beside the steps
+    probe: BatchDimProbe  # the batch the denoiser's kernels get
+    edit_pipes: dict[str, Any]  # "edit" / "inpaint" / "image2video" -> a pipeline sharing models
+    side_stream: torch.cuda.Stream | None  # a deferred batch's decode, beside the next's steps
 
-    def _rows(self, request: StageRequest) -> int:
+    @property
+    def name(self) -> str:
+        """The stage's (logs, errors)."""
+        return self.config.name
+
+    @property
+    def is_video(self) -> bool:
+        return self.family.output == "video"
+
+    def rows_of(self, request: StageRequest) -> int:
+        """A request's rows: its `n` images, or one video."""
         return 1 if self.is_video else request.params.n
 
-    def _prompt(self, request: StageRequest) -> str:
-        if request.truncate_prompt and self.tokenizer is not None:
-            return truncate_prompt(self.tokenizer, request.prompt, self.name)
+    def prompt_of(self, request: StageRequest) -> str:
+        """A request's prompt, truncated to its text encoder's length where it asked."""
+        tokenizer = self.text.tokenizer
+        if request.truncate_prompt and tokenizer is not None:
+            return truncate_prompt(tokenizer, request.prompt, self.name)
         return request.prompt
 
-    def _preview_images(
+    def settings(self) -> Settings:
+        """What our own loop fills in for a request that leaves it unsaid."""
+        d = self.defaults
+        return Settings(d.steps, d.guidance, self.rows_of, self.prompt_of)
+
+    def preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
     ) -> dict[str, Any]:
         """Partial images: the current latents of each asking request's first row (`first`),
@@ -106,13 +156,13 @@ class DiffusionState(Stage):
         first_row, k = {}, 0
         for r in batch:
             first_row[r.request_id] = k
-            k += self._rows(r)
+            k += self.rows_of(r)
 
         def finish(requests: list[StageRequest]) -> list[StageOutput]:
             picked = [
                 i
                 for r in requests
-                for i in range(first_row[r.request_id], first_row[r.request_id] + self._rows(r))
+                for i in range(first_row[r.request_id], first_row[r.request_id] + self.rows_of(r))
             ]
             fps = [r.params.fps or 8 for r in requests] if self.is_video else None
             png = any(r.encodes_png for r in requests)  # (the decode filters images only)

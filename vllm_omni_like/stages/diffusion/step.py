@@ -187,7 +187,7 @@ class DenoiseLoop:
         output = self._predict(plan, latents)
         return rs.step([r.state for r in plan.group], output, latents)
 
-    def _plan(
+    def plan(
         self, rows: list[LoopRow], active: list[int], embeds: Text, latents: torch.Tensor
     ) -> Plan:
         """What the steps over the rows `active` reuse: their indices, which have guidance,

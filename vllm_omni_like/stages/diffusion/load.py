@@ -1,0 +1,300 @@
+"""The diffusion stage's load, step by step in the order it must run: a model directory to one
+`DiffusionRuntime` (runtime.py). The compile warm-up is the stage's, through its two loops,
+once this has built them their runtime."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.models import limits as model_limits
+from vllm_omni_like.models.adapter import Adapter, adapter_for
+from vllm_omni_like.models.family import Family, Loop
+from vllm_omni_like.models.registry import family_of, loops_for
+from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
+from vllm_omni_like.parallel import cfg_parallel
+from vllm_omni_like.parallel.branches import BatchedCFG
+from vllm_omni_like.parallel.rank_link import Link
+from vllm_omni_like.parallel.ranks import Ranks
+from vllm_omni_like.stage_options import DiffusionOptions
+from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
+from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
+from vllm_omni_like.stages.diffusion.runtime import CfgRanks, Defaults, DiffusionRuntime, Speed
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
+from vllm_omni_like.stages.torch_utils import (
+    BatchDimProbe,
+    check_model_dir,
+    dummy_pipeline,
+    quiet_loading,
+    resolve_device,
+    resolve_dtype,
+)
+from vllm_omni_like.stages.trace import BatchTracer
+from vllm_omni_like.wire import Mode
+
+# the stage's logger: what the load says comes from the stage, under the name it always had
+logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
+
+CfgWrapper = BatchedCFG | cfg_parallel.SplitCFG  # a denoiser wrapped to run both branches
+
+
+def load_runtime(
+    config: StageConfig, options: DiffusionOptions, ranks: Ranks, device_name: str
+) -> DiffusionRuntime:
+    """Load `config.model` onto `device_name` and build what runs it."""
+    # 1. where it runs: the device, the other CFG-parallel rank (it loads meanwhile)
+    path = _model_dir(config)
+    device = resolve_device(device_name)
+    dtype = resolve_dtype(config.dtype, device, torch.float16)  # the weights'
+    link = _connect_ranks(config, ranks, device)
+    tracer = BatchTracer(config.name, ranks.rank, device)
+    # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call
+    family, pipe, adapter = _load_pipeline(config, path, device, dtype)
+    loops, own = _choose_loops(config.name, path, family, config.cfg_parallel)
+    # 3. text, limits, what a request leaves unsaid
+    text = _prompt_encoder(pipe, adapter, options, device)
+    limits = model_limits.diffusion_limits(config)
+    # 4. speed: kernels, memory format, compilation (none of them changes the maths)
+    speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
+    scheduler = pipe.scheduler  # the pipeline call's default
+    buckets = _compile(config, options, adapter)
+    # 5. our own loop
+    denoise = _own_loop(config, adapter, device, text, buckets)
+    # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
+    cfg, cfg_ranks = _guidance(config, ranks, link, tracer, pipe, adapter, family.modes[0] in own)
+    # 7. what runs beside the steps (rank 0): the batch probe, edit pipelines, side stream
+    probe, edit_pipes, side_stream = _beside(config.name, pipe, adapter, device, cfg, cfg_ranks)
+    return DiffusionRuntime(
+        config=config,
+        device=device,
+        dtype=dtype,
+        tracer=tracer,
+        family=family,
+        pipe=pipe,
+        adapter=adapter,
+        loops=loops,
+        own=own,
+        text=text,
+        limits=limits,
+        defaults=_defaults(limits, options, family),
+        speed=speed,
+        scheduler=scheduler,
+        buckets=buckets,
+        denoise=denoise,
+        cfg=cfg,
+        cfg_ranks=cfg_ranks,
+        probe=probe,
+        edit_pipes=edit_pipes,
+        side_stream=side_stream,
+    )
+
+
+def _model_dir(config: StageConfig) -> str:
+    """The model's directory (a tiny model built on first use), checked before any loading
+    (which is quiet from here on)."""
+    quiet_loading()
+    path = config.model or "tiny-image"
+    if path in TINY_NAMES:
+        path = ensure_tiny_model(path)
+    check_model_dir(path, "model_index.json")
+    return path
+
+
+def _connect_ranks(config: StageConfig, ranks: Ranks, device: torch.device) -> Link | None:
+    """CFG-parallel: meet the other rank first (it loads meanwhile); the process group's
+    timeout is a backstop behind the executor's death and stall detection."""
+    if not config.cfg_parallel:
+        return None
+    backstop = (
+        max(config.load_timeout, config.compile_timeout, config.cold_timeout) + config.stall_timeout
+    )
+    return Link(ranks, device, backstop)
+
+
+def _check_text_encoder(config: StageConfig, path: str) -> None:
+    with open(os.path.join(path, "model_index.json")) as f:
+        entry = json.load(f).get("text_encoder", ["present"])
+    if entry[0] is None and config.load_format != "dummy":
+        raise FileNotFoundError(
+            f"{config.model!r} has no text encoder; only --load-format dummy "
+            "runs it (on seeded random prompt embeddings)"
+        )
+
+
+def _load_pipeline(
+    config: StageConfig, path: str, device: torch.device, dtype: torch.dtype
+) -> tuple[Family, Any, Adapter]:
+    """The pipeline on `device` (random weights with `--load-format dummy`), its family and
+    the family's adapter."""
+    import diffusers
+
+    _check_text_encoder(config, path)
+    family = family_of(path)
+    own = family.adapter_class().own_components(path)
+    if config.load_format == "dummy":
+        pipe = dummy_pipeline(path, device, dtype, own)
+    else:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(
+            path, local_files_only=True, dtype=dtype, **own
+        )
+    pipe.set_progress_bar_config(disable=True)
+    pipe = pipe.to(device)
+    accel.pin_execution_device(pipe, device)
+    adapter = adapter_for(pipe, family)
+    if (warning := adapter.load_warning()) is not None:
+        logger.warning("stage %s: %s", config.name, warning)
+    _say_experts(config.name, adapter)
+    return family, pipe, adapter
+
+
+def _say_experts(name: str, adapter: Adapter) -> None:
+    """A model of two experts (Wan2.2-A14B) says at start-up where each is (none is
+    offloaded: both must fit the device; an H200 holds the A14B pair)."""
+    experts = adapter.experts()
+    if len(experts) > 1:
+        where = ", ".join(f"{e.name} on {next(e.model.parameters()).device}" for e in experts)
+        boundary = experts[0].boundary
+        logger.info(
+            "stage %s: two experts switched at timestep %g: %s (none offloaded)",
+            name,
+            boundary,
+            where,
+        )
+
+
+def _choose_loops(
+    name: str, path: str, family: Family, cfg_parallel: bool
+) -> tuple[dict[Mode, tuple[Loop, str | None]], set[Mode]]:
+    """Per mode: our own denoising loop, or the pipeline's call and why (logged where the
+    family's own loop would have run it); and the modes our own loop runs."""
+    loops = loops_for(path, cfg_parallel)
+    own = {mode for mode, (loop, _) in loops.items() if loop == "own"}
+    for mode, (_, why) in loops.items():
+        if mode in family.own_loop and why is not None:
+            logger.warning("stage %s: %s runs the pipeline's call: %s", name, mode, why)
+    return loops, own
+
+
+def _prompt_encoder(
+    pipe: Any, adapter: Adapter, options: DiffusionOptions, device: torch.device
+) -> PromptEncoder:
+    """The text encoders, or a dummy's seeded random embeddings where it has none."""
+    denoiser_dtype = getattr(pipe, adapter.denoiser_name).dtype  # (`dtype` walks modules)
+    tokenizer = getattr(pipe, "tokenizer", None)
+    random_shape = None
+    if "text_encoder" in pipe.components and pipe.text_encoder is None:
+        random_shape = options.max_sequence_length, adapter.text_embed_dim()
+    return PromptEncoder(adapter, device, tokenizer, random_shape, denoiser_dtype)
+
+
+def _defaults(
+    limits: model_limits.ModelLimits, options: DiffusionOptions, family: Family
+) -> Defaults:
+    guidance = options.default_guidance
+    return Defaults(
+        width=limits.default_width,
+        height=limits.default_height,
+        steps=limits.default_steps,
+        guidance=guidance if guidance is not None else family.default_guidance,
+        frames=limits.default_frames or 9,
+    )
+
+
+def _speed_up(
+    config: StageConfig,
+    pipe: Any,
+    adapter: Adapter,
+    device: torch.device,
+    pipeline_loop: set[Mode],
+) -> Speed:
+    """Attention kernels, memory format, tuned kernels; UniPC on the host where the pipeline's
+    call runs a mode (`pipeline_loop`)."""
+    attention = accel.set_attention(pipe, config.attention, device, config.name)
+    channels_last = accel.use_channels_last(
+        adapter, config.channels_last, device, compiled=config.compile
+    )
+    tuned = accel.tune_kernels(adapter, device, sdpa=attention == "sdpa", compiled=config.compile)
+    if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
+        tuned.append("UniPC coefficients on the host")
+    logger.info(
+        "stage %s: attention %s, channels_last %s, %s",
+        config.name,
+        attention,
+        channels_last,
+        ", ".join(tuned) or "default kernels",
+    )
+    return Speed(attention, channels_last, tuned)
+
+
+def _compile(config: StageConfig, options: DiffusionOptions, adapter: Adapter) -> tuple[int, ...]:
+    """Compile what the adapter names; returns the batch buckets it runs (none: eager)."""
+    if not config.compile:
+        return ()
+    backend = options.compile_backend
+    compiled = accel.compile_models(adapter, config.compile_mode, backend)
+    logger.info("stage %s: compiled %s (%s)", config.name, ", ".join(compiled), backend)
+    configured = config.batch_buckets or options.batch_buckets
+    return accel.buckets_for(config.max_batch_size, configured)
+
+
+def _own_loop(
+    config: StageConfig,
+    adapter: Adapter,
+    device: torch.device,
+    text: PromptEncoder,
+    buckets: tuple[int, ...],
+) -> DenoiseLoop:
+    """Our own loop, its model rows padded to the buckets (each bucket of images with
+    guidance and without)."""
+    row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
+    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg)
+
+
+def _guidance(
+    config: StageConfig,
+    ranks: Ranks,
+    link: Link | None,
+    tracer: BatchTracer,
+    pipe: Any,
+    adapter: Adapter,
+    own_first: bool,
+) -> tuple[CfgWrapper | None, CfgRanks | None]:
+    """The denoiser's CFG wrapper (both branches in one forward of a pipeline that calls it
+    twice; or split over the ranks), and this rank's side of the CFG-parallel ranks (rank 1
+    keeps only what its denoiser needs). `own_first`: our own loop runs the family's first
+    mode (and batches the branches itself)."""
+    if link is None:
+        return (adapter.batched_cfg() if config.batched_cfg and not own_first else None), None
+    branch_model = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
+    if ranks.rank > 0:
+        cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
+        return None, CfgRanks(link, None, cfg_parallel.Follower(link), branch_model)
+    leader = cfg_parallel.Leader(link, tracer.mark)
+    return adapter.split_cfg(leader), CfgRanks(link, leader, None, branch_model)
+
+
+def _beside(
+    name: str,
+    pipe: Any,
+    adapter: Adapter,
+    device: torch.device,
+    cfg: CfgWrapper | None,
+    cfg_ranks: CfgRanks | None,
+) -> tuple[BatchDimProbe, dict[str, Any], torch.cuda.Stream | None]:
+    """The batch probe, the edit pipelines and the side stream (rank 1, which serves its
+    denoiser only, needs none of them: its probe is attached to nothing)."""
+    probe = BatchDimProbe()
+    if cfg_ranks is not None and cfg_ranks.follower is not None:
+        return probe, {}, None
+    # on the model itself: it sees the batch the kernels get
+    probe.attach(cfg.model if cfg is not None else getattr(pipe, adapter.denoiser_name))
+    edit_pipes = adapter.edit_pipelines(name)
+    # the decode of a deferred batch runs here, beside the next batch's steps
+    side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    return probe, edit_pipes, side_stream
