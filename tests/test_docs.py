@@ -48,7 +48,9 @@ def _section(text: str, heading: str) -> str:
     return text[start : end if end != -1 else len(text)]
 
 
-@pytest.mark.parametrize("heading", ["## The path of one token"])
+@pytest.mark.parametrize(
+    "heading", ["## The path of one diffusion step", "## The path of one token"]
+)
 def test_the_path_docs_architecture_lists_is_the_codes(heading):
     """docs/architecture.md walks one diffusion step (and one token) through at most five
     modules: each is where the doc says, and its docstring still opens as the doc quotes it."""

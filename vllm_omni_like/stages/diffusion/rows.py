@@ -1,5 +1,7 @@
-"""Our own loop's rows as a running set: groups of rows join at a step boundary, every row steps
-with its own schedule, and a request leaves when its rows have ended (or it was aborted).
+"""Our own loop's rows: each steps with its own schedule; a step is computed, then committed.
+
+Groups of rows join at a step boundary, every row steps with its own schedule, and a request
+leaves when its rows have ended (or it was aborted).
 
 A step is computed, then its step-point faults fire, then it is committed: a step that raises
 leaves the set as it was before it (each row's schedule position and multistep history are put

@@ -1,8 +1,9 @@
-"""The diffusion stage's running set (the running-set contract of stages/base.py `RowStepper`):
-groups of requests of one shape group join our own loop at a step boundary, each row steps
-with its own schedule, and a request leaves when its rows have ended, its decode deferred as a
-whole batch's is. A whole batch through our own loop is a set that nothing joins
-(own_loop.py), so both run the same maths.
+"""The diffusion stage's running set: requests join our own loop at a step boundary.
+
+The running-set contract of stages/base.py `RowStepper`: groups of requests of one shape group
+join our own loop at a step boundary, each row steps with its own schedule, and a request leaves
+when its rows have ended, its decode deferred as a whole batch's is. A whole batch through our
+own loop is a set that nothing joins (own_loop.py), so both run the same maths.
 
 Rows that end are held for their **decode group**: their latents decode together once
 `decode_group_rows` of them have ended, or the first of them ended `decode_group_ms` ago, or

@@ -1,4 +1,6 @@
-"""Our own denoising loop: every row with its own steps, scheduler and its state, guidance scale
+"""One denoising step of rows with their own steps, scheduler, guidance scale and seed.
+
+Our own denoising loop: every row with its own steps, scheduler and its state, guidance scale
 (CFG on or off) and seed, stepped together.
 
 A batch's text is encoded once on entry (each distinct prompt and negative prompt once); each
