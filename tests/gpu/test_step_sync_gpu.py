@@ -44,6 +44,14 @@ def stage(request) -> DiffusionStage:
     return stage
 
 
+@pytest.fixture(autouse=True)
+def _sync_mode_restored():
+    """Whatever a case ends with, the next fixture loads under the default mode (on an H100 a
+    first run left it at "error" for the loads after it)."""
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+
+
 @contextlib.contextmanager
 def _steps_raise_on_sync(stepped: list[int]):
     """Every step of our loop under CUDA's sync debug mode "error"; the rest as it was."""
