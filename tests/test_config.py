@@ -128,3 +128,27 @@ def test_a_bad_fault_variable_stops_the_cli_with_its_message(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert err.startswith("error: fault rule 'stage=d,point=nowhere,kind=raise': point must")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_a_compile_mode_that_captures_its_own_cuda_graphs_is_refused_at_start_up(mode):
+    """torch.compile's CUDA graphs crashed every request's worker after a healthy warm-up (an
+    H100, reduce-overhead): refused with the reason and the modes that work, before any load."""
+    with pytest.raises(ConfigError) as info:
+        StageConfig(name="diffusion", kind="diffusion", compile=True, compile_mode=mode)
+    message = str(info.value)
+    assert f"--compile-mode {mode} is refused" in message
+    assert "default or max-autotune-no-cudagraphs" in message
+    StageConfig(name="diffusion", kind="diffusion", compile_mode="max-autotune-no-cudagraphs")
+
+
+def test_the_cli_refuses_a_cuda_graph_compile_mode_in_one_line(tmp_path, capsys):
+    from vllm_omni_like.cli import main
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "a cat"}\n')
+    args = ["generate", "null-image", "--compile-mode", "reduce-overhead", "--input", str(lines)]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-mode reduce-overhead is refused" in err and "Traceback" not in err
+    assert err.count("\n") == 1

@@ -14,6 +14,7 @@ from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
     CHANNELS_LAST_MODES,
     COMPILE_MODES,
+    CUDA_GRAPH_COMPILE_MODES,
     EngineConfig,
     Limits,
     PipelineConfig,
@@ -160,7 +161,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
     )
-    stage_flag(g, "compile_mode", "torch.compile's mode", choices=COMPILE_MODES)
+    stage_flag(
+        g,
+        "compile_mode",
+        "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of "
+        "their own, are refused: they crash the worker at its first request)",
+        choices=COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES,
+    )
     stage_flag(
         g,
         "attention",
