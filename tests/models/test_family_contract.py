@@ -142,11 +142,16 @@ def _model(entry) -> str:
 
 @pytest.fixture(scope="module", params=sorted(TINY))
 def case(request) -> Case:
-    model = _model(TINY[request.param])
+    return case_of(request.param)
+
+
+def case_of(name: str) -> Case:
+    """The registered family `name`'s tiny model as a contract case (built on first use)."""
+    model = _model(TINY[name])
     path = model if os.path.isdir(model) else ensure_tiny_model(model)
     family = family_of(path)
-    options = OPTIONS.get(request.param, {})
-    return Case(request.param, model, path, family.output == "video", family.needs_image, options)
+    options = OPTIONS.get(name, {})
+    return Case(name, model, path, family.output == "video", family.needs_image, options)
 
 
 def _run(stage: DiffusionStage, request: StageRequest) -> np.ndarray:

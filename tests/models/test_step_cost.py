@@ -17,11 +17,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.models.test_family_contract import TINY, Case, _model
+from tests.models.test_family_contract import TINY, Case, case_of
 from vllm_omni_like.models.adapter import Adapter, Guidance, adapter_for
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, WORD
-from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion.acceleration import guided_rows
@@ -48,15 +47,7 @@ SYNCS = ("item", "tolist", "cpu", "__bool__", "__float__")
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def case(request) -> Case:
-    import os
-
-    from tests.models.test_family_contract import OPTIONS
-
-    model = _model(TINY[request.param])
-    path = model if os.path.isdir(model) else ensure_tiny_model(model)
-    family = family_of(path)
-    options = OPTIONS.get(request.param, {})
-    return Case(request.param, model, path, family.output == "video", False, options)
+    return case_of(request.param)
 
 
 @pytest.fixture(scope="module")
