@@ -76,6 +76,14 @@ _ENGINE = {f.name: f.default for f in fields(EngineConfig) if f.default is not M
 _SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not MISSING}
 
 
+# every mode is a choice, so a refused one meets its reason (config.py) rather than argparse's
+COMPILE_CHOICES = COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES
+COMPILE_MODE_HELP = (
+    "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of their "
+    "own, are refused: they crash the worker at its first request)"
+)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -161,13 +169,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
     )
-    stage_flag(
-        g,
-        "compile_mode",
-        "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of "
-        "their own, are refused: they crash the worker at its first request)",
-        choices=COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES,
-    )
+    stage_flag(g, "compile_mode", COMPILE_MODE_HELP, choices=COMPILE_CHOICES)
     stage_flag(
         g,
         "attention",
