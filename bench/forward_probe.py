@@ -24,9 +24,11 @@ import argparse
 import collections
 import json
 import os
+import re
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +42,7 @@ from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
 
 TOP = 12  # kernels (operators on the CPU) kept per side
+OURS = re.compile(r"vllm_omni_like/|diffusers/|bench/")  # frames a wait is traced back to
 
 
 class Captured(Exception):
@@ -69,20 +72,30 @@ def launch_and_device_ms(fn: Callable[[], Any], runs: int) -> tuple[list[float],
 
 
 def waits(fn: Callable[[], Any]) -> dict[str, int]:
-    """The host-device synchronisations inside one call of `fn`, counted by where (CUDA only)."""
+    """The host-device synchronisations inside one call of `fn`, counted by where (CUDA only):
+    the frame that warned and, after `<-`, the innermost frame of this project's or diffusers'
+    code that led to it (the warning's own frame is often torch's)."""
     if not torch.cuda.is_available():
         return {}
     found: collections.Counter[str] = collections.Counter()
-    with warnings.catch_warnings(record=True) as seen:
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchroniz" not in str(message).lower():
+            return
+        ours = [f for f in traceback.extract_stack() if OURS.search(f.filename)]
+        where = f"{os.path.basename(filename)}:{lineno}"
+        if ours:
+            where += f" <- {ours[-1].filename.split('site-packages/')[-1]}:{ours[-1].lineno}"
+        found[where] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    for w in seen:
-        if "synchroniz" in str(w.message).lower():
-            found[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
     return dict(found)
 
 
