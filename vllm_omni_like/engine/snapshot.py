@@ -51,6 +51,7 @@ class StageView:
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
     replicas: tuple[ReplicaView, ...] = ()
     family: StageFamily | None = None  # a diffusion stage's family and its loops (per mode)
+    precision: str | None = None  # what its model computes in (fp8, bf16...), once loaded
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -60,6 +61,7 @@ class StageView:
             "replicas_live": self.replicas_live,
             "replicas_total": self.replicas_total,
             "restarts": self.restarts,
+            "precision": self.precision,
             "replicas": [r.health() for r in self.replicas],
         }
         if self.family is not None:
@@ -112,6 +114,7 @@ def take(pools: Iterable[StagePool], dead: ErrorInfo | None) -> EngineSnapshot:
                 rate=pool.parallel_rate(),
                 replicas=tuple(_replica_view(pool, r) for r in replicas),
                 family=pool.family,
+                precision=pool.precision,
             )
         )
     return EngineSnapshot(tuple(views), dead)
