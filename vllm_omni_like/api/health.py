@@ -49,7 +49,7 @@ def _model(engine, name: str) -> dict:
         "output": output,
         "stages": [s.name for s in engine.config_of(name).stages],
         "limits": engine.model_limits(name).as_dict() if output != "text" else None,
-        "precision": {s["name"]: s["precision"] for s in stages},
+        "precision": {s["name"]: s.get("precision") for s in stages},
     }
 
 

@@ -61,11 +61,12 @@ class StageView:
             "replicas_live": self.replicas_live,
             "replicas_total": self.replicas_total,
             "restarts": self.restarts,
-            "precision": self.precision,
             "replicas": [r.health() for r in self.replicas],
         }
         if self.family is not None:
             body.update(self.family)
+        if self.precision is not None:  # (a loaded model's: fp8, bf16, ...)
+            body["precision"] = self.precision
         if self.restart_error:
             body["restart_error"] = self.restart_error
         return body

@@ -65,7 +65,6 @@ def load_runtime(
     # 4. speed: kernels, memory format, compilation (none of them changes the maths)
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
     precision = _quantize(config, adapter, device, dtype)  # (FP8 matmuls: other maths)
-    scheduler = pipe.scheduler  # the pipeline call's default
     buckets = _compile(config, options, adapter)
     # 5. our own loop
     denoise = _own_loop(config, adapter, device, text, buckets)
@@ -88,7 +87,7 @@ def load_runtime(
         defaults=_defaults(limits, options, family),
         speed=speed,
         precision=precision,
-        scheduler=scheduler,
+        scheduler=pipe.scheduler,  # the pipeline call's default
         buckets=buckets,
         denoise=denoise,
         cfg=cfg,
