@@ -13,8 +13,9 @@ reference runs it): torchao 0.18's `quantize_` refuses any device but CUDA >= 8.
 XPU (an assertion in its hardware check), so the CPU could not run the served path; and its
 `Float8Tensor` weights are a tensor subclass without a stable hash for the compile cache
 ("does not implement _stable_hash_for_caching"), so a compiled graph over them is not reused
-from disk by a restarted replica. The maths is the same: per-row scales, e4m3, amax / 448
-(tests/stages/diffusion/test_fp8.py checks ours against torchao's `Float8Tensor` on the CPU).
+from disk by a restarted replica. The maths is the same - per-row scales, e4m3, amax / 448 -
+but for the scales' rounding: torchao divides in the weights' dtype (a bf16 scale), ours in
+float32 (tests/stages/diffusion/test_fp8.py checks ours against torchao's `Float8Tensor`).
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ class Fp8Linear(torch.nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """A model's `.to(dtype)` casts its floating tensors: here only the bias follows it;
         the FP8 weight and its float32 scales move (`.to(device)`) but keep their dtypes."""
-        keep = {"qweight": self.qweight.dtype, "weight_scale": self.weight_scale.dtype}
+        before = {"qweight": self.qweight, "weight_scale": self.weight_scale}
         super()._apply(fn, recurse)
-        for name, dtype in keep.items():
-            tensor = getattr(self, name)
-            if tensor.dtype != dtype:  # (cast back: e4m3 values survive a 16-bit round trip)
-                setattr(self, name, tensor.to(dtype))
+        for name, tensor in before.items():
+            after = getattr(self, name)
+            if after.dtype != tensor.dtype:  # cast: the original, moved where `fn` put it
+                setattr(self, name, tensor.to(after.device))
         return self
 
     def extra_repr(self) -> str:
