@@ -86,6 +86,7 @@ COMPILE_MODE_HELP = (
     "own, are refused: they crash the worker at its first request)"
 )
 LOAD_FORMAT_HELP = "auto: the weights on disk; dummy: random weights"
+DTYPE_HELP = "auto: fp16 on CUDA (bf16 with --quantization fp8), fp32 on the CPU"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -103,9 +104,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("stages (override every stage)")
     stage_flag(g, "load_format", LOAD_FORMAT_HELP, choices=LOAD_FORMATS)
-    stage_flag(
-        g, "dtype", "auto: fp16 on CUDA, fp32 on the CPU", choices=("auto", "fp32", "fp16", "bf16")
-    )
+    stage_flag(g, "dtype", DTYPE_HELP, choices=("auto", "fp32", "fp16", "bf16"))
     stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
     stage_flag(
         g,

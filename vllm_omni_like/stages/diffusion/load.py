@@ -53,7 +53,7 @@ def load_runtime(
     # 1. where it runs: the device, the other CFG-parallel rank (it loads meanwhile)
     path = _model_dir(config)
     device = resolve_device(device_name)
-    dtype = resolve_dtype(config.dtype, device, torch.float16)  # the weights'
+    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
     link = _connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call

@@ -82,6 +82,12 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
+def gpu_dtype(quantization: str) -> torch.dtype:
+    """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 (its kernels write bf16),
+    fp16 otherwise."""
+    return torch.bfloat16 if quantization == "fp8" else torch.float16
+
+
 def _activations(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
