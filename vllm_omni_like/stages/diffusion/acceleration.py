@@ -146,15 +146,17 @@ def regional_targets(adapter: Adapter) -> list[tuple[Any, str]]:
 
 
 def block_targets(model: torch.nn.Module) -> list[tuple[Any, str]]:
-    """(list, index) of each entry of every `ModuleList` of `model` holding two or more modules
-    of one class (the transformer's blocks), outermost lists only."""
+    """(list, index) of each entry of every `ModuleList` of `model` whose entries are blocks of
+    one class (modules of modules: the transformer's blocks, however few), outermost lists
+    only."""
     found: list[tuple[Any, str]] = []
     taken: list[str] = []  # the lists found: nothing inside them is taken again
     for path, module in model.named_modules():
         if any(path.startswith(f"{t}.") for t in taken):
             continue
-        kinds = {type(m) for m in module} if isinstance(module, torch.nn.ModuleList) else set()
-        if len(kinds) == 1 and len(module) > 1:
+        listed = list(module) if isinstance(module, torch.nn.ModuleList) else []
+        kinds = {type(m) for m in listed}
+        if len(kinds) == 1 and all(next(m.children(), None) is not None for m in listed):
             taken.append(path)
             found += [(module, str(i)) for i in range(len(module))]
     return found

@@ -8,14 +8,16 @@ activations' dtype (bf16 on CUDA: the rowwise kernels write bf16; any on the CPU
 `_scaled_mm` takes rowwise scales too, so the CPU tests run this very path). Under
 torch.compile the activation's quantization fuses into the kernels around it.
 
-Why our own layer and not torchao's (the `fp8` extra pins it; the benchmark's plain-diffusers
-reference runs it): torchao 0.18's `quantize_` refuses any device but CUDA >= 8.9, MI300 and
-XPU (an assertion in its hardware check), so the CPU could not run the served path; and its
-`Float8Tensor` weights are a tensor subclass without a stable hash for the compile cache
-("does not implement _stable_hash_for_caching"), so a compiled graph over them is not reused
-from disk by a restarted replica. The maths is the same - per-row scales, e4m3, amax / 448 -
-but for the scales' rounding: torchao divides in the weights' dtype (a bf16 scale), ours in
-float32 (tests/stages/diffusion/test_fp8.py checks ours against torchao's `Float8Tensor`).
+Why our own layer and not torchao's (the `fp8` extra pins torchao; the benchmark's
+plain-diffusers reference runs it): torchao 0.18's `quantize_` refuses any device but CUDA >= 8.9,
+MI300 and XPU (an assertion in its hardware check), so the CPU could not run the served path;
+and this is a plain module of plain tensors (buffers), with no tensor subclass for
+torch.compile to trace through, that the architecture's one `Linear` wrapper for LoRA and FP8
+can hold. The maths is the same - per-row scales, e4m3, amax / 448 - but for the scales'
+rounding: torchao divides in the weights' dtype (a bf16 scale), ours in float32
+(tests/stages/diffusion/test_fp8.py checks ours against torchao's `Float8Tensor`). Both reuse
+their compiled graphs from the disk cache (FX graph and AOT autograd caches hit in a second
+process, CPU, 2026-12-06).
 """
 
 from __future__ import annotations
