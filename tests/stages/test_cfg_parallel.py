@@ -319,6 +319,7 @@ def test_a_rank_killed_or_stopped_mid_step_takes_its_replica_down(cfgp, referenc
     assert [r["state"] for r in health["replicas"]] == ["ready"]
 
 
+@pytest.mark.drill  # (the suite's time: two real ranks and a reference)
 def test_fp8_ranks_make_the_image_one_fp8_rank_makes():
     """`--quantization fp8` with CFG-parallel (the tiny SD3.5: its pipeline doubles its batch,
     each rank runs a half): each rank quantizes its own denoiser at load (the replica says

@@ -52,9 +52,7 @@ def test_a_compiled_fp8_flux_set_never_recompiles_after_its_warm_up(capfd):
     """Its blocks compiled one by one (regional: the default with FP8), the rest eager; rows
     with their own guidance scales and steps joining the set run on the warm-up's graphs, and
     each image is the eager FP8 stage's."""
-    stage = _stage(
-        tiny_flux_path(), (1, 4), quantization="fp8", options={"compile_backend": "eager"}
-    )
+    stage = _stage(tiny_flux_path(), (4,), quantization="fp8", options={"compile_backend": "eager"})
     transformer = stage.runtime.pipe.transformer
     assert type(transformer).__name__ != "OptimizedModule"
     blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -65,7 +63,7 @@ def test_a_compiled_fp8_flux_set_never_recompiles_after_its_warm_up(capfd):
     h = _Harness(stage, lanes=1, group=(2, 0.0))
     h.add(1, _req("a", 1, 4, guidance_scale=2.0), _req("b", 2, 3))
     h.steps(1)
-    h.add(2, _req("c", 3, 3, guidance_scale=5.0))  # joins at step 1: 3 rows, padded to 4
+    h.add(2, _req("c", 3, 3, guidance_scale=5.0))  # joins at step 1: 3 rows (padded to 4)
     h.steps()
     assert sorted(h.outputs) == ["a", "b", "c"]
     assert all(o.error is None for o in h.outputs.values())
@@ -80,6 +78,7 @@ def test_a_compiled_fp8_flux_set_never_recompiles_after_its_warm_up(capfd):
     assert np.abs(diff).max() <= 1
 
 
+@pytest.mark.drill  # (the suite's time; the FLUX.1 test above compiles regionally too)
 def test_regional_compilation_compiles_a_block_once_a_shape_not_every_block():
     """tiny-video's four Wan blocks: compiled whole, each warm-up shape is one graph of all
     four blocks; compiled regionally, one graph of one block, reused by the four."""
@@ -97,6 +96,7 @@ def test_regional_compilation_compiles_a_block_once_a_shape_not_every_block():
     assert len(set(found["on"])) == 1  # the same block graph at each shape
 
 
+@pytest.mark.drill  # (the suite's time: Z-Image's bf16 compile is tests/models/'s)
 def test_prompts_of_new_lengths_run_on_a_compiled_fp8_z_images_warm_up_graphs(capfd):
     """Z-Image's blocks are compiled one by one already; with FP8 its text buckets keep every
     prompt length on the warm-up's graphs, and the images are the eager FP8 stage's."""

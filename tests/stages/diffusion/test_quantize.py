@@ -30,6 +30,8 @@ FP8_FAMILIES = sorted(f.name for f in FAMILIES if f.fp8)
 # 51.9, TI2V 51.6, I2V 49.3); the trained tiny-video (wan) drifts further from its three
 # steps' trajectory (21.6 dB): its drawings are checked instead (tests/shapes, the drill)
 MIN_PSNR = {name: 45.0 for name in FP8_FAMILIES} | {"wan": 18.0}
+# FLUX.1 by default (the suite's time: README, Development); every family with `-m drill`
+EACH_FAMILY = [n if n == "flux" else pytest.param(n, marks=pytest.mark.drill) for n in FP8_FAMILIES]
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -62,7 +64,7 @@ def test_each_family_keeps_what_its_rule_names_and_quantizes_the_rest(name, capl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FP8_FAMILIES)
+@pytest.mark.parametrize("name", EACH_FAMILY)
 def test_every_quantized_layer_keeps_25_db_on_the_dummy_weights(name):
     """Each layer the family's rule quantizes, on its own input in a real request (the tiny
     model's seeded random weights, `--load-format dummy`): its FP8 output's SQNR against its
@@ -81,7 +83,7 @@ def test_every_quantized_layer_keeps_25_db_on_the_dummy_weights(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FP8_FAMILIES)
+@pytest.mark.parametrize("name", EACH_FAMILY)
 def test_the_image_with_fp8_is_close_to_full_precision_and_the_same_every_run(name):
     case = case_of(name)
     full = _run(case.stage(), case.request())
