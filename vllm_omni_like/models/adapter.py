@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
@@ -180,6 +181,16 @@ class Adapter:
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         raise NotImplementedError(f"{self.family.name}: no latents of our own")
+
+    def encode_image(self, pixels: torch.Tensor, generator: torch.Generator | None) -> Any:
+        """An image-to-image row's source (1, 3, H, W in [-1, 1]) as its img2img pipeline's
+        latents of it, in our loop's layout (models/image_latents.py)."""
+        vae = self.pipe.vae
+        return image_latents.encode(vae, pixels.to(vae.dtype), generator, vae.dtype)
+
+    def edit_steps(self, steps: int, strength: float) -> tuple[int, int]:
+        """(steps, the first one an image-to-image row runs) at `strength`: SD's rule."""
+        return image_latents.whole_steps(steps, strength)
 
     # ---- the pipeline call ------------------------------------------------------------------
     def text_kwargs(

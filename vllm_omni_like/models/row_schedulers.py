@@ -40,6 +40,10 @@ class Schedule:
     timesteps: torch.Tensor  # what the denoiser is given at each step (host, float32)
     tables: Tables  # each step's variant and scalars
     init_noise_sigma: float
+    start: int = 0  # where in the scheduler's whole schedule it begins (image-to-image)
+    # the diffusers scheduler, its timesteps set and its begin index at `start`: it noises an
+    # image-to-image row's source as the pipeline's does (`add_noise`)
+    noiser: Any = field(default=None, compare=False, repr=False)
     _on_device: dict[torch.device, torch.Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -94,32 +98,59 @@ def make_scheduler(name: str, config: dict[str, Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(class_name: str, config_json: str, steps: int, args_json: str) -> Schedule:
+def _schedule(
+    class_name: str, config_json: str, steps: int, args_json: str, start: int
+) -> Schedule:
     import diffusers
 
     scheduler = getattr(diffusers, class_name).from_config(json.loads(config_json))
     scheduler.set_timesteps(steps, device="cpu", **json.loads(args_json))
     kind = KINDS[class_name]
-    tables = multistep.tables(scheduler) if kind == "multistep" else _explicit(scheduler, kind)
+    if kind == "multistep":
+        tables = multistep.tables(scheduler, start)
+    else:
+        whole = _explicit(scheduler, kind)
+        tables = Tables(kind, whole.variants[start:], whole.scalars[start:])
+    if hasattr(scheduler, "set_begin_index"):  # (as the image-to-image pipelines set it)
+        scheduler.set_begin_index(start)
     return Schedule(
         kind=kind,
         steps=steps,
-        timesteps=scheduler.timesteps.to(torch.float32),
+        timesteps=scheduler.timesteps[start:].to(torch.float32),
         tables=tables,
         init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),
+        start=start,
+        noiser=scheduler,
     )
 
 
-def schedule_for(scheduler: Any, steps: int, args: dict[str, Any] | None = None) -> Schedule:
+def schedule_for(
+    scheduler: Any, steps: int, args: dict[str, Any] | None = None, start: int = 0
+) -> Schedule:
     """The tables of `scheduler`'s class and config at `steps` steps (cached); `args`: what
     else the pipeline gives its `set_timesteps` (FLUX.1: its sigmas, and the shift `mu` of
-    the image's length where the schedule shifts with it)."""
+    the image's length where the schedule shifts with it); `start`: the step an image-to-image
+    row begins at (the schedule is the whole one's from there)."""
     name = type(scheduler).__name__
     problem = unsupported(name, dict(scheduler.config))
     if problem is not None:
         raise ValueError(f"no batched steps for {problem}; these have them: {', '.join(KINDS)}")
     config = json.dumps(dict(scheduler.config), sort_keys=True, default=str)
-    return _schedule(name, config, steps, json.dumps(args or {}, sort_keys=True))
+    return _schedule(name, config, steps, json.dumps(args or {}, sort_keys=True), start)
+
+
+def add_noise(schedule: Schedule, source: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Rows of an image's latents (`source`) noised to their schedule's first step, as an
+    image-to-image pipeline noises them: its scheduler's `scale_noise` (flow matching) or
+    `add_noise`, at the first timestep, from the begin index."""
+    noiser = schedule.noiser
+    first = noiser.timesteps[schedule.start : schedule.start + 1].repeat(source.shape[0])
+    first = first.to(source.device)
+    if hasattr(noiser, "scale_noise"):
+        noised: torch.Tensor = noiser.scale_noise(source, first, noise)
+    else:
+        noised = noiser.add_noise(source, noise, first)
+    return noised
 
 
 # ---- the scalars of the kinds stepped here, as diffusers computes them ----------------------

@@ -144,6 +144,26 @@ def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alon
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
+def test_an_image_to_image_edit_joins_a_busy_text_set_and_makes_what_it_makes_alone(stage):
+    """An edit of a size given shares text-to-image's shape group (one lane, one forward a
+    step) and joins at a step boundary, starting at its strength's step; a multistep solver
+    beside it is unaffected. Both images are the ones they make alone."""
+    upload = np.arange(40 * 56 * 3, dtype=np.uint8).reshape(40, 56, 3)
+    params = GenerationParams(seed=7, num_inference_steps=6, strength=0.5, width=32, height=32)
+    edit = StageRequest("e", "a blue square", params, mode="edit", images=[upload])
+    text = _req("t", seed=3, steps=7, scheduler="dpm++2m", width=32, height=32)
+    alone = {r.request_id: _alone(stage, r) for r in (edit, text)}
+    h = _Harness(stage)
+    h.add(1, text)
+    h.steps(2)
+    h.add(2, edit)  # the same lane: its rows step in the text rows' forward
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    h.steps()
+    assert sorted(h.groups) == [1, 2]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
 def test_the_sets_tensors_stay_inference_tensors_through_joins_and_leaves(stage):
     """A compiled model guards on its inputs' dispatch keys and was warmed up on inference
     tensors: a set's latents and text must stay such tensors when rows join (a cat), leave and

@@ -49,7 +49,7 @@ class OwnLoopSet(RowStepper):
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
         rt, d, p = self.runtime, self.runtime.defaults, batch[0].params
         frames = (p.num_frames or d.frames) if rt.is_video else 1
-        width, height = p.width or d.width, p.height or d.height
+        width, height = rt.size_of(batch[0])
         opened = self.set.empty and not self._traced
         if opened:  # the set's timeline begins before its first rows' text encoders
             self._traced = True

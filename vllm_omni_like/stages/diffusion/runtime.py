@@ -19,7 +19,7 @@ from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stages.base import Deferred
-from vllm_omni_like.stages.diffusion import vae_decode, video_stream
+from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
@@ -117,7 +117,22 @@ class DiffusionRuntime:
     def settings(self) -> Settings:
         """What our own loop fills in for a request that leaves it unsaid."""
         d = self.defaults
-        return Settings(d.steps, d.guidance, self.rows_of, self.prompt_of)
+        return Settings(d.steps, d.guidance, self.rows_of, self.prompt_of, self.source_of)
+
+    def size_of(self, request: StageRequest) -> tuple[int, int]:
+        """The width and height a request makes (an edit's default: its upload's)."""
+        if request.mode == Mode.EDIT:
+            return edits.edit_size(request, self.limits.size_multiple)
+        p, d = request.params, self.defaults
+        return p.width or d.width, p.height or d.height
+
+    def source_of(self, request: StageRequest, size: tuple[int, int]) -> torch.Tensor | None:
+        """An image-to-image edit's source pixels on the device (None: a row from noise)."""
+        if request.loop_mode != Mode.EDIT or not self.family.edit_strength:
+            return None
+        processor = self.edit_pipes[Mode.EDIT].image_processor
+        pixels: torch.Tensor = edits.source_pixels(request, processor, *size)
+        return pixels.to(self.device)
 
     def preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor

@@ -145,7 +145,7 @@ class DiffusionStage(Stage):
     # 3. execute -----------------------------------------------------------------------------------
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
-        if batch[0].mode in self.runtime.own:
+        if batch[0].loop_mode in self.runtime.own:
             return self.own_loop.begin(batch, control)
         return self.pipeline_call.begin(batch, control)
 

@@ -29,6 +29,7 @@ import torch
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter, Guidance, pad_tokens
 from vllm_omni_like.models.columns import column, mul, to_device
+from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
 from vllm_omni_like.wire import StageRequest
 
@@ -84,6 +85,8 @@ class LoopRow:
     text: int  # its prompt's row of the batch's embeddings
     negative: int | None  # its negative prompt's (a row with guidance), else None
     guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
+    # an image-to-image row's source pixels until its latents are made (`noise`), else None
+    source: torch.Tensor | None = None
 
     @property
     def cfg(self) -> bool:
@@ -115,6 +118,8 @@ class Settings:
     guidance: float
     rows_per_request: Callable[[StageRequest], int]
     prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
+    # an image-to-image request's source pixels at the batch's (width, height); None: noise
+    source: Callable[[StageRequest, tuple[int, int]], torch.Tensor | None] = lambda r, s: None
 
 
 class DenoiseLoop:
@@ -155,10 +160,14 @@ class DenoiseLoop:
             low_noise = self.adapter.low_noise_scale(p)  # (two experts: the second's scale)
             base = p.seed if p.seed is not None else random.randrange(2**31)
             guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
-            steps = p.num_inference_steps or settings.steps
+            steps, start = p.num_inference_steps or settings.steps, 0
+            source = settings.source(r, size)
+            if source is not None:  # (an image-to-image row runs its strength's last steps)
+                strength = DEFAULT_STRENGTH if p.strength is None else p.strength
+                steps, start = self.adapter.edit_steps(steps, strength)
             scheduler = self.adapter.scheduler(p.scheduler)
             args = self.adapter.schedule_args(scheduler, steps, *size)
-            schedule = rs.schedule_for(scheduler, steps, args)
+            schedule = rs.schedule_for(scheduler, steps, args, start)
             for i in range(settings.rows_per_request(r)):
                 gen = torch.Generator(device=self.device).manual_seed(base + i)
                 negative = None
@@ -166,7 +175,7 @@ class DenoiseLoop:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
-                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise)
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, source)
                 rows.append(row)
         text = self.embed(list(prompts))
         if negatives:
@@ -176,10 +185,30 @@ class DenoiseLoop:
         return rows, text
 
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The rows' first latents: each row's noise from its own generator; an image-to-image
+        row's source encoded first (its VAE sample draws from the same generator, as the
+        img2img pipelines draw), then noised to its first step."""
+        sources = {
+            i: self.adapter.encode_image(r.source, r.state.generator)
+            for i, r in enumerate(rows)
+            if r.source is not None
+        }
         latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        sigma = [r.state.schedule.init_noise_sigma for r in rows]
+        sigma = [
+            1.0 if i in sources else r.state.schedule.init_noise_sigma for i, r in enumerate(rows)
+        ]
         if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's)
             latents = mul(column(sigma, latents), latents)
+        by_schedule: dict[int, list[int]] = {}
+        for i in sources:
+            by_schedule.setdefault(id(rows[i].state.schedule), []).append(i)
+        for picked in by_schedule.values():  # (rows of one schedule noised together)
+            source = torch.cat([sources[i] for i in picked])
+            index = row_index(picked, latents.device)
+            noised = rs.add_noise(rows[picked[0]].state.schedule, source, latents[index])
+            latents[index] = noised.to(latents.dtype)
+        for r in rows:
+            r.source = None  # (its pixels are no longer needed)
         return latents
 
     # ---- the loop ------------------------------------------------------------------------------

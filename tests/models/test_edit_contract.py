@@ -1,0 +1,110 @@
+"""Image-to-image edits on our own loop (#55): for every family that edits with a strength, the
+stage's edit (its rows start from the upload's latents, noised to the strength's first step,
+stepped by our loop) equals the family's diffusers img2img pipeline called with the same image
+at the same seed, for each kind of scheduler a row may pick (their tables from a step other
+than the first: a multistep solver starts again from first order there)."""
+
+from __future__ import annotations
+
+import inspect
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from tests.models.test_family_contract import EDIT_IMAGE, SEED, Case, _run, case_of
+from vllm_omni_like.models.adapter import adapter_for
+from vllm_omni_like.models.registry import family_of
+from vllm_omni_like.models.row_schedulers import make_scheduler
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.torch_utils import tensor_to_uint8
+from vllm_omni_like.wire import Mode, StageRequest
+
+pytestmark = pytest.mark.slow
+
+STEPS, STRENGTH = 5, 0.6
+CASES = [
+    ("stable-diffusion", None),  # (its own: PNDM)
+    ("stable-diffusion", "dpm++2m"),
+    ("stable-diffusion", "unipc"),
+    ("stable-diffusion", "euler-a"),
+    ("stable-diffusion", "ddim"),
+    ("stable-diffusion-xl", None),
+    ("stable-diffusion-3", None),
+    ("flux", None),
+]
+
+
+@pytest.fixture(scope="module")
+def stages():
+    made: dict[str, object] = {}
+
+    def stage_of(case: Case):
+        if case.name not in made:
+            made[case.name] = case.stage()
+        return made[case.name]
+
+    return stage_of
+
+
+def edit_request(case: Case, scheduler: str | None, strength: float = STRENGTH) -> StageRequest:
+    limits = case.limits()
+    params = GenerationParams(
+        seed=SEED,
+        num_inference_steps=STEPS,
+        width=limits.default_width,
+        height=limits.default_height,
+        strength=strength,
+        scheduler=scheduler,
+    )
+    return StageRequest("r", "a red circle", params, mode="edit", images=[EDIT_IMAGE])
+
+
+def pipeline_edit(case: Case, scheduler: str | None, strength: float = STRENGTH) -> np.ndarray:
+    """The family's img2img pipeline's call with the upload resized to the output, as a user
+    of diffusers makes it."""
+    from PIL import Image
+
+    pipe = case.pipeline()
+    adapter = adapter_for(pipe, family_of(case.path))
+    edit = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
+    if scheduler is not None:
+        edit.scheduler = make_scheduler(scheduler, dict(pipe.scheduler.config))
+    limits = case.limits()
+    size = (limits.default_width, limits.default_height)
+    kwargs = dict(
+        image=[Image.fromarray(EDIT_IMAGE).convert("RGB").resize(size)],
+        strength=strength,
+        num_inference_steps=STEPS,
+        generator=[torch.Generator().manual_seed(SEED)],
+        output_type="pt",
+        **adapter.text_kwargs(["a red circle"], [""], getattr(pipe, "tokenizer", None)),
+        **adapter.guidance_kwargs(family_of(case.path).default_guidance),
+    )
+    if "width" in inspect.signature(edit.__call__).parameters:  # (SD's takes the image's)
+        kwargs.update(width=size[0], height=size[1])
+    with torch.inference_mode():
+        return tensor_to_uint8(edit(**kwargs).images)[0]
+
+
+@pytest.mark.parametrize(("name", "scheduler"), CASES)
+def test_an_image_to_image_edit_on_our_loop_is_the_img2img_pipelines(stages, name, scheduler):
+    case = case_of(name)
+    stage = stages(case)
+    assert stage.runtime.loops[Mode.EDIT] == ("own", None)
+    got = _run(stage, edit_request(case, scheduler))
+    want = pipeline_edit(case, scheduler)
+    assert got.shape == want.shape
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.25])
+def test_the_strength_picks_the_steps_the_pipeline_runs(stages, strength):
+    """A whole-strength edit starts from noise at the first step; a small one runs
+    int(5 x 0.25) = 1 step (FLUX.1's rule: from int(5 - 1.25) = 3 on, two steps)."""
+    for name in ("stable-diffusion", "flux"):
+        case = case_of(name)
+        got = _run(stages(case), edit_request(case, None, strength))
+        want = pipeline_edit(case, None, strength)
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, name
