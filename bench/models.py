@@ -60,7 +60,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "qwen-image": {"steps": 50, "guidance": 4.0, "size": 1024, "peer_s": 12.8},
     "z-image-turbo": {"steps": 8, "guidance": 0.0, "size": 1024},
     # edits `edit_source` by instruction, at the upload's size (its pipeline fits the image to
-    # about a megapixel for the VAE: 1024x1024 here)
+    # about a megapixel for the VAE and Qwen2.5-VL: 1024x1024 here)
     "qwen-image-edit": {"steps": 50, "guidance": 4.0, "size": 1024},
 }
 PEER_SOURCE = {
@@ -122,7 +122,7 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
         # fresh lists: ZImagePipeline writes its chat template into the prompt list it gets
         # (a list kept across calls grew by a template a call: a new length, a recompile)
         **{k: list(v) if isinstance(v, list) else v for k, v in s["call"].items()},
-        **({"image": [Image.fromarray(edit_source(s["size"]))]} if s.get("edit") else {}),
+        **({"image": Image.fromarray(edit_source(s["size"]))} if s.get("edit") else {}),
     ).images
     pixels = (out[0] * 255).round().astype(np.uint8)
     Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=PNG_COMPRESS_LEVEL)

@@ -113,10 +113,10 @@ class Case:
         if self.edit and self.video:  # the first frame the stage fits to the size
             size = (kw.get("width", kwargs["width"]), kw.get("height", kwargs["height"]))
             kwargs["image"] = first_frame(self.request(), *size)
-        elif self.edit:
+        elif self.edit:  # one image, as a user calls it (the pipeline fits only a single one)
             from PIL import Image
 
-            kwargs["image"] = [Image.fromarray(EDIT_IMAGE)]
+            kwargs["image"] = Image.fromarray(EDIT_IMAGE)
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
