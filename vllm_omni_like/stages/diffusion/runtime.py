@@ -20,6 +20,7 @@ from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.stages.base import Deferred
 from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
+from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
@@ -126,13 +127,17 @@ class DiffusionRuntime:
         p, d = request.params, self.defaults
         return p.width or d.width, p.height or d.height
 
-    def source_of(self, request: StageRequest, size: tuple[int, int]) -> torch.Tensor | None:
-        """An image-to-image edit's source pixels on the device (None: a row from noise)."""
-        if request.loop_mode != Mode.EDIT or not self.family.edit_strength:
+    def source_of(self, request: StageRequest, size: tuple[int, int]) -> Source | None:
+        """An image-to-image or inpainting edit's upload (and mask) on the device, as its
+        pipeline's processors make them (None: a row from noise)."""
+        mode = request.loop_mode
+        if mode not in (Mode.EDIT, Mode.INPAINT) or not self.family.edit_strength:
             return None
-        processor = self.edit_pipes[Mode.EDIT].image_processor
-        pixels: torch.Tensor = edits.source_pixels(request, processor, *size)
-        return pixels.to(self.device)
+        pipe = self.edit_pipes[mode]
+        pixels = edits.source_pixels(request, pipe.image_processor, *size).to(self.device)
+        if mode == Mode.EDIT:
+            return Source(pixels)
+        return Source(pixels, edits.mask_pixels(request, pipe.mask_processor, *size))
 
     def preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor

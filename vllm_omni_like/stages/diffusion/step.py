@@ -19,6 +19,7 @@ What differs between families is the adapter's (models/adapter.py): `encode_text
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ import torch
 
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter, Guidance, pad_tokens
-from vllm_omni_like.models.columns import column, mul, to_device
+from vllm_omni_like.models.columns import column, to_device
 from vllm_omni_like.params import DEFAULT_STRENGTH
+from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
 from vllm_omni_like.wire import StageRequest
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
@@ -85,8 +88,9 @@ class LoopRow:
     text: int  # its prompt's row of the batch's embeddings
     negative: int | None  # its negative prompt's (a row with guidance), else None
     guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
-    # an image-to-image row's source pixels until its latents are made (`noise`), else None
-    source: torch.Tensor | None = None
+    # an edit row's upload until its latents are made (`noise`), else None
+    source: Source | None = None
+    anchor: Anchor | None = None  # an inpainting row's: what each step puts back
 
     @property
     def cfg(self) -> bool:
@@ -108,6 +112,7 @@ class Plan:
     embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
     # two experts: each guided row's (scale, the low-noise expert's), where one differs
     by_expert: list[tuple[float, float]] | None = None
+    anchor: Anchor | None = None  # inpainting rows': what each step puts back (others: none)
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,8 @@ class Settings:
     guidance: float
     rows_per_request: Callable[[StageRequest], int]
     prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
-    # an image-to-image request's source pixels at the batch's (width, height); None: noise
-    source: Callable[[StageRequest, tuple[int, int]], torch.Tensor | None] = lambda r, s: None
+    # an edit's upload (and mask) at the batch's (width, height); None: a row from noise
+    source: Callable[[StageRequest, tuple[int, int]], Source | None] = lambda r, s: None
 
 
 class DenoiseLoop:
@@ -162,9 +167,9 @@ class DenoiseLoop:
             guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
             steps, start = p.num_inference_steps or settings.steps, 0
             source = settings.source(r, size)
-            if source is not None:  # (an image-to-image row runs its strength's last steps)
-                strength = DEFAULT_STRENGTH if p.strength is None else p.strength
-                steps, start = self.adapter.edit_steps(steps, strength)
+            if source is not None:  # (an edit row runs its strength's last steps)
+                source.strength = DEFAULT_STRENGTH if p.strength is None else p.strength
+                steps, start = self.adapter.edit_steps(steps, source.strength)
             scheduler = self.adapter.scheduler(p.scheduler)
             args = self.adapter.schedule_args(scheduler, steps, *size)
             schedule = rs.schedule_for(scheduler, steps, args, start)
@@ -175,7 +180,8 @@ class DenoiseLoop:
                     negative = negatives.setdefault(p.negative_prompt, len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault(settings.prompt(r), len(prompts))
-                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, source)
+                own = None if source is None else dataclasses.replace(source)  # (a row's)
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, own)
                 rows.append(row)
         text = self.embed(list(prompts))
         if negatives:
@@ -185,38 +191,24 @@ class DenoiseLoop:
         return rows, text
 
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The rows' first latents: each row's noise from its own generator; an image-to-image
-        row's source encoded first (its VAE sample draws from the same generator, as the
-        img2img pipelines draw), then noised to its first step."""
-        sources = {
-            i: self.adapter.encode_image(r.source, r.state.generator)
-            for i, r in enumerate(rows)
-            if r.source is not None
-        }
-        latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        sigma = [
-            1.0 if i in sources else r.state.schedule.init_noise_sigma for i, r in enumerate(rows)
-        ]
-        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's)
-            latents = mul(column(sigma, latents), latents)
-        by_schedule: dict[int, list[int]] = {}
-        for i in sources:
-            by_schedule.setdefault(id(rows[i].state.schedule), []).append(i)
-        for picked in by_schedule.values():  # (rows of one schedule noised together)
-            source = torch.cat([sources[i] for i in picked])
-            index = row_index(picked, latents.device)
-            noised = rs.add_noise(rows[picked[0]].state.schedule, source, latents[index])
-            latents[index] = noised.to(latents.dtype)
-        for r in rows:
-            r.source = None  # (its pixels are no longer needed)
-        return latents
+        """The rows' first latents: each row's noise from its own generator (an edit row's
+        source encoded before, its masked image's draw after, as the pipelines draw), then
+        each started as its pipeline starts it (stages/diffusion/edit_rows.py)."""
+        edit_rows.encode_sources(self.adapter, rows)
+        noise = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
+        edit_rows.masked_image_draws(rows)
+        return edit_rows.first_latents(self.adapter, rows, noise)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
         """One step of the rows of `plan` (their `latents`): the guided prediction, then each
         row's scheduler update. Advances the rows' schedule positions."""
         output = self._predict(plan, latents)
-        return rs.step([r.state for r in plan.group], output, latents)
+        states = [r.state for r in plan.group]
+        stepped = rs.step(states, output, latents)
+        if plan.anchor is None:
+            return stepped
+        return edit_rows.blend(states, plan.anchor, stepped)  # (inpainting rows)
 
     def plan(
         self, rows: list[LoopRow], active: list[int], embeds: Text, latents: torch.Tensor
@@ -257,6 +249,7 @@ class DenoiseLoop:
             scale=scale,
             embedded=embedded,
             by_expert=by_expert,
+            anchor=edit_rows.anchors_of(group, latents),
         )
 
     def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
