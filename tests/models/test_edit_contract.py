@@ -25,12 +25,13 @@ from vllm_omni_like.wire import Mode, StageRequest
 pytestmark = pytest.mark.slow
 
 STEPS, STRENGTH = 5, 0.6
+DRILL = pytest.mark.drill  # (the other scheduler kinds: `-m drill`)
 CASES = [
     ("stable-diffusion", None),  # (its own: PNDM)
-    ("stable-diffusion", "dpm++2m"),
-    ("stable-diffusion", "unipc"),
-    ("stable-diffusion", "euler-a"),
-    ("stable-diffusion", "ddim"),
+    ("stable-diffusion", "dpm++2m"),  # (a multistep solver restarting at first order)
+    pytest.param("stable-diffusion", "unipc", marks=DRILL),
+    ("stable-diffusion", "euler-a"),  # (an ancestral step: the generator's draws in order)
+    pytest.param("stable-diffusion", "ddim", marks=DRILL),
     ("stable-diffusion-xl", None),
     ("stable-diffusion-3", None),
     ("flux", None),
