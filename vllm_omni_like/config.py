@@ -36,6 +36,10 @@ ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+LOAD_FORMATS = ("auto", "dummy")  # the weights on disk, or random ones of the same architecture
+# the denoisers' linear layers: in the weights' dtype, or FP8 matmuls (stages/diffusion/fp8.py)
+QUANTIZATIONS = ("none", "fp8")
+REGIONAL_COMPILE_MODES = ("auto", "on", "off")  # auto: on with --quantization fp8
 # torch.compile's modes that capture CUDA graphs of their own: refused at start-up (measured on an
 # H100 with reduce-overhead: the stage warmed up, then every request crashed its worker with
 # "operation failed due to a previous error during capture"; max-autotune captures them too)
@@ -179,6 +183,12 @@ class StageConfig:
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
+    # "fp8": the denoisers' linear layers (but those their family keeps) run rowwise dynamic FP8
+    # matmuls, their weights quantized as they load (stages/diffusion/fp8.py)
+    quantization: str = "none"
+    # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
+    # by all of them) instead of the whole denoiser: "auto" does so with quantization fp8
+    regional_compile: str = "auto"
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
@@ -222,7 +232,22 @@ class StageConfig:
         object.__setattr__(self, "options", parse_options(self.kind, self.name, self.options))
         if self.replicas < 1 or self.workers_per_replica < 1 or self.max_batch_size < 1:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
-        if self.load_format not in ("auto", "dummy"):
+        self._check_choices()
+        self._check_batching()
+        for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"stage {self.name!r}: {key} must be an integer >= 1")
+        if any(int(b) < 1 for b in self.batch_buckets):
+            raise ConfigError(f"stage {self.name!r}: batch buckets must be >= 1")
+        for size in self.warmup_sizes:
+            try:
+                parse_size(size)
+            except ValueError as exc:
+                raise ConfigError(f"stage {self.name!r}: warmup {exc}") from None
+
+    def _check_choices(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"stage {self.name!r}: load_format must be auto or dummy")
         if self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
             raise ConfigError(
@@ -236,23 +261,25 @@ class StageConfig:
             ("channels_last", self.channels_last, CHANNELS_LAST_MODES),
             ("routing", self.routing, ROUTINGS),
             ("batch_level", self.batch_level, BATCH_LEVELS),
+            ("quantization", self.quantization, QUANTIZATIONS),
+            ("regional_compile", self.regional_compile, REGIONAL_COMPILE_MODES),
         ):
             if value not in allowed:
                 raise ConfigError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
-        self._check_batching()
-        for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"stage {self.name!r}: {key} must be an integer >= 1")
-        if any(int(b) < 1 for b in self.batch_buckets):
-            raise ConfigError(f"stage {self.name!r}: batch buckets must be >= 1")
-        for size in self.warmup_sizes:
-            try:
-                parse_size(size)
-            except ValueError as exc:
-                raise ConfigError(f"stage {self.name!r}: warmup {exc}") from None
+        if self.quantization != "none" and self.kind != "diffusion" and ":" not in self.kind:
+            raise ConfigError(
+                f"stage {self.name!r}: --quantization {self.quantization} runs diffusion stages "
+                f"only, not {self.kind!r}"
+            )
+
+    @property
+    def regional(self) -> bool:
+        """Whether a compiled denoiser is compiled block by block (`regional_compile`)."""
+        if self.regional_compile == "auto":
+            return self.quantization == "fp8"
+        return self.regional_compile == "on"
 
     def _check_batching(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:

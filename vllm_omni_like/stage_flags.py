@@ -1,4 +1,5 @@
-"""The flags that override every stage's field, and the batching group of them."""
+"""The flags that override every stage's field: the batching group of them, and the precision
+flags of the speed group."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, ROUTINGS, StageConfig
+from vllm_omni_like.config import (
+    BATCH_LEVELS,
+    BATCH_POLICIES,
+    QUANTIZATIONS,
+    REGIONAL_COMPILE_MODES,
+    ROUTINGS,
+    StageConfig,
+)
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -96,4 +104,25 @@ def add_batching_args(parser: argparse.ArgumentParser) -> None:
         "which replica gets a batch: cost (where it would end first: the work each replica "
         "holds, in seconds at its measured speed) or count (the fewest requests held)",
         choices=ROUTINGS,
+    )
+
+
+def add_precision_args(g: Any) -> None:
+    """Low precision and the compile that keeps its warm-up short (the speed group `g`)."""
+    stage_flag(
+        g,
+        "quantization",
+        "fp8: the transformer's linear layers run rowwise dynamic FP8 matmuls (torch._scaled_mm; "
+        "weights quantized as they load, the layers its family keeps in the weights' dtype "
+        "aside): FLUX.1, SD3, Qwen-Image, Z-Image and Wan; CUDA compute capability 8.9 or newer "
+        "(or the CPU); /health says each stage's precision",
+        choices=QUANTIZATIONS,
+    )
+    stage_flag(
+        g,
+        "regional_compile",
+        "with --compile: each repeated transformer block compiled on its own, one graph a kind "
+        "of block reused by every block of it, instead of the whole denoiser: a fraction of the "
+        "warm-up (auto: on with --quantization fp8)",
+        choices=REGIONAL_COMPILE_MODES,
     )

@@ -130,8 +130,10 @@ class _Worker:
             stepped,
             JoinPolicy.of(self.config),
         )
-        memory = gpu_memory_in_use()
-        self.send(WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped))
+        memory, precision = gpu_memory_in_use(), self.stage.precision()
+        self.send(
+            WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped, precision)
+        )
         return True
 
     # 2) receive: aborts apply at once, even while a batch runs ----------------------------------

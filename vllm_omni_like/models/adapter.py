@@ -24,6 +24,7 @@ import torch
 
 from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 from vllm_omni_like.params import GenerationParams
@@ -287,6 +288,11 @@ class Adapter:
     def compile_targets(self) -> list[tuple[Any, str]]:
         """(owner, attribute) of each module to compile: the denoisers by default."""
         return [(self.pipe, expert.name) for expert in self.experts()]
+
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """With --quantization fp8, the linear layers of a denoiser (fnmatch patterns over its
+        module names) that keep the weights' dtype (models/precision.py)."""
+        return DEFAULT_HIGH_PRECISION
 
     # ---- classifier-free guidance --------------------------------------------------------------
     def batched_cfg(self) -> BatchedCFG | None:

@@ -74,6 +74,25 @@ class FluxAdapter(MMDiT, PackedLatents):
         )[0]
         return unpack(out, h, w)
 
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's attention projections (fused QKV too) and MLPs, the single
+        blocks' `proj_mlp` and `proj_out` - all but a few percent of the FLOPs at 1024x1024
+        beside attention itself. Kept: the embedders (`x_embedder` takes the 64 packed latent
+        features, `context_embedder` T5's states, `time_text_embed` the timestep, guidance and
+        pooled text), each block's AdaLayerNorm modulation (`norm1`, `norm1_context`, the single
+        blocks' `norm`: one row a sample, 3.2B of the 11.9B weights but no FLOPs to speak of,
+        scaling every activation of its block) and the final `norm_out` and `proj_out`."""
+        return (
+            "x_embedder",
+            "context_embedder",
+            "time_text_embed.*",
+            "*.norm1.linear",
+            "*.norm1_context.linear",
+            "*.norm.linear",
+            "norm_out.linear",
+            "proj_out",
+        )
+
     def _ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The image tokens' position ids (FluxPipeline._prepare_latent_image_ids), once a size."""
         key = (h, w, device, dtype)

@@ -96,6 +96,21 @@ class QwenImageAdapter(PackedLatents):
         )
         return unpack(guided_tokens * ratio, h, w)
 
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's attention projections (image and text streams) and MLPs
+        (`img_mlp`, `txt_mlp`). Kept: `img_in` (64 packed latent features), `txt_in`
+        (Qwen2.5-VL's states), `time_text_embed`, each block's modulation (`img_mod`, `txt_mod`:
+        one row a sample, 6.8B of the 20.4B weights) and the final `norm_out` and `proj_out`."""
+        return (
+            "img_in",
+            "txt_in",
+            "time_text_embed.*",
+            "*.img_mod.*",
+            "*.txt_mod.*",
+            "norm_out.linear",
+            "proj_out",
+        )
+
     def decoder(self, pipe: Any) -> Decoder | None:
         return lambda latents: _decode(pipe, latents)
 

@@ -98,6 +98,14 @@ class WanAdapter(Adapter):
             return_dict=False,
         )[0]
 
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's self- and cross-attention projections (an image model's image
+        keys and values too) and its MLP. Kept: `condition_embedder` (the timestep MLP, its
+        `time_proj` that modulates every block - the blocks' own modulation is a learned table,
+        no layer - and the text and image embedders: once a step) and the final `proj_out`
+        (the prediction itself)."""
+        return ("condition_embedder.*", "proj_out")
+
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         embeds = self.pipe.encode_prompt(
             prompt=[t or "" for t in texts],

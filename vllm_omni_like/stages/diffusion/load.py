@@ -15,6 +15,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import Adapter, adapter_for
 from vllm_omni_like.models.family import Family, Loop
+from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel import cfg_parallel
@@ -23,6 +24,7 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
+from vllm_omni_like.stages.diffusion import quantize
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.runtime import CfgRanks, Defaults, DiffusionRuntime, Speed
@@ -51,7 +53,7 @@ def load_runtime(
     # 1. where it runs: the device, the other CFG-parallel rank (it loads meanwhile)
     path = _model_dir(config)
     device = resolve_device(device_name)
-    dtype = resolve_dtype(config.dtype, device, torch.float16)  # the weights'
+    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
     link = _connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call
@@ -62,7 +64,7 @@ def load_runtime(
     limits = model_limits.diffusion_limits(config)
     # 4. speed: kernels, memory format, compilation (none of them changes the maths)
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
-    scheduler = pipe.scheduler  # the pipeline call's default
+    precision = _quantize(config, adapter, device, dtype)  # (FP8 matmuls: other maths)
     buckets = _compile(config, options, adapter)
     # 5. our own loop
     denoise = _own_loop(config, adapter, device, text, buckets)
@@ -84,7 +86,8 @@ def load_runtime(
         limits=limits,
         defaults=_defaults(limits, options, family),
         speed=speed,
-        scheduler=scheduler,
+        precision=precision,
+        scheduler=pipe.scheduler,  # the pipeline call's default
         buckets=buckets,
         denoise=denoise,
         cfg=cfg,
@@ -136,6 +139,9 @@ def _load_pipeline(
 
     _check_text_encoder(config, path)
     family = family_of(path)
+    if config.quantization == "fp8":  # refused before anything loads
+        check_quantization(config.name, family, config.quantization)
+        quantize.check_fp8(device, dtype)
     own = family.adapter_class().own_components(path)
     if config.load_format == "dummy":
         pipe = dummy_pipeline(path, device, dtype, own)
@@ -232,12 +238,31 @@ def _speed_up(
     return Speed(attention, channels_last, tuned)
 
 
+def _quantize(
+    config: StageConfig, adapter: Adapter, device: torch.device, dtype: torch.dtype
+) -> str:
+    """`--quantization fp8`: the denoisers' linear layers FP8 by their family's rule (after
+    the fused projections are made from the 16-bit weights); the log says the denoisers'
+    memory either way. Returns the precision the stage runs (`/health`)."""
+    if config.quantization == "fp8":
+        done = quantize.describe(quantize.quantize_denoisers(adapter, device))
+        logger.info("stage %s: FP8 matmuls (rowwise, torch._scaled_mm): %s", config.name, done)
+        logger.info("stage %s: %s", config.name, quantize.torchao_state())
+    else:
+        held = ", ".join(
+            f"{e.name} {quantize.size(quantize.model_bytes(e.model))}" for e in adapter.experts()
+        )
+        logger.info("stage %s: %s (%s)", config.name, held, quantize.precision_of("none", dtype))
+    return quantize.precision_of(config.quantization, dtype)
+
+
 def _compile(config: StageConfig, options: DiffusionOptions, adapter: Adapter) -> tuple[int, ...]:
-    """Compile what the adapter names; returns the batch buckets it runs (none: eager)."""
+    """Compile what the adapter names (each denoiser block by block where regional); returns
+    the batch buckets it runs (none: eager)."""
     if not config.compile:
         return ()
     backend = options.compile_backend
-    compiled = accel.compile_models(adapter, config.compile_mode, backend)
+    compiled = accel.compile_models(adapter, config.compile_mode, backend, config.regional)
     logger.info("stage %s: compiled %s (%s)", config.name, ", ".join(compiled), backend)
     configured = config.batch_buckets or options.batch_buckets
     return accel.buckets_for(config.max_batch_size, configured)

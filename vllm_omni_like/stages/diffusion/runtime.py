@@ -83,6 +83,7 @@ class DiffusionRuntime:
     defaults: Defaults
     # 4. speed: kernels, memory format, compilation
     speed: Speed
+    precision: str  # what its denoisers' matmuls run: "fp8", or the weights' dtype ("bf16")
     scheduler: Any  # the pipeline call's default scheduler
     buckets: tuple[int, ...]  # the batch sizes a compiled denoiser was warmed up for
     # 5. our own loop

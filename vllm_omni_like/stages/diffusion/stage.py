@@ -149,6 +149,9 @@ class DiffusionStage(Stage):
             return self.own_loop.begin(batch, control)
         return self.pipeline_call.begin(batch, control)
 
+    def precision(self) -> str | None:
+        return self.runtime.precision
+
     def stepped_modes(self) -> tuple[Mode, ...]:
         return tuple(sorted(self.runtime.own)) if self.runtime.cfg_ranks is None else ()
 
