@@ -264,7 +264,7 @@ class _Worker:
             raise FatalStageError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
     def _end_branches(self, batch_id: int) -> None:
-        if self.stage is not None and self.config.cfg_parallel:
+        if self.stage is not None and self.config.leads:
             try:
                 self.stage.end_branches(batch_id)
             except Exception as exc:

@@ -51,8 +51,11 @@ def arch_path(name: str) -> str:
 
 
 def _for_kind(kind: str, kw: dict[str, Any]) -> dict[str, Any]:
-    """The overrides of every stage that apply to a stage of `kind` (CFG-parallel: diffusion)."""
-    return kw if kind == "diffusion" else {k: v for k, v in kw.items() if k != "cfg_parallel"}
+    """The overrides of every stage that apply to a stage of `kind` (CFG-parallel, sequence
+    parallel: diffusion)."""
+    if kind == "diffusion":
+        return kw
+    return {k: v for k, v in kw.items() if k not in ("cfg_parallel", "sequence_parallel")}
 
 
 def _stage(name: str, kind: str, model: str, kw: dict[str, Any]) -> StageConfig:
