@@ -219,6 +219,8 @@ class _Worker:
         """What left the running set at one step boundary: the requests that ended (their rest,
         one decode) and the groups none of whose requests is left (they leave the critical
         path now; their BatchDone follows their last results) - to the finisher, as one job."""
+        for group in ended:  # (sequence parallelism: the other ranks stop serving it)
+            self._guard(self._end_branches, group.batch_id)
         now = time.monotonic()
         parts: list[Deferred | StageOutput] = [part] if part is not None else []
         job = Job(-1, list(owners), now, self.control.max_model_batch, parts)

@@ -7,7 +7,7 @@ errors, bisection: every decision - and its denoisers are wrapped (`SequencePara
 so that each forward is handed to the other ranks as it starts: a header naming the denoiser
 and its arguments' structure (host to host), then the new tensors, broadcast from rank 0; then
 every rank runs the same forward on the same inputs, its adapter's hooks splitting the tokens
-(models/<family>/sequence.py), the attention exchanging them, `proj_out`'s output gathered. The
+(models/<family>/sequence_parallel.py), the attention exchanging them, the output gathered. The
 other ranks (followers) run no loop: between batches they wait on their worker's pipe (no
 collective is open while a replica idles), and during a batch they serve rank 0's forwards
 until rank 0 ends it. No control decision needs a vote: the followers only ever do what the
@@ -66,6 +66,7 @@ class SequenceLeader:
         except RankDiverged:
             raise
         except Exception as exc:  # the others wait in this forward's collectives: no way back
+            logger.exception("rank 0: a sequence-parallel forward of %s failed", name)
             raise RankDiverged(
                 f"rank 0: a sequence-parallel forward failed: {type(exc).__name__}: {exc}"
             ) from exc
@@ -105,11 +106,20 @@ class SequenceFollower:
                     every: list[torch.Tensor] = []
                     args, kwargs = unpack_args(meta, tensors, every, self.held)
                     self.held = every
-                    with torch.inference_mode():
-                        models[name](*args, **kwargs)
+                    self._run(models[name], name, args, kwargs)
                     del args, kwargs, tensors
                 case other:
                     raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
+
+    def _run(self, model: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> None:
+        try:
+            with torch.inference_mode():
+                model(*args, **kwargs)
+        except Exception:  # (the worker exits on it: its traceback goes to the log first)
+            logger.exception(
+                "rank %d: a sequence-parallel forward of %s failed", self.link.rank, name
+            )
+            raise
 
     def _received(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.link.device)

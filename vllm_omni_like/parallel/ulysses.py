@@ -17,7 +17,7 @@ token for 1/N of the heads, then trades them back.
   into the model's graph (no graph break); q, k and v travel in one all-to-all.
 
 What the sequence is (which tokens, where in a model) is the family adapter's to say
-(models/<family>/sequence.py); parallel/sequence_parallel.py runs the ranks' forwards.
+(models/<family>/sequence_parallel.py); parallel/sequence_parallel.py runs the ranks' forwards.
 """
 
 from __future__ import annotations

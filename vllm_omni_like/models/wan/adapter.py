@@ -11,8 +11,10 @@ import torch
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.wan import FAMILY
+from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 
 
@@ -179,6 +181,12 @@ class WanAdapter(Adapter):
         wrapper = PairCFG(self.pipe.transformer, leader)
         self.pipe.transformer = wrapper
         return wrapper
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """Each expert's tokens split (models/wan/sequence_parallel.py); its heads."""
+        for expert in self.experts():
+            split_wan(expert.model, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:

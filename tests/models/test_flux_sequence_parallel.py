@@ -1,7 +1,7 @@
-"""A FLUX.1 transformer split over 2 and 4 gloo ranks (models/flux/sequence.py) against the same
-transformer on one rank, in float32: FLUX.1-dev's shape (a guidance embedding), 2 heads (over 4
-ranks: two hold padding heads only), 15 image tokens (divisible by neither), a text of 24 T5
-tokens every rank holds whole, two rows at different timesteps."""
+"""A FLUX.1 transformer split over 2 and 4 gloo ranks (models/flux/sequence_parallel.py)
+against the same transformer on one rank, in float32: FLUX.1-dev's shape (a guidance
+embedding), 2 heads (over 4 ranks: two hold padding heads only), 15 image tokens (divisible by
+neither), a text of 24 T5 tokens every rank holds whole, two rows at different timesteps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.models.tiny_mmdit import tiny_flux_path
 from tests.parallel.gloo_ranks import run_ranks
-from vllm_omni_like.models.flux.sequence import split_flux
+from vllm_omni_like.models.flux.sequence_parallel import split_flux
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
 pytestmark = pytest.mark.slow

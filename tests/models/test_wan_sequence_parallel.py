@@ -1,7 +1,7 @@
-"""A Wan transformer split over 2 and 4 gloo ranks (models/wan/sequence.py) against the same
-transformer on one rank, in float32: Wan2.1's (the embedded tiny-video model's) and Wan2.2-TI2V's
-(a timestep per token, its first frame's at 0), a token count that divides by neither, a batch
-of two rows at different timesteps."""
+"""A Wan transformer split over 2 and 4 gloo ranks (models/wan/sequence_parallel.py) against
+the same transformer on one rank, in float32: Wan2.1's (the embedded tiny-video model's) and
+Wan2.2-TI2V's (a timestep per token, its first frame's at 0), a token count that divides by
+neither, a batch of two rows at different timesteps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
 from tests.parallel.gloo_ranks import run_ranks
 from vllm_omni_like.models.tiny import ensure_tiny_model
-from vllm_omni_like.models.wan.sequence import split_wan
+from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
 pytestmark = pytest.mark.slow
