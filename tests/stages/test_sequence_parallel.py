@@ -199,3 +199,12 @@ def test_wan22_two_experts_equal_one_rank(tmp_path):
         )
     ]
     check_equal_to_one_rank(tiny_wan22_experts_path(), 2, requests, tmp_path)
+
+
+@pytest.mark.drill
+def test_a_compiled_replica_equals_one_rank(tmp_path):
+    """Compiled (dynamo's eager backend: real tracing, no C compiler), the split inside the
+    compiled graph: rank 0's warm-up at load drives the others' (they serve its forwards)."""
+    compiled = {"compile": True, "batch_buckets": (1,), "options": {"compile_backend": "eager"}}
+    requests = [_request("c", "text2video", seed=7, num_inference_steps=3, num_frames=9)]
+    check_equal_to_one_rank("tiny-video", 2, requests, tmp_path, **compiled)
