@@ -313,6 +313,9 @@ class StageConfig:
         if self.workers_per_replica not in (1, n):
             raise ConfigError(f"{where} {n} runs {n} workers per replica")
         object.__setattr__(self, "workers_per_replica", n)
+        # every rank decodes (a patch-parallel VAE) as it denoises: on the main thread, between
+        # steps, where the ranks' exchanges keep one order - not beside the next steps
+        object.__setattr__(self, "decode_overlap", False)
         if not devices and self.device != "cpu":
             raise ConfigError(
                 f"{where} {n}: a replica's {n} ranks need {n} devices: name them with "

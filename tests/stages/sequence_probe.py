@@ -2,7 +2,8 @@
 (or made in the test's own process for the one-rank reference). It writes what a test compares
 into the directory $SEQUENCE_PROBE_DIR: rank 0 each request's final latents, before the VAE
 (`<request id>.pt`, float32); every rank the tokens its denoisers' first block took in each
-forward (`tokens-rank<r>.txt`, one count a line)."""
+forward (`tokens-rank<r>.txt`, one count a line) and, where it holds a VAE, the rows its
+decoder made in each call (`decoded-rank<r>.txt`)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,20 @@ class SequenceProbeStage(DiffusionStage):
             with open(counts, "a") as f:
                 f.write(f"{hidden.shape[1]}\n")
 
-        for model in models.values():
+        for name, model in models.items():
+            if name.endswith(".decode"):  # (a patch-parallel VAE's decode)
+                continue
             inner = getattr(model, "_orig_mod", model)  # (a compiled one's own)
             first_block(inner).register_forward_pre_hook(count, with_kwargs=True)
+        decoded = os.path.join(where, f"decoded-rank{self.ranks.rank}.txt")
+
+        def rows(module: Any, args: tuple, out: Any) -> None:
+            with open(decoded, "a") as f:
+                f.write(f"{out.shape[-2]}\n")
+
+        vae = getattr(rt.pipe, "vae", None)
+        if vae is not None:
+            vae.decoder.register_forward_hook(rows)
         if self.ranks.rank > 0:
             return
         defer = rt.defer

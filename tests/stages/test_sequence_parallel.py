@@ -13,6 +13,7 @@ import queue
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.stages.sequence_probe import PROBE_ENV
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.executor import MultiprocExecutor, placement
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.stages.base import StageControl, create_stage
@@ -74,19 +76,19 @@ def _config(model: str, **kw) -> StageConfig:
     return dataclasses.replace(resolve(model, **kw)[0].stages[-1], kind=PROBE)
 
 
-def _reference(model: str, requests: list[StageRequest], where: Path) -> dict[str, torch.Tensor]:
-    """One rank, in this process, each request alone: its final latents."""
+def _reference(model: str, requests: list[StageRequest], where: Path) -> dict[str, StageOutput]:
+    """One rank, in this process, each request alone: its outputs (its final latents in
+    `where`)."""
     config = _config(model, device="cpu")
     stage = create_stage(config)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(PROBE_ENV, str(where))
         stage.load("cpu")
         control = StageControl(FaultInjector((), config.name))
-        for r in requests:
-            (out,) = stage.execute([r], control)
-            assert out.error is None, out.error
+        outs = {r.request_id: stage.execute([r], control)[0] for r in requests}
     stage.close()
-    return {r.request_id: torch.load(where / f"{r.request_id}.pt") for r in requests}
+    assert all(out.error is None for out in outs.values()), outs
+    return outs
 
 
 def _sequence_parallel(model: str, n: int, requests: list[StageRequest], where: Path, **kw):
@@ -115,8 +117,14 @@ def _sequence_parallel(model: str, n: int, requests: list[StageRequest], where: 
     return msgs
 
 
+def _pixels(out: StageOutput) -> np.ndarray:
+    media = [out.video.frames] if out.video is not None else [i.pixels for i in out.images]
+    return np.stack(media).astype(int)
+
+
 def check_equal_to_one_rank(model: str, n: int, requests: list[StageRequest], tmp: Path, **kw):
-    """Every request's latents within 1e-5 of one rank's; every rank's blocks took the same
+    """Every request's latents within 1e-5 of one rank's, its pixels within 1 level (a float
+    difference that small may round a level apart); every rank's blocks took the same
     forwards, each its share of the tokens the one rank's took whole (padding included)."""
     one, split = tmp / "one", tmp / "split"
     one.mkdir()
@@ -125,14 +133,23 @@ def check_equal_to_one_rank(model: str, n: int, requests: list[StageRequest], tm
     results = {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}
     assert all(out.error is None for out in results.values()), results
     want = _reference(model, requests, one)
-    for rid, latents in want.items():
-        got = torch.load(split / f"{rid}.pt")
+    for rid, ref in want.items():
+        got, latents = torch.load(split / f"{rid}.pt"), torch.load(one / f"{rid}.pt")
         assert got.shape == latents.shape and (got - latents).abs().max() <= TOLERANCE, rid
+        assert np.abs(_pixels(results[rid]) - _pixels(ref)).max() <= 1, rid
     whole = sorted({int(t) for t in (one / "tokens-rank0.txt").read_text().split()})
     shares = [(split / f"tokens-rank{r}.txt").read_text().split() for r in range(n)]
     assert all(s == shares[0] for s in shares)  # the same forwards on every rank
     assert sorted({int(t) for t in shares[0]}) == [-(-t // n) for t in whole]
     return msgs, whole
+
+
+def check_patch_decoded(tmp: Path, n: int) -> None:
+    """Every rank decoded (the Wan VAE's patch-parallel decode), each its band's rows only."""
+    whole = max(int(t) for t in (tmp / "one" / "decoded-rank0.txt").read_text().split())
+    for r in range(n):
+        made = [int(t) for t in (tmp / "split" / f"decoded-rank{r}.txt").read_text().split()]
+        assert made and max(made) < whole, (r, made, whole)
 
 
 def _ti2v_requests() -> list[StageRequest]:
@@ -153,6 +170,7 @@ def test_ti2v_videos_equal_one_rank_two_lengths_in_one_set(tmp_path):
     the first in the running set."""
     msgs, whole = check_equal_to_one_rank(tiny_wan22_ti2v_path(), 2, _ti2v_requests(), tmp_path)
     assert whole == [27, 75]
+    check_patch_decoded(tmp_path, 2)
     first_done = next(i for i, m in enumerate(msgs) if isinstance(m, BatchDone))
     stepped = [m.batch_id for m in msgs[:first_done] if isinstance(m, Progress)]
     assert {1, 2} <= set(stepped), "the two groups did not step in one set"
@@ -162,6 +180,7 @@ def test_ti2v_videos_equal_one_rank_two_lengths_in_one_set(tmp_path):
 def test_ti2v_videos_equal_one_rank_on_4_ranks(tmp_path):
     whole = check_equal_to_one_rank(tiny_wan22_ti2v_path(), 4, _ti2v_requests(), tmp_path)[1]
     assert whole == [27, 75]
+    check_patch_decoded(tmp_path, 4)
 
 
 @pytest.mark.drill
@@ -188,6 +207,7 @@ def test_wan21_videos_equal_one_rank(tmp_path, n):
         _request("v5", "text2video", seed=4, num_inference_steps=3, num_frames=5, width=48),
     ]
     check_equal_to_one_rank("tiny-video", n, requests, tmp_path)
+    check_patch_decoded(tmp_path, n)
 
 
 @pytest.mark.drill

@@ -219,8 +219,6 @@ class _Worker:
         """What left the running set at one step boundary: the requests that ended (their rest,
         one decode) and the groups none of whose requests is left (they leave the critical
         path now; their BatchDone follows their last results) - to the finisher, as one job."""
-        for group in ended:  # (sequence parallelism: the other ranks stop serving it)
-            self._guard(self._end_branches, group.batch_id)
         now = time.monotonic()
         parts: list[Deferred | StageOutput] = [part] if part is not None else []
         job = Job(-1, list(owners), now, self.control.max_model_batch, parts)
@@ -265,8 +263,11 @@ class _Worker:
         except Exception as exc:  # the ranks no longer agree: the replica restarts whole
             raise FatalStageError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
-    def _end_branches(self, batch_id: int) -> None:
-        if self.stage is not None and self.config.leads:
+    def _end_branches(self, batch_id: int, decoded: bool = False) -> None:
+        """The other ranks stop serving batch `batch_id`: CFG-parallel's rank 1 once its
+        denoising is over, sequence parallelism's once its decode is too (they decode it)."""
+        at_decode = self.config.sequence_parallel > 1
+        if self.stage is not None and self.config.leads and decoded == at_decode:
             try:
                 self.stage.end_branches(batch_id)
             except Exception as exc:
@@ -318,6 +319,7 @@ class _Worker:
         for out in outputs:
             self._deliver(job.owner(out.request_id), out)
         for batch_id, ids, started in job.ends():
+            self._guard(self._end_branches, batch_id, True)
             if self.reports:
                 steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
                 after = self.control.steps_after_abort(ids)

@@ -27,6 +27,7 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
+from vllm_omni_like.parallel.patch_decode import Bands
 from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
@@ -298,6 +299,11 @@ class Adapter:
         """Sequence parallelism: make each denoiser (not yet compiled) hold this rank's share of
         its latent tokens and attend over every rank's (text whole, RoPE global); its heads."""
         raise ConfigError(f"sequence parallelism does not run the {self.family.name} family yet")
+
+    def split_decode(self, bands: Bands) -> str | None:
+        """Sequence parallelism: make a component's `decode` (every rank calls it at once)
+        patch-parallel; the component's name (None: rank 0 decodes alone)."""
+        return None
 
 
 def adapter_for(pipe: Any, family: Family) -> Adapter:

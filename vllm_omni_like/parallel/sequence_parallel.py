@@ -127,6 +127,18 @@ class SequenceFollower:
         return tensor
 
 
+class SequenceParallelCall:
+    """Rank 0's `call` (a VAE's patch-parallel decode) run by every rank at once, as `name`."""
+
+    def __init__(self, call: Callable[..., Any], name: str, leader: SequenceLeader) -> None:
+        self.call = call
+        self.name = name
+        self.leader = leader
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.leader.forward(self.name, self.call, args, kwargs)
+
+
 class SequenceParallelDenoiser(DenoiserWrapper):
     """Rank 0's denoiser `name` whose every forward runs on all the replica's ranks."""
 

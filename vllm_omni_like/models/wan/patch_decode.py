@@ -27,10 +27,10 @@ def decode_halo(num_res_blocks: int, up_blocks: int) -> int:
     """Latent rows a Wan decoder's output row reaches beyond its own, past the middle block."""
     reach = 0.0
     for level in range(up_blocks):
-        reach += 2 * (num_res_blocks + 1) / 2**level  # its residual blocks' 3x3 convolutions
+        reach += 2 * (num_res_blocks + 1) * 0.5**level  # its residual blocks' 3x3 convolutions
         if level < up_blocks - 1:
-            reach += 1 / 2 ** (level + 1)  # the upsampler's 3x3 convolution, at the next scale
-    return math.ceil(reach + 1 / 2 ** (up_blocks - 1))  # conv_out
+            reach += 0.5 ** (level + 1)  # the upsampler's 3x3 convolution, at the next scale
+    return math.ceil(reach + 0.5 ** (up_blocks - 1))  # conv_out
 
 
 def split_wan_decode(vae: Any, bands: Bands, halo: int | None = None) -> Callable[..., Any]:

@@ -19,11 +19,13 @@ from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
+from vllm_omni_like.parallel.patch_decode import Bands
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.parallel.sequence_parallel import (
     SequenceFollower,
     SequenceLeader,
+    SequenceParallelCall,
     SequenceParallelDenoiser,
     heads_note,
 )
@@ -144,17 +146,24 @@ def _split_sequence(config: StageConfig, ranks: Ranks, link: Link | None, adapte
 def _sequence_ranks(
     config: StageConfig, ranks: Ranks, link: Link | None, pipe: Any, adapter: Adapter
 ) -> SequenceRanks | None:
-    """Rank 0's denoisers hand each forward to the other ranks, which keep only their
-    denoisers (compiled or not) and serve them."""
+    """Rank 0's denoisers (and a patch-parallel VAE's decode) hand each call to the other
+    ranks, which keep only those models (compiled or not) and serve them."""
     if link is None or config.sequence_parallel == 1:
         return None
-    models = {expert.name: expert.model for expert in adapter.experts()}
+    models: dict[str, Any] = {expert.name: expert.model for expert in adapter.experts()}
+    vae = adapter.split_decode(Bands(ranks.rank, ranks.size, link.group))
+    if vae is not None:
+        models[f"{vae}.decode"] = getattr(pipe, vae).decode
     if ranks.rank > 0:
-        cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
+        cfg_parallel.keep_only(pipe, adapter.keep_for_branches() | ({vae} if vae else set()))
         return SequenceRanks(link, None, SequenceFollower(link), models)
     leader = SequenceLeader(link)
     for name, model in models.items():
-        setattr(pipe, name, SequenceParallelDenoiser(model, name, leader))
+        owner, _, method = name.partition(".")
+        if method:  # (a component's method: its decode)
+            setattr(getattr(pipe, owner), method, SequenceParallelCall(model, name, leader))
+        else:
+            setattr(pipe, name, SequenceParallelDenoiser(model, name, leader))
     return SequenceRanks(link, leader, None, models)
 
 
