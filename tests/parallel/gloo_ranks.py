@@ -72,3 +72,15 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout: float 
         shutil.rmtree(root, ignore_errors=True)
     assert [p.exitcode for p in procs] == [0] * size
     return [results[r] for r in range(size)]
+
+
+def diffusers_ulysses(model: Any, size: int) -> None:
+    """diffusers' own context parallelism (Ulysses over `size` ranks) on `model`, in a rank of
+    `run_ranks`: the independent reference of our split. On the CPU: diffusers picks a rank's
+    device as its rank modulo the accelerators' count, 0 on a host without one, so this rank's
+    process is told of one (it uses the CPU all the same: gloo, a CPU mesh)."""
+    import torch
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    torch.accelerator.device_count = lambda: 1  # (this process's own: a spawned rank)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=size))
