@@ -19,9 +19,12 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
 
 
-def _forward_split(rank: int, size: int, path: str, per_token: bool) -> tuple[float, list]:
+def _forward_split(
+    rank: int, size: int, path: str, per_token: bool, compiled: bool = False
+) -> tuple[float, list]:
     """The largest difference between the split forward and one rank's (every rank: the
-    whole output, gathered), and the tokens each block took on this rank."""
+    whole output, gathered), and the tokens each block took on this rank; `compiled`: the
+    split model compiled whole (dynamo's eager backend, fullgraph: a graph break raises)."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(path, subfolder="transformer").float().eval()
@@ -40,6 +43,8 @@ def _forward_split(rank: int, size: int, path: str, per_token: bool) -> tuple[fl
         seen: list[int] = []
         for block in model.blocks:
             block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+        if compiled:
+            model = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
         got = model(**kwargs, return_dict=False)[0]
     return (got - want).abs().max().item(), seen
 
@@ -73,7 +78,11 @@ def _against_diffusers(rank: int, size: int, path: str, per_token: bool) -> tupl
 
 
 def _both(rank: int, size: int, wan21: str, ti2v: str) -> tuple[list, list]:
-    ours = [_forward_split(rank, size, wan21, False), _forward_split(rank, size, ti2v, True)]
+    ours = [
+        _forward_split(rank, size, wan21, False),
+        _forward_split(rank, size, ti2v, True),
+        _forward_split(rank, size, ti2v, True, compiled=True),
+    ]
     theirs = [
         _against_diffusers(rank, size, wan21, False),
         _against_diffusers(rank, size, ti2v, True),
@@ -83,8 +92,9 @@ def _both(rank: int, size: int, wan21: str, ti2v: str) -> tuple[list, list]:
 
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.drill)])
 def test_a_split_forward_equals_one_ranks_and_diffusers_context_parallel(size):
-    """Each block of each rank took its share of the 45 tokens (23 or 12, padding included);
-    where diffusers' context parallelism runs (48 tokens), ours equals it within 1e-5."""
+    """Each block of each rank took its share of the 45 tokens (23 or 12, padding included),
+    eager and compiled whole (no graph break); where diffusers' context parallelism runs (48
+    tokens), ours equals it within 1e-5."""
     answers = run_ranks(_both, size, ensure_tiny_model("tiny-video"), tiny_wan22_ti2v_path())
     share = -(-45 // size)
     for ours, theirs in answers:

@@ -1,6 +1,6 @@
-"""Run a function on N gloo ranks, each a spawned process of its own, with every wait bounded:
-what each rank's function returns, in rank order (a rank that raises fails the test with its
-traceback; one that does not answer in time is killed and fails it)."""
+"""Run a function on N gloo ranks (NCCL's, on GPUs), each a spawned process of its own, with every
+wait bounded: what each rank's function returns, in rank order (a rank that raises fails the
+test with its traceback; one that does not answer in time is killed and fails it)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,19 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _rank_main(target: Callable[..., Any], rank: int, size: int, store: str, out, args) -> None:
+def _rank_main(
+    target: Callable[..., Any], rank: int, size: int, store: str, out, args, backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # N ranks on a 2-core machine: each spins on one
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # N ranks on a 2-core machine: each spins on one
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=size,
@@ -37,14 +42,21 @@ def _rank_main(target: Callable[..., Any], rank: int, size: int, store: str, out
             dist.destroy_process_group()
 
 
-def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout: float = 90.0) -> list:
-    """`target(rank, size, *args)` on `size` gloo ranks (a module-level function: spawned)."""
+def run_ranks(
+    target: Callable[..., Any],
+    size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    backend: str = "gloo",
+) -> list:
+    """`target(rank, size, *args)` on `size` ranks (a module-level function: spawned)."""
     ctx = mp.get_context("spawn")
     root = tempfile.mkdtemp(prefix="gloo-ranks-")
     out = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_rank_main, args=(target, r, size, os.path.join(root, "store"), out, args)
+            target=_rank_main,
+            args=(target, r, size, os.path.join(root, "store"), out, args, backend),
         )
         for r in range(size)
     ]
