@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from tests.models.test_family_contract import EDIT_IMAGE
 from tests.models.tiny_mmdit import tiny_flux_path
 from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
 from tests.stages.sequence_probe import PROBE_ENV
@@ -174,6 +175,22 @@ def test_ti2v_videos_equal_one_rank_two_lengths_in_one_set(tmp_path):
     first_done = next(i for i, m in enumerate(msgs) if isinstance(m, BatchDone))
     stepped = [m.batch_id for m in msgs[:first_done] if isinstance(m, Progress)]
     assert {1, 2} <= set(stepped), "the two groups did not step in one set"
+
+
+@pytest.mark.drill
+def test_ti2v_image_to_video_equals_one_rank(tmp_path):
+    """The pipeline's own call (WanImageToVideoPipeline over the same models: the first
+    frame's latents at timestep 0 beside the noise): its transformer's forwards split, its
+    decode in bands."""
+    request = StageRequest(
+        "i2v",
+        "a red circle",
+        GenerationParams(seed=8, num_inference_steps=3, num_frames=5, width=80, height=48),
+        mode="image2video",
+        images=[EDIT_IMAGE],
+    )
+    check_equal_to_one_rank(tiny_wan22_ti2v_path(), 2, [request], tmp_path)
+    check_patch_decoded(tmp_path, 2)
 
 
 @pytest.mark.drill  # (four ranks on two cores)

@@ -159,6 +159,38 @@ def test_a_rank_failing_during_an_all_to_all_ends_every_rank(sp2, faults, refere
     assert np.abs(_frames(again) - want.video.frames.astype(int)).max() <= 1
 
 
+def test_an_abort_mid_step_stops_every_rank_and_the_replica_serves_on(sp2, reference):
+    """Rank 0 alone decides: it stops the aborted request at its next step boundary and ends
+    the batch on the other rank; the next request runs on the same two processes to one
+    rank's video."""
+    replica = sp2.orchestrator.pools["tiny-video"][0].replicas[0]
+    before = wait_for(lambda: _ranks(replica, 2), 120, "the replica ready with its 2 ranks")
+
+    async def main():
+        stepped = asyncio.Event()
+
+        async def run():
+            async for ev in sp2.generate(req("cut", "a red circle", "tiny-video", 50, seed=9)):
+                if isinstance(ev, OmniRequestOutput):
+                    return ev
+                if ev.step >= 3:
+                    stepped.set()
+            raise AssertionError("no final output")
+
+        task = asyncio.create_task(run())
+        await asyncio.wait_for(stepped.wait(), 60)
+        sp2.abort("cut")
+        cut = await asyncio.wait_for(task, 10)
+        after = await final(sp2, req("after-cut", "a red circle", "tiny-video", 4, seed=3, **SIZE))
+        return cut, after
+
+    cut, after = asyncio.run(main())
+    assert cut.error is not None and cut.error.code == "aborted"
+    want = reference(GenerationParams(num_inference_steps=4, seed=3, **SIZE), "text2video")
+    assert np.abs(_frames(after) - want.video.frames.astype(int)).max() <= 1
+    assert _ranks(replica, 2) == before
+
+
 @pytest.mark.drill  # (a stall bound of 1 s, plus the stall check and the kill)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_stopped_mid_step_is_caught_by_the_stall_bound(sp2, rank):
