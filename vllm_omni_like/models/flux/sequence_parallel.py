@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import (
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
 
-class UlyssesJointAttention(FluxAttnProcessor):  # type: ignore[misc]  # (diffusers is untyped)
+class UlyssesJointAttention(FluxAttnProcessor):  # type: ignore[misc]  # untyped
     """A FLUX.1 block's joint attention over [text, image] (projections, QK norms, RoPE and
     output projections as diffusers' processor has them): a double-stream block's text comes
     apart (`encoder_hidden_states`), a single-stream block's is the first tokens of its

@@ -36,7 +36,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return turned.flatten(-2).type_as(x)
 
 
-class UlyssesSelfAttention(WanAttnProcessor):  # type: ignore[misc]  # (diffusers is untyped)
+class UlyssesSelfAttention(WanAttnProcessor):  # type: ignore[misc]  # untyped
     """A Wan block's self-attention (`attn1`: projections, QK norms across heads, RoPE and the
     output projection as diffusers' processor has them) over every rank's tokens."""
 
@@ -60,8 +60,8 @@ class UlyssesSelfAttention(WanAttnProcessor):  # type: ignore[misc]  # (diffuser
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
         out = self.shards.attention(q, k, v).flatten(2, 3).type_as(q)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)  # type: ignore[no-any-return]
+        projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
+        return projected
 
 
 def split_wan(model: Any, shards: SequenceShards) -> None:
