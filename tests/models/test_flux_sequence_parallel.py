@@ -15,7 +15,7 @@ from tests.parallel.gloo_ranks import diffusers_ulysses, run_ranks
 from vllm_omni_like.models.flux.sequence_parallel import split_flux
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]  # (multi-process: 20-45 s each)
 TOLERANCE = 1e-5
 
 
@@ -65,7 +65,7 @@ def _forward_split(rank: int, size: int, path: str) -> tuple[float, list[int], f
     return (got - want).abs().max().item(), seen[:1], against
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.drill)])
+@pytest.mark.parametrize("size", [2, 4])
 def test_a_split_forward_equals_one_ranks_and_diffusers_context_parallel(size):
     answers = run_ranks(_forward_split, size, tiny_flux_path())
     for diff, seen, against in answers:

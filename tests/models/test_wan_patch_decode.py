@@ -58,6 +58,7 @@ def check(size: int, path: str, scale: int) -> None:
         assert made == sorted({(b.end - b.start) * scale for b in bands}), (rank, made)
 
 
+@pytest.mark.drill  # (multi-process: ~20 s; the default e2e test decodes in bands too)
 def test_a_patch_parallel_decode_equals_the_whole():
     check(2, ensure_tiny_model("tiny-video"), 4)
 

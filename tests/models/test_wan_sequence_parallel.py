@@ -15,7 +15,7 @@ from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]  # (multi-process: 20-45 s each)
 TOLERANCE = 1e-5
 
 
@@ -90,7 +90,7 @@ def _both(rank: int, size: int, wan21: str, ti2v: str) -> tuple[list, list]:
     return ours, theirs
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.drill)])
+@pytest.mark.parametrize("size", [2, 4])
 def test_a_split_forward_equals_one_ranks_and_diffusers_context_parallel(size):
     """Each block of each rank took its share of the 45 tokens (23 or 12, padding included),
     eager and compiled whole (no graph break); where diffusers' context parallelism runs (48

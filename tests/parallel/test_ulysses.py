@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from tests.parallel.gloo_ranks import run_ranks
 from vllm_omni_like.parallel.ulysses import SequenceShards, pad_dim, padded
 
-pytestmark = pytest.mark.slow
+# multi-process, ~10-30 s each: drills (tests/stages/test_sequence_parallel.py's default test runs
+# this attention at 2 ranks within 1e-5 of one rank, through real workers)
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
 TOLERANCE = 1e-5
 # (rows, replicated tokens, split tokens, heads, head dim)
 CASES = [
@@ -101,6 +103,5 @@ def test_compiled_without_graph_breaks_equals_one_ranks():
     assert max(run_ranks(_whole_forward_compiled, 1)) <= TOLERANCE
 
 
-@pytest.mark.drill  # (~20 s: four compiling ranks on two cores)
 def test_a_whole_forward_compiled_on_4_ranks_equals_one_ranks():
     assert max(run_ranks(_whole_forward_compiled, 4)) <= TOLERANCE

@@ -159,6 +159,7 @@ def test_a_rank_failing_during_an_all_to_all_ends_every_rank(sp2, faults, refere
     assert np.abs(_frames(again) - want.video.frames.astype(int)).max() <= 1
 
 
+@pytest.mark.drill
 def test_an_abort_mid_step_stops_every_rank_and_the_replica_serves_on(sp2, reference):
     """Rank 0 alone decides: it stops the aborted request at its next step boundary and ends
     the batch on the other rank; the next request runs on the same two processes to one
