@@ -11,8 +11,12 @@ import torch
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.wan import FAMILY
+from vllm_omni_like.models.wan.patch_decode import split_wan_decode
+from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
+from vllm_omni_like.parallel.patch_decode import Bands
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 
 
@@ -26,6 +30,7 @@ class WanAdapter(Adapter):
         super().__init__(pipe, family)
         transformer = getattr(pipe, "transformer", None)  # (a model's `dtype` walks its
         self._dtype = None if transformer is None else transformer.dtype  # modules: at load)
+        self.patch_decode = False  # (sequence parallelism: `split_decode`)
 
     def experts(self) -> list[Expert]:
         """`transformer` alone, or (Wan2.2-A14B) `transformer` for the high-noise steps, from
@@ -158,7 +163,7 @@ class WanAdapter(Adapter):
         first frame, each later call its temporal factor more): its decoder when it does not
         tile (a tiled decode calls it per tile)."""
         vae = self.pipe.vae
-        if vae is None or vae.use_tiling:
+        if vae is None or vae.use_tiling or self.patch_decode:
             return None
         patch = vae.config.patch_size
         return ChunkSource(vae.decoder, lambda out: _chunk_pixels(out, patch))
@@ -187,6 +192,19 @@ class WanAdapter(Adapter):
         wrapper = PairCFG(self.pipe.transformer, leader)
         self.pipe.transformer = wrapper
         return wrapper
+
+    def split_decode(self, bands: Bands) -> str | None:
+        """The VAE's decode, patch-parallel (models/wan/patch_decode.py); its chunks are no
+        longer whole frames, so the MP4 is not streamed from them."""
+        self.pipe.vae.decode = split_wan_decode(self.pipe.vae, bands)
+        self.patch_decode = True
+        return "vae"
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """Each expert's tokens split (models/wan/sequence_parallel.py); its heads."""
+        for expert in self.experts():
+            split_wan(expert.model, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
+from vllm_omni_like.parallel.sequence_parallel import SequenceFollower, SequenceLeader
 from vllm_omni_like.stages.base import Deferred
 from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
 from vllm_omni_like.stages.diffusion.edit_rows import Source
@@ -60,11 +61,23 @@ class CfgRanks:
 
 
 @dataclass(eq=False)
+class SequenceRanks:
+    """Sequence parallelism: this rank's side of the N (rank 0 leads, the others serve its
+    forwards, each with its share of the tokens)."""
+
+    link: Link
+    leader: SequenceLeader | None  # rank 0's
+    follower: SequenceFollower | None  # the others'
+    models: dict[str, Any]  # the denoisers by name, compiled or not (a test wraps them)
+
+
+@dataclass(eq=False)
 class DiffusionRuntime:
     """A loaded diffusion stage, its fields in the order the load builds them (load.py's
     steps). Not frozen: a test swaps a field (`own`, `buckets`, `cfg`, `config`) to run another
-    path on the same models. A CFG-parallel rank 1 runs its denoiser only: its probe is attached to
-    nothing, it has no edit pipelines and no side stream."""
+    path on the same models. A CFG-parallel rank 1 (a sequence-parallel rank > 0) runs its
+    denoiser only: its probe is attached to nothing, it has no edit pipelines and no side
+    stream."""
 
     config: StageConfig
     # 1. where it runs
@@ -90,7 +103,8 @@ class DiffusionRuntime:
     denoise: DenoiseLoop
     # 6. guidance: batched in one forward, or split over CFG-parallel ranks
     cfg: BatchedCFG | cfg_parallel.SplitCFG | None  # the denoiser's CFG wrapper, if any
-    cfg_ranks: CfgRanks | None  # None: one rank
+    cfg_ranks: CfgRanks | None  # None: not CFG-parallel
+    seq_ranks: SequenceRanks | None  # None: not sequence-parallel
     # 7. what runs beside the steps
     probe: BatchDimProbe  # the batch the denoiser's kernels get
     edit_pipes: dict[str, Any]  # "edit" / "inpaint" / "image2video" -> a pipeline sharing models
