@@ -94,6 +94,7 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
         "inpaint": ("pipeline", "stable-diffusion: inpaint runs the pipeline's call"),
     }
     assert loops_for(arch_path("sdxl"))["text2img"] == ("own", None)  # (Euler: its own)
+    assert loops_for(arch_path("qwen-image-edit")) == {"edit": ("own", None)}  # (instructions)
     assert loops_for(arch_path("wan2.1-t2v-1.3b")) == {"text2video": ("own", None)}
     assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
         "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")

@@ -8,8 +8,9 @@ latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, 
 its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split,
 and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
 with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
-(`Family.own_loop`) go through the diffusers pipeline's own `__call__`. The contract tests
-(tests/models/) hold each family's answers equal to its pipeline's.
+(`Family.own_loop`) go through the diffusers pipeline's own `__call__`; rows from an image carry
+their own conditioning (models/row_conditions.py). The contract tests (tests/models/) hold each
+family's answers equal to its pipeline's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.row_conditions import RowConditions
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 from vllm_omni_like.params import GenerationParams
@@ -64,7 +66,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter:
+class Adapter(RowConditions):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
