@@ -185,6 +185,7 @@ def test_the_stage_makes_what_its_diffusers_pipeline_makes(case):
     stage = case.stage()
     rt = stage.runtime
     assert rt.family.name == case.name and type(rt.adapter).family.name == case.name
+    assert rt.loops[case.request().loop_mode] == ("own", None)  # (every family's mode)
     got = _run(stage, case.request())
     want = _pixels(case, case.call(case.pipeline()))
     assert got.shape == want.shape

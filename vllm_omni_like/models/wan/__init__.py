@@ -82,8 +82,7 @@ I2V_FAMILY = dataclasses.replace(
     name="wan-i2v",
     pipelines=("WanImageToVideoPipeline",),
     adapter="vllm_omni_like.models.wan.i2v",
-    own_loop=(),  # (the pipeline's call: the image's latents and mask join each step's input)
-    schedulers=(),  # (its own scheduler)
+    own_loop=(Mode.IMAGE2VIDEO,),  # (each row's first-frame condition beside its noise)
     needs_image=True,
     # at 720p as published: Wan2.1-I2V-14B-720P 50 steps at CFG 5, Wan2.2-I2V-A14B 40 steps at
     # CFG 3.5 for both experts
