@@ -149,3 +149,44 @@ def test_a_video_from_an_image_that_joins_a_busy_set_at_step_k_makes_what_it_mak
     h.steps()
     for rid, video in alone.items():
         assert np.abs(frames(h, rid) - video).max() <= 1, rid
+
+
+def test_ti2v_rows_from_text_and_from_a_frame_share_a_set_and_a_forward():
+    """Wan2.2-TI2V on our loop: videos from a first frame and from text are one shape group;
+    a text row joins a busy set of rows from frames at a step boundary (and another frame's row
+    with it), every row steps in one forward - a frame's tokens at timestep 0, the frame put
+    back after each step - and each video is the one it makes alone."""
+    from tests.stages.diffusion.test_running_set import _Harness
+    from vllm_omni_like.wire import Mode
+
+    stage = _case(tiny_wan22_ti2v_path()).stage()
+    assert stage.runtime.loops == {m: ("own", None) for m in (Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO)}
+    a = _request("a", num_inference_steps=6)
+    b = StageRequest("b", "a blue square", dataclasses.replace(PARAMS, seed=4), "text2video")
+    c = _request("c", seed=5, num_inference_steps=4, guidance_scale=1.0)
+    c.images = [contract.EDIT_IMAGE[::-1, ::-1].copy()]
+    own = frozenset(stage.runtime.own)
+    assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)  # (one shape group)
+
+    def frames(h: _Harness, rid: str) -> np.ndarray:
+        out = h.outputs[rid]
+        assert out.error is None, out.error
+        return out.video.frames.astype(np.int16)
+
+    alone = {}
+    for r in (a, b, c):
+        h = _Harness(stage)
+        h.add(1, r)
+        h.steps()
+        alone[r.request_id] = frames(h, r.request_id)
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(2)
+    h.add(2, b, c)
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    batches = stage.runtime.probe
+    h.steps(1)
+    assert batches.max_seen == 5  # (one forward: a's and b's two branches, c's one)
+    h.steps()
+    for rid, video in alone.items():
+        assert np.abs(frames(h, rid) - video).max() <= 1, rid

@@ -56,11 +56,13 @@ FAMILY = Family(
     },
 )
 
-# its first frame given: WanImageToVideoPipeline over the same models (the pipeline's call)
+# its first frame given: as WanImageToVideoPipeline over the same models makes it, on our loop
+# beside text rows (models/wan/ti2v.py)
 TI2V_FAMILY = dataclasses.replace(
     FAMILY,
     name="wan-ti2v",
     adapter="vllm_omni_like.models.wan.ti2v",
+    own_loop=(Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO),
     video_from_image=True,
     config_flag="expand_timesteps",
     presets={  # 1280x704, 121 frames at 24 fps

@@ -84,6 +84,7 @@ class DenoiseSet:
                 row.negative = None if row.negative is None else row.negative + base
             self.text = cat_rows(self.text, text)
             self.latents = torch.cat([self.latents, latents.to(self.latents.dtype)])
+            assert (self.conditioning is None) == (conditioning is None)  # (one family's)
             if self.conditioning is not None and conditioning is not None:
                 self.conditioning = cat_named(self.conditioning, conditioning)
         else:

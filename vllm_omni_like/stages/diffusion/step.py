@@ -147,7 +147,7 @@ class DenoiseLoop:
         height (a schedule may depend on it: FLUX.1's shift)."""
         prompts: dict[TextKey, int] = {}
         negatives: dict[TextKey, int] = {}
-        read: dict[str | None, Any] = {}  # the image each request's texts are read with
+        read: dict[str, Any] = {}  # the image each request's texts are read with
         rows = []
         for r in batch:
             p = r.params
@@ -191,10 +191,8 @@ class DenoiseLoop:
         args = self.adapter.schedule_args(scheduler, steps, *size)
         return rs.schedule_for(scheduler, steps, args, start), source
 
-    def _embed(
-        self, keys: list[tuple[str | None, str | None]], read: dict[str | None, Any]
-    ) -> Text:
-        """The texts of `keys` ((text, the request whose image it is read with, or None))."""
+    def _embed(self, keys: list[TextKey], read: dict[str, Any]) -> Text:
+        """The texts of `keys`, each read with its request's image (`read`) where it has one."""
         texts = [text for text, _ in keys]
         if all(owner is None for _, owner in keys):
             return self.embed(texts, None)
