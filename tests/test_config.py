@@ -152,3 +152,54 @@ def test_the_cli_refuses_a_cuda_graph_compile_mode_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "--compile-mode reduce-overhead is refused" in err and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+def test_quantization_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
+    """`--quantization fp8` overrides every diffusion stage (an LLM stage in front keeps its
+    own precision); a YAML stage says `quantization: fp8` for itself. FP8 compiles regionally
+    unless told (`regional_compile`)."""
+    from vllm_omni_like.cli import build_parser
+    from vllm_omni_like.flags import stage_overrides
+    from vllm_omni_like.pipelines.catalog import resolve
+
+    args = build_parser().parse_args(["serve", "tiny-omni", "--quantization", "fp8"])
+    assert stage_overrides(args) == {"quantization": "fp8"}
+    llm, diffusion = resolve("tiny-omni", **stage_overrides(args))[0].stages
+    assert (llm.quantization, diffusion.quantization) == ("none", "fp8")
+    assert diffusion.regional and not llm.regional
+    off = StageConfig(name="d", kind="diffusion", quantization="fp8", regional_compile="off")
+    assert not off.regional
+    assert StageConfig(name="d", kind="diffusion", regional_compile="on").regional
+    yaml_file = tmp_path / "p.yaml"
+    yaml_file.write_text(
+        "pipelines:\n  - name: v\n    output: video\n    stages:\n"
+        "      - {name: diffusion, kind: diffusion, model: tiny-video, quantization: fp8}\n"
+    )
+    (stage,) = resolve(str(yaml_file))[0].stages
+    assert stage.quantization == "fp8"
+
+
+def test_a_quantization_it_does_not_know_or_on_an_llm_stage_is_refused():
+    with pytest.raises(ConfigError) as info:
+        StageConfig(name="d", kind="diffusion", quantization="int8")
+    assert str(info.value) == "stage 'd': quantization must be one of none, fp8, not 'int8'"
+    with pytest.raises(ConfigError) as info:
+        StageConfig(name="llm", kind="llm", quantization="fp8")
+    assert str(info.value) == (
+        "stage 'llm': --quantization fp8 runs diffusion stages only, not 'llm'"
+    )
+    with pytest.raises(ConfigError, match="regional_compile must be one of auto, on, off"):
+        StageConfig(name="d", kind="diffusion", regional_compile="yes")
+
+
+def test_the_cli_refuses_fp8_for_a_unet_model_in_one_line(tmp_path, capsys):
+    from vllm_omni_like.cli import main
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "a cat"}\n')
+    args = ["generate", "tiny-image", "--quantization", "fp8", "--input", str(lines)]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: stage 'diffusion': --quantization fp8 runs the transformer")
+    assert "not stable-diffusion: serve it with --quantization none" in err
+    assert "Traceback" not in err and err.count("\n") == 1

@@ -14,6 +14,9 @@ CHECKED = ["stages/diffusion"]
 ALLOWED = {
     "torch._dynamo",  # torch.compile's documented config and reset (`torch._dynamo.config`)
     "torch._logging",  # `torch._logging.set_logs`: the documented switch for recompile logs
+    "torch._scaled_mm",  # torch's one FP8 matmul (rowwise scales; torchao calls it too)
+    # nn.Module's one hook under every .to() / .cuda() / .half(): an FP8 layer keeps its dtypes
+    "super()._apply",
 }
 
 

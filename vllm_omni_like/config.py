@@ -36,6 +36,10 @@ ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+LOAD_FORMATS = ("auto", "dummy")  # the weights on disk, or random ones of the same architecture
+# the denoisers' linear layers: in the weights' dtype, or FP8 matmuls (stages/diffusion/fp8.py)
+QUANTIZATIONS = ("none", "fp8")
+REGIONAL_COMPILE_MODES = ("auto", "on", "off")  # auto: on with --quantization fp8
 # torch.compile's modes that capture CUDA graphs of their own: refused at start-up (measured on an
 # H100 with reduce-overhead: the stage warmed up, then every request crashed its worker with
 # "operation failed due to a previous error during capture"; max-autotune captures them too)
@@ -145,6 +149,10 @@ class StageConfig:
     # the two guidance branches of each denoising step on two ranks (two devices) of one
     # replica (parallel/cfg_parallel.py): 2 workers per replica, devices taken two by two
     cfg_parallel: bool = False
+    # one request's denoiser forwards over N ranks (N devices) of one replica, each holding 1/N
+    # of the latent tokens (parallel/sequence_parallel.py, Ulysses attention): N workers per
+    # replica, devices taken N by N; 1: off
+    sequence_parallel: int = 1
     max_batch_size: int = 8
     # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
     # `batch_max_wait` seconds from the oldest queued request for a full batch; "refill" waits
@@ -179,6 +187,12 @@ class StageConfig:
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
+    # "fp8": the denoisers' linear layers (but those their family keeps) run rowwise dynamic FP8
+    # matmuls, their weights quantized as they load (stages/diffusion/fp8.py)
+    quantization: str = "none"
+    # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
+    # by all of them) instead of the whole denoiser: "auto" does so with quantization fp8
+    regional_compile: str = "auto"
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
@@ -189,6 +203,12 @@ class StageConfig:
     max_steps: int | None = None
     # given as a mapping (YAML, the catalog); typed per kind once built (stage_options.py)
     options: Any = field(default_factory=dict)
+
+    @property
+    def leads(self) -> bool:
+        """Whether a replica's rank 0 leads its other ranks (CFG-parallel, sequence parallel):
+        it alone runs batches, and they serve the denoiser calls it hands them."""
+        return self.cfg_parallel or self.sequence_parallel > 1
 
     @property
     def cold_timeout(self) -> float:
@@ -202,8 +222,9 @@ class StageConfig:
         object.__setattr__(self, "devices", devices)
         if self.cfg_parallel:
             self._check_cfg_parallel(devices)
-        if devices and self.replicas == 1:  # the default: one replica per device (pair)
-            ranks = 2 if self.cfg_parallel else 1
+        self._check_sequence_parallel(devices)
+        if devices and self.replicas == 1:  # the default: one replica per device (group)
+            ranks = self.workers_per_replica if self.leads else 1
             object.__setattr__(self, "replicas", max(1, len(devices) // ranks))
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
@@ -222,7 +243,22 @@ class StageConfig:
         object.__setattr__(self, "options", parse_options(self.kind, self.name, self.options))
         if self.replicas < 1 or self.workers_per_replica < 1 or self.max_batch_size < 1:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
-        if self.load_format not in ("auto", "dummy"):
+        self._check_choices()
+        self._check_batching()
+        for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"stage {self.name!r}: {key} must be an integer >= 1")
+        if any(int(b) < 1 for b in self.batch_buckets):
+            raise ConfigError(f"stage {self.name!r}: batch buckets must be >= 1")
+        for size in self.warmup_sizes:
+            try:
+                parse_size(size)
+            except ValueError as exc:
+                raise ConfigError(f"stage {self.name!r}: warmup {exc}") from None
+
+    def _check_choices(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"stage {self.name!r}: load_format must be auto or dummy")
         if self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
             raise ConfigError(
@@ -236,23 +272,25 @@ class StageConfig:
             ("channels_last", self.channels_last, CHANNELS_LAST_MODES),
             ("routing", self.routing, ROUTINGS),
             ("batch_level", self.batch_level, BATCH_LEVELS),
+            ("quantization", self.quantization, QUANTIZATIONS),
+            ("regional_compile", self.regional_compile, REGIONAL_COMPILE_MODES),
         ):
             if value not in allowed:
                 raise ConfigError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
-        self._check_batching()
-        for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"stage {self.name!r}: {key} must be an integer >= 1")
-        if any(int(b) < 1 for b in self.batch_buckets):
-            raise ConfigError(f"stage {self.name!r}: batch buckets must be >= 1")
-        for size in self.warmup_sizes:
-            try:
-                parse_size(size)
-            except ValueError as exc:
-                raise ConfigError(f"stage {self.name!r}: warmup {exc}") from None
+        if self.quantization != "none" and self.kind != "diffusion" and ":" not in self.kind:
+            raise ConfigError(
+                f"stage {self.name!r}: --quantization {self.quantization} runs diffusion stages "
+                f"only, not {self.kind!r}"
+            )
+
+    @property
+    def regional(self) -> bool:
+        """Whether a compiled denoiser is compiled block by block (`regional_compile`)."""
+        if self.regional_compile == "auto":
+            return self.quantization == "fp8"
+        return self.regional_compile == "on"
 
     def _check_batching(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:
@@ -284,6 +322,41 @@ class StageConfig:
         for pair in zip(devices[::2], devices[1::2], strict=True):
             if pair[0] == pair[1] and pair[0] != "cpu":
                 raise ConfigError(f"{where}: the two ranks need two GPUs, not {pair}")
+
+    def _check_sequence_parallel(self, devices: tuple[str, ...]) -> None:
+        n = self.sequence_parallel
+        where = f"stage {self.name!r}: sequence_parallel"
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{where} must be an integer >= 1 (ranks per replica), not {n!r}")
+        if n == 1:
+            return
+        if self.cfg_parallel:
+            raise ConfigError(
+                f"{where} {n} with cfg_parallel: CFG-parallel x sequence parallel (2 x {n} "
+                "ranks) is not built yet; choose one"
+            )
+        if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
+            raise ConfigError(f"{where} runs diffusion stages only, not {self.kind!r}")
+        if self.workers_per_replica not in (1, n):
+            raise ConfigError(f"{where} {n} runs {n} workers per replica")
+        object.__setattr__(self, "workers_per_replica", n)
+        # every rank decodes (a patch-parallel VAE) as it denoises: on the main thread, between
+        # steps, where the ranks' exchanges keep one order - not beside the next steps
+        object.__setattr__(self, "decode_overlap", False)
+        if not devices and self.device != "cpu":
+            raise ConfigError(
+                f"{where} {n}: a replica's {n} ranks need {n} devices: name them with "
+                f"--devices (devices: in YAML), {n} per replica, or run on --device cpu"
+            )
+        if len(devices) % n:
+            raise ConfigError(f"{where} {n} takes devices {n} by {n}, not {len(devices)}")
+        for start in range(0, len(devices), n):
+            group = devices[start : start + n]
+            gpus = [d for d in group if d != "cpu"]
+            if 0 < len(gpus) < n:
+                raise ConfigError(f"{where} {n}: a replica's ranks are all GPUs or all CPU")
+            if len(set(gpus)) != len(gpus):
+                raise ConfigError(f"{where} {n}: a replica's ranks need {n} GPUs, not {group}")
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from vllm_omni_like.config import (
     CHANNELS_LAST_MODES,
     COMPILE_MODES,
     CUDA_GRAPH_COMPILE_MODES,
+    LOAD_FORMATS,
     EngineConfig,
     Limits,
     PipelineConfig,
@@ -23,7 +24,12 @@ from vllm_omni_like.config import (
 )
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
-from vllm_omni_like.stage_flags import add_batching_args, stage_flag
+from vllm_omni_like.stage_flags import (
+    add_batching_args,
+    add_parallel_args,
+    add_precision_args,
+    stage_flag,
+)
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 STAGE_FLAGS = (
@@ -34,6 +40,7 @@ STAGE_FLAGS = (
     "gpu_memory_fraction",
     "replicas",
     "cfg_parallel",
+    "sequence_parallel",
     "max_batch_size",
     "batch_policy",
     "batch_wait",
@@ -55,6 +62,8 @@ STAGE_FLAGS = (
     "batch_buckets",
     "batched_cfg",
     "decode_overlap",
+    "quantization",
+    "regional_compile",
     "max_side",
     "max_pixels",
     "max_frames",
@@ -82,6 +91,8 @@ COMPILE_MODE_HELP = (
     "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of their "
     "own, are refused: they crash the worker at its first request)"
 )
+LOAD_FORMAT_HELP = "auto: the weights on disk; dummy: random weights"
+DTYPE_HELP = "auto: fp16 on CUDA (bf16 with --quantization fp8), fp32 on the CPU"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,15 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "rewriter (default: none)",
     )
     g = parser.add_argument_group("stages (override every stage)")
-    stage_flag(
-        g,
-        "load_format",
-        "auto: the weights on disk; dummy: random weights",
-        choices=("auto", "dummy"),
-    )
-    stage_flag(
-        g, "dtype", "auto: fp16 on CUDA, fp32 on the CPU", choices=("auto", "fp32", "fp16", "bf16")
-    )
+    stage_flag(g, "load_format", LOAD_FORMAT_HELP, choices=LOAD_FORMATS)
+    stage_flag(g, "dtype", DTYPE_HELP, choices=("auto", "fp32", "fp16", "bf16"))
     stage_flag(g, "device", "auto (CUDA if present), cpu, cuda or cuda:N")
     stage_flag(
         g,
@@ -126,15 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="F",
     )
     stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
-    stage_flag(
-        g,
-        "cfg_parallel",
-        "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
-        "CPU), each running one classifier-free-guidance branch of every step: lower latency "
-        "per request; --devices are taken two by two, --replicas defaults to half of them",
-        action="store_true",
-        default=None,
-    )
+    add_parallel_args(g)
     stage_flag(
         g,
         "stall_timeout",
@@ -170,6 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
     )
     stage_flag(g, "compile_mode", COMPILE_MODE_HELP, choices=COMPILE_CHOICES)
+    add_precision_args(g)
     stage_flag(
         g,
         "attention",

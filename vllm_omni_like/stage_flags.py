@@ -1,4 +1,5 @@
-"""The flags that override every stage's field, and the batching group of them."""
+"""The flags that override every stage's field: the parallel and batching groups of them, and
+the precision flags of the speed group."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, ROUTINGS, StageConfig
+from vllm_omni_like.config import (
+    BATCH_LEVELS,
+    BATCH_POLICIES,
+    QUANTIZATIONS,
+    REGIONAL_COMPILE_MODES,
+    ROUTINGS,
+    StageConfig,
+)
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -20,6 +28,31 @@ def stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
     default = _STAGE[name]
     shown = on_off(default) if isinstance(default, bool) else default
     g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
+
+
+def add_parallel_args(g: Any) -> None:
+    """One request over several devices of a replica (in the stages group)."""
+    stage_flag(
+        g,
+        "cfg_parallel",
+        "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
+        "CPU), each running one classifier-free-guidance branch of every step: lower latency "
+        "per request; --devices are taken two by two, --replicas defaults to half of them",
+        action="store_true",
+        default=None,
+    )
+    stage_flag(
+        g,
+        "sequence_parallel",
+        "diffusion stages (Wan, FLUX.1): a replica spans N devices (N ranks), each holding 1/N "
+        "of every denoiser forward's latent tokens and the whole model, attention exchanging "
+        "heads for tokens (Ulysses), and (Wan) decoding a band of each video: lower latency "
+        "for one large video or image; --devices are taken N by N, --replicas defaults to "
+        "their number / N; its decodes do not overlap the next steps (--decode-overlap is "
+        "off); not with --cfg-parallel yet",
+        type=int,
+        metavar="N",
+    )
 
 
 def add_batching_args(parser: argparse.ArgumentParser) -> None:
@@ -96,4 +129,25 @@ def add_batching_args(parser: argparse.ArgumentParser) -> None:
         "which replica gets a batch: cost (where it would end first: the work each replica "
         "holds, in seconds at its measured speed) or count (the fewest requests held)",
         choices=ROUTINGS,
+    )
+
+
+def add_precision_args(g: Any) -> None:
+    """Low precision and the compile that keeps its warm-up short (the speed group `g`)."""
+    stage_flag(
+        g,
+        "quantization",
+        "fp8: the transformer's linear layers run rowwise dynamic FP8 matmuls (torch._scaled_mm; "
+        "weights quantized as they load, the layers its family keeps in the weights' dtype "
+        "aside): FLUX.1, SD3, Qwen-Image, Z-Image and Wan; CUDA compute capability 8.9 or newer "
+        "(or the CPU); /health says each stage's precision",
+        choices=QUANTIZATIONS,
+    )
+    stage_flag(
+        g,
+        "regional_compile",
+        "with --compile: each repeated transformer block compiled on its own, one graph a kind "
+        "of block reused by every block of it, instead of the whole denoiser: a fraction of the "
+        "warm-up (auto: on with --quantization fp8)",
+        choices=REGIONAL_COMPILE_MODES,
     )

@@ -121,6 +121,7 @@ class WorkerReady:
     gpu_memory: int = 0  # bytes its CUDA allocator holds once loaded
     # the modes whose rows join and leave its running set at step boundaries (Stage.stepper)
     stepped: tuple[Mode, ...] = ()
+    precision: str | None = None  # what its model computes in (Stage.precision): fp8, bf16...
 
 
 @dataclass

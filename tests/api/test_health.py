@@ -117,7 +117,7 @@ def test_health_says_starting_until_the_models_load(tmp_path):
             # which model family's adapter the stage runs, and through which loop each mode
             (stage,) = http.get("/health").json()["stages"]
             assert (stage["family"], stage["loop"]) == ("stable-diffusion", "own")
-            assert stage["loops"] == {"text2img": "own", "edit": "own", "inpaint": "pipeline"}
+            assert stage["loops"] == {"text2img": "own", "edit": "own", "inpaint": "own"}
             family = [
                 line
                 for line in http.get("/metrics").text.splitlines()
@@ -128,7 +128,7 @@ def test_health_says_starting_until_the_models_load(tmp_path):
                 'mode="text2img",pipeline="tiny-image",stage="diffusion"} 1.0',
                 'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
                 'mode="edit",pipeline="tiny-image",stage="diffusion"} 1.0',
-                'vllm_omni_like_stage_family{family="stable-diffusion",loop="pipeline",'
+                'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
                 'mode="inpaint",pipeline="tiny-image",stage="diffusion"} 1.0',
             ]
     finally:
@@ -217,3 +217,19 @@ def test_models_lists_a_pipeline_that_makes_text_only(tmp_path_factory, tmp_path
         assert server.client().models.retrieve("chat-only").id == "chat-only"
         r = http.post("/v1/images/generations", json={"prompt": "x", "model": "chat-only"})
         assert r.status_code == 400, r.text
+
+
+@pytest.mark.slow
+def test_health_and_models_say_each_stages_precision(tmp_path_factory):
+    """A stage's workers say at start what its model computes in: `quantization: fp8` on the
+    tiny Wan model (its transformer's linear layers FP8), on /health and on the model's
+    /v1/models entry (a stage without it says its weights' dtype: fp32, bf16, ...)."""
+    with (
+        live_server(tmp_path_factory, "tiny-video", stage_kw={"quantization": "fp8"}) as server,
+        server.http() as http,
+    ):
+        (stage,) = http.get("/health").json()["stages"]
+        assert (stage["name"], stage["precision"]) == ("diffusion", "fp8")
+        assert http.get("/v1/models/tiny-video").json()["precision"] == {"diffusion": "fp8"}
+        models = http.get("/v1/models").json()["data"]
+        assert [m["precision"] for m in models] == [{"diffusion": "fp8"}]

@@ -91,7 +91,7 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     assert loops_for(arch_path("sd15")) == {
         "text2img": ("own", None),
         "edit": ("own", None),  # (image to image)
-        "inpaint": ("pipeline", "stable-diffusion: inpaint runs the pipeline's call"),
+        "inpaint": ("own", None),
     }
     assert loops_for(arch_path("sdxl"))["text2img"] == ("own", None)  # (Euler: its own)
     assert loops_for(arch_path("qwen-image-edit")) == {"edit": ("own", None)}  # (instructions)

@@ -37,8 +37,10 @@ async def health(request: Request) -> JSONResponse:
 
 def _model(engine, name: str) -> dict:
     """OpenAI's model object, with what the model makes and its limits as extension fields
-    (`limits` is null for a model that makes text only: a chat model has no media limits)."""
+    (`limits` is null for a model that makes text only: a chat model has no media limits), and
+    what each stage computes in (`precision`: fp8, bf16, ...; null until a worker loaded)."""
     output = engine.pipeline_output(name)
+    stages = [s for s in engine.health() if s["pipeline"] == name]
     return {
         "id": name,
         "object": "model",
@@ -47,6 +49,7 @@ def _model(engine, name: str) -> dict:
         "output": output,
         "stages": [s.name for s in engine.config_of(name).stages],
         "limits": engine.model_limits(name).as_dict() if output != "text" else None,
+        "precision": {s["name"]: s.get("precision") for s in stages},
     }
 
 

@@ -51,6 +51,7 @@ class StageView:
     rate: float | None = None  # seconds per unit of work of its live replicas side by side
     replicas: tuple[ReplicaView, ...] = ()
     family: StageFamily | None = None  # a diffusion stage's family and its loops (per mode)
+    precision: str | None = None  # what its model computes in (fp8, bf16...), once loaded
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -64,6 +65,8 @@ class StageView:
         }
         if self.family is not None:
             body.update(self.family)
+        if self.precision is not None:  # (a loaded model's: fp8, bf16, ...)
+            body["precision"] = self.precision
         if self.restart_error:
             body["restart_error"] = self.restart_error
         return body
@@ -112,6 +115,7 @@ def take(pools: Iterable[StagePool], dead: ErrorInfo | None) -> EngineSnapshot:
                 rate=pool.parallel_rate(),
                 replicas=tuple(_replica_view(pool, r) for r in replicas),
                 family=pool.family,
+                precision=pool.precision,
             )
         )
     return EngineSnapshot(tuple(views), dead)

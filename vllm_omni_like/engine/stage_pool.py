@@ -83,6 +83,7 @@ class StagePool:
         self.own_loop = frozenset(mode for mode, loop in loops.items() if loop == "own")
         # the modes whose rows join a running set: what the workers said they step
         self.stepped: frozenset[Mode] = frozenset()
+        self.precision: str | None = None  # what its model computes in, once a worker said
         self.waiting: deque[RequestState] = deque()
         self.policy = make_policy(config)
         self.started = False
@@ -151,6 +152,7 @@ class StagePool:
         shape only (each row its own steps) and may join a set of their shape group."""
         self.stepped = frozenset(executor.stepped)
         self.own_loop = self.own_loop | self.stepped
+        self.precision = executor.precision or self.precision
 
     def remove(self, state: RequestState) -> bool:
         # by identity, without deque.remove: its ValueError for a request that is not queued

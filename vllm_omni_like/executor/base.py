@@ -23,6 +23,7 @@ class Executor(ABC):
     gpu_memory: int = 0  # bytes its workers' CUDA allocators held when they last said
     visible_devices: str | None = None  # its workers' CUDA_VISIBLE_DEVICES
     stepped: tuple[Mode, ...] = ()  # modes whose rows join its running set (WorkerReady)
+    precision: str | None = None  # what its model computes in (WorkerReady): fp8, bf16...
 
     @abstractmethod
     def start(self) -> None:

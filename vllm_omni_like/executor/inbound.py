@@ -95,7 +95,7 @@ class InboundExecutor(Executor):
                 ready.add(rank)
                 if rank == 0:
                     self.visible_devices, self.gpu_memory = hello.visible_devices, hello.gpu_memory
-                    self.stepped = hello.stepped
+                    self.stepped, self.precision = hello.stepped, hello.precision
             case WorkerLoadFailed(error=info, traceback=tb):
                 logger.error("stage %s %s failed to load:\n%s", stage, where, tb)
                 raise EngineDeadError(f"{where}: {info.message}", stage=stage)

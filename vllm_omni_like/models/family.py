@@ -58,6 +58,8 @@ class Family:
     inpaints: bool = False  # its edits also take a mask (Mode.INPAINT: an edit with one)
     config_flag: str | None = None  # a model_index.json value that must be true for this
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
+    fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
+    # (which of them stay in the weights' dtype: its adapter's `high_precision_layers`)
     presets: Mapping[str, Config] = field(default_factory=dict, hash=False)
 
     def adapter_class(self) -> Any:

@@ -15,6 +15,7 @@ from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.family import Family, Loop
+from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import family_for, family_of, loops_for, read_config
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
@@ -139,6 +140,7 @@ def describe_stage(stage: StageConfig) -> StageFamily | None:
     family = stage_family(stage)
     if family is None:
         return None
+    check_quantization(stage.name, family, stage.quantization)  # (a start-up error)
     loops = loops_for(model_path(stage), stage.cfg_parallel)
     return {
         "family": family.name,

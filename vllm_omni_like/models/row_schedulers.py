@@ -17,6 +17,7 @@ The names a request gives (`scheduler`) are models/schedulers.py's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Sequence
@@ -44,9 +45,20 @@ class Schedule:
     # the diffusers scheduler, its timesteps set and its begin index at `start`: it noises an
     # image-to-image row's source as the pipeline's does (`add_noise`)
     noiser: Any = field(default=None, compare=False, repr=False)
-    _on_device: dict[torch.device, torch.Tensor] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    _on_device: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def noiser_on(self, device: torch.device) -> Any:
+        """The noiser with its tables on `device` (copied there once): noising on a device
+        then copies nothing from the host, so it never waits for the device."""
+        key = ("noiser", device)
+        if key not in self._on_device:
+            noiser = copy.deepcopy(self.noiser)
+            for name in ("timesteps", "sigmas", "alphas_cumprod"):
+                value = getattr(noiser, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(noiser, name, value.to(device))
+            self._on_device[key] = noiser
+        return self._on_device[key]
 
     @property
     def iterations(self) -> int:
@@ -57,7 +69,8 @@ class Schedule:
         """The timesteps on `device`, copied there once."""
         if device not in self._on_device:
             self._on_device[device] = self.timesteps.to(device)
-        return self._on_device[device]
+        timesteps: torch.Tensor = self._on_device[device]
+        return timesteps
 
 
 @dataclass
@@ -141,15 +154,31 @@ def schedule_for(
 
 def add_noise(schedule: Schedule, source: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Rows of an image's latents (`source`) noised to their schedule's first step, as an
-    image-to-image pipeline noises them: its scheduler's `scale_noise` (flow matching) or
-    `add_noise`, at the first timestep, from the begin index."""
-    noiser = schedule.noiser
-    first = noiser.timesteps[schedule.start : schedule.start + 1].repeat(source.shape[0])
-    first = first.to(source.device)
-    if hasattr(noiser, "scale_noise"):
-        noised: torch.Tensor = noiser.scale_noise(source, first, noise)
-    else:
-        noised = noiser.add_noise(source, noise, first)
+    image-to-image pipeline noises them before its loop."""
+    return noise_to(schedule, 0, source, noise)
+
+
+def noise_to(
+    schedule: Schedule, index: int, source: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """`source` noised with `noise` to the schedule's step `index`, by its scheduler's own
+    `scale_noise` (flow matching) or `add_noise` at that step's timestep, from that step as
+    its begin index (where the pipeline's scheduler, stepped that far, is: an inpainting
+    pipeline's image after each step)."""
+    noiser = schedule.noiser_on(source.device)
+    at = schedule.start + index
+    first = noiser.timesteps[at : at + 1].repeat(source.shape[0])
+    begins = hasattr(noiser, "set_begin_index")
+    if begins:
+        noiser.set_begin_index(at)
+    try:
+        if hasattr(noiser, "scale_noise"):
+            noised: torch.Tensor = noiser.scale_noise(source, first, noise)
+        else:
+            noised = noiser.add_noise(source, noise, first)
+    finally:
+        if begins:
+            noiser.set_begin_index(schedule.start)
     return noised
 
 

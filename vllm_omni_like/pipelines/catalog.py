@@ -50,9 +50,17 @@ def arch_path(name: str) -> str:
     return str(resources.files("vllm_omni_like") / "assets" / "archs" / name)
 
 
+DIFFUSION_ONLY = (
+    "cfg_parallel",
+    "sequence_parallel",
+    "quantization",
+)  # overrides of every stage that only
+# diffusion stages take (an LLM stage in front keeps its own)
+
+
 def _for_kind(kind: str, kw: dict[str, Any]) -> dict[str, Any]:
-    """The overrides of every stage that apply to a stage of `kind` (CFG-parallel: diffusion)."""
-    return kw if kind == "diffusion" else {k: v for k, v in kw.items() if k != "cfg_parallel"}
+    """The overrides of every stage that apply to a stage of `kind`."""
+    return kw if kind == "diffusion" else {k: v for k, v in kw.items() if k not in DIFFUSION_ONLY}
 
 
 def _stage(name: str, kind: str, model: str, kw: dict[str, Any]) -> StageConfig:

@@ -241,6 +241,11 @@ class Stage(ABC):
         """The modes `stepper` runs as a running set (the worker tells the engine at start)."""
         return ()
 
+    def precision(self) -> str | None:
+        """What its model computes in, once loaded: fp8, bf16, fp16, fp32 (the worker tells the
+        engine at start, `/health` says it); None: no model."""
+        return None
+
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         """The whole batch at once: `begin`, then `finish` of the requests still live. Only
         tests call it; the worker runs the two apart (isolation.py), `finish` beside the next

@@ -51,6 +51,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the flags name it: fp32, fp16, bf16 (another's torch name)."""
+    return next((k for k, v in _DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
+
+
 def resolve_dtype(dtype: str, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
     if dtype == "auto":
         return gpu_default if device.type == "cuda" else torch.float32

@@ -17,7 +17,8 @@ FAMILY = Family(
     size_base=16,  # FluxPipeline.check_inputs: the VAE's factor x the 2x2 packing
     default_guidance=3.5,  # FluxPipeline's
     adapter="vllm_omni_like.models.flux.adapter",
-    own_loop=(Mode.TEXT2IMG, Mode.EDIT),  # (inpainting: the pipeline's own call)
+    fp8=True,
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,
     schedulers=("flow-euler",),
     # at their published defaults (1024x1024 from their VAE's config); schnell: no guidance

@@ -17,8 +17,10 @@ import torch
 
 from vllm_omni_like.models.adapter import Guidance
 from vllm_omni_like.models.flux import FAMILY
+from vllm_omni_like.models.flux.sequence_parallel import split_flux
 from vllm_omni_like.models.mmdit import MMDiT, PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
+from vllm_omni_like.parallel.ulysses import SequenceShards
 
 MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
 
@@ -73,6 +75,30 @@ class FluxAdapter(MMDiT, PackedLatents):
             return_dict=False,
         )[0]
         return unpack(out, h, w)
+
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's attention projections (fused QKV too) and MLPs, the single
+        blocks' `proj_mlp` and `proj_out` - all but a few percent of the FLOPs at 1024x1024
+        beside attention itself. Kept: the embedders (`x_embedder` takes the 64 packed latent
+        features, `context_embedder` T5's states, `time_text_embed` the timestep, guidance and
+        pooled text), each block's AdaLayerNorm modulation (`norm1`, `norm1_context`, the single
+        blocks' `norm`: one row a sample, 3.2B of the 11.9B weights but no FLOPs to speak of,
+        scaling every activation of its block) and the final `norm_out` and `proj_out`."""
+        return (
+            "x_embedder",
+            "context_embedder",
+            "time_text_embed.*",
+            "*.norm1.linear",
+            "*.norm1_context.linear",
+            "*.norm.linear",
+            "norm_out.linear",
+            "proj_out",
+        )
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """The image tokens split, the T5 text whole (models/flux/sequence_parallel.py)."""
+        split_flux(self.pipe.transformer, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
     def _ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The image tokens' position ids (FluxPipeline._prepare_latent_image_ids), once a size."""

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Decoder, Guidance, pad_tokens
+from vllm_omni_like.models.adapter import Decoder, Guidance
 from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
-from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
+from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
 from vllm_omni_like.params import GenerationParams
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
@@ -95,6 +95,21 @@ class QwenImageAdapter(PackedLatents):
             guided_tokens, dim=-1, keepdim=True
         )
         return unpack(guided_tokens * ratio, h, w)
+
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's attention projections (image and text streams) and MLPs
+        (`img_mlp`, `txt_mlp`). Kept: `img_in` (64 packed latent features), `txt_in`
+        (Qwen2.5-VL's states), `time_text_embed`, each block's modulation (`img_mod`, `txt_mod`:
+        one row a sample, 6.8B of the 20.4B weights) and the final `norm_out` and `proj_out`."""
+        return (
+            "img_in",
+            "txt_in",
+            "time_text_embed.*",
+            "*.img_mod.*",
+            "*.txt_mod.*",
+            "norm_out.linear",
+            "proj_out",
+        )
 
     def decoder(self, pipe: Any) -> Decoder | None:
         return lambda latents: _decode(pipe, latents)

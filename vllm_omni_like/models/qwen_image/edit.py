@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import pad_tokens
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import EDIT_FAMILY
 from vllm_omni_like.models.qwen_image.adapter import (
@@ -31,7 +30,7 @@ from vllm_omni_like.models.qwen_image.adapter import (
 )
 from vllm_omni_like.models.qwen_image.vl_processor import VisionTextProcessor
 from vllm_omni_like.models.row_conditions import Conditioning
-from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, bucket_prompts, text_bucket
+from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, bucket_prompts, pad_tokens, text_bucket
 from vllm_omni_like.wire import Mode
 
 FITTED_AREA = 1024 * 1024  # the pixels QwenImageEditPipeline fits an upload to

@@ -20,7 +20,8 @@ FAMILY = Family(
     size_base=16,  # StableDiffusion3Pipeline.check_inputs: the VAE's factor x the patch
     default_guidance=7.0,  # StableDiffusion3Pipeline's
     adapter="vllm_omni_like.models.sd3.adapter",
-    own_loop=(Mode.TEXT2IMG, Mode.EDIT),  # (inpainting: the pipeline's own call)
+    fp8=True,
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,
     schedulers=("flow-euler",),
     # at their published defaults (1024x1024 from their VAE's config)

@@ -63,6 +63,20 @@ class SD3Adapter(MMDiT):
             return_dict=False,
         )[0]
 
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's attention projections (both streams) and MLPs. Kept, as in FLUX.1:
+        `context_embedder` and `time_text_embed` (the text's and the timestep's first layers),
+        each block's AdaLayerNorm modulation (`norm1`, `norm1_context`: one row a sample) and the
+        final `norm_out` and `proj_out` (the prediction itself)."""
+        return (
+            "context_embedder",
+            "time_text_embed.*",
+            "*.norm1.linear",
+            "*.norm1_context.linear",
+            "norm_out.linear",
+            "proj_out",
+        )
+
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         factor = self.pipe.vae_scale_factor
         channels = self.pipe.transformer.config.in_channels

@@ -36,6 +36,7 @@ FAMILY = Family(
     size_base=16,  # WanPipeline.check_inputs
     default_guidance=5.0,
     adapter="vllm_omni_like.models.wan.adapter",
+    fp8=True,
     vae_factors=wan_vae_factors,
     own_loop=(Mode.TEXT2VIDEO,),
     schedulers=("unipc", "flow-euler"),

@@ -12,8 +12,12 @@ from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert,
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.models.wan import FAMILY
+from vllm_omni_like.models.wan.patch_decode import split_wan_decode
+from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
+from vllm_omni_like.parallel.patch_decode import Bands
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 
 
@@ -27,6 +31,7 @@ class WanAdapter(Adapter):
         super().__init__(pipe, family)
         transformer = getattr(pipe, "transformer", None)  # (a model's `dtype` walks its
         self._dtype = None if transformer is None else transformer.dtype  # modules: at load)
+        self.patch_decode = False  # (sequence parallelism: `split_decode`)
 
     def experts(self) -> list[Expert]:
         """`transformer` alone, or (Wan2.2-A14B) `transformer` for the high-noise steps, from
@@ -140,6 +145,14 @@ class WanAdapter(Adapter):
         tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
         return latents, timestep.reshape(rows, 1).expand(rows, tokens), {}
 
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: every block's self- and cross-attention projections (an image model's image
+        keys and values too) and its MLP. Kept: `condition_embedder` (the timestep MLP, its
+        `time_proj` that modulates every block - the blocks' own modulation is a learned table,
+        no layer - and the text and image embedders: once a step) and the final `proj_out`
+        (the prediction itself)."""
+        return ("condition_embedder.*", "proj_out")
+
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         embeds = self.pipe.encode_prompt(
             prompt=[t or "" for t in texts],
@@ -192,7 +205,7 @@ class WanAdapter(Adapter):
         first frame, each later call its temporal factor more): its decoder when it does not
         tile (a tiled decode calls it per tile)."""
         vae = self.pipe.vae
-        if vae is None or vae.use_tiling:
+        if vae is None or vae.use_tiling or self.patch_decode:
             return None
         patch = vae.config.patch_size
         return ChunkSource(vae.decoder, lambda out: _chunk_pixels(out, patch))
@@ -221,6 +234,19 @@ class WanAdapter(Adapter):
         wrapper = PairCFG(self.pipe.transformer, leader)
         self.pipe.transformer = wrapper
         return wrapper
+
+    def split_decode(self, bands: Bands) -> str | None:
+        """The VAE's decode, patch-parallel (models/wan/patch_decode.py); its chunks are no
+        longer whole frames, so the MP4 is not streamed from them."""
+        self.pipe.vae.decode = split_wan_decode(self.pipe.vae, bands)
+        self.patch_decode = True
+        return "vae"
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """Each expert's tokens split (models/wan/sequence_parallel.py); its heads."""
+        for expert in self.experts():
+            split_wan(expert.model, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ FAMILY = Family(
     size_base=16,  # the VAE's factor x the 2x2 patches
     default_guidance=0.0,  # Turbo's: no guidance
     adapter="vllm_omni_like.models.z_image.adapter",
+    fp8=True,
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
     presets={"z-image-turbo": {"default_steps": 9}},  # its published use

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Guidance, pad_tokens, vae_decoder_target
+from vllm_omni_like.models.adapter import Guidance, vae_decoder_target
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
-from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
+from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
 from vllm_omni_like.models.z_image import FAMILY
 from vllm_omni_like.models.z_image.sequence import (
     block_targets,
@@ -65,6 +65,20 @@ class ZImageAdapter(ShiftedVAE):
         """Its blocks one by one (sequence.py: the eager padding between them gives them one
         shape per text bucket) and the VAE's decoder."""
         return [*block_targets(self.pipe.transformer), *vae_decoder_target(self.pipe)]
+
+    def high_precision_layers(self) -> tuple[str, ...]:
+        """FP8: the attention projections and the SwiGLU MLPs (`w1`, `w2`, `w3`) of the main
+        layers and of both refiners. Kept: the embedders (`all_x_embedder`: the patches' 64
+        features, `cap_embedder`: Qwen3's states, `t_embedder`, whose first layer's dtype sets
+        the dtype of its sinusoids), each layer's `adaLN_modulation` (one row a sample) and
+        `all_final_layer` (the prediction itself)."""
+        return (
+            "all_x_embedder.*",
+            "cap_embedder.*",
+            "t_embedder.*",
+            "*.adaLN_modulation.*",
+            "all_final_layer.*",
+        )
 
     def fast_attention(self) -> str | None:
         return "zeroed padding keys" if use_zeroed_keys(self.pipe.transformer) else None

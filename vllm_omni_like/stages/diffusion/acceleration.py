@@ -111,10 +111,10 @@ def pin_execution_device(pipe: Any, device: torch.device) -> None:
 
 
 # ---- torch.compile ----------------------------------------------------------------------
-def compile_models(adapter: Adapter, mode: str, backend: str) -> list[str]:
+def compile_models(adapter: Adapter, mode: str, backend: str, regional: bool = False) -> list[str]:
     """Compile in place what the family's adapter names (its denoisers; a UNet pipeline's
-    image VAE decoder too); returns what was compiled. Shapes are static: batches are padded
-    to buckets."""
+    image VAE decoder too), each denoiser block by block where `regional`; returns what was
+    compiled. Shapes are static: batches are padded to buckets."""
     import torch._dynamo
 
     # every (size, bucket) pair is one graph; let all of them stay compiled
@@ -123,12 +123,43 @@ def compile_models(adapter: Adapter, mode: str, backend: str) -> list[str]:
     if backend == "inductor" and mode != "default":
         kwargs["mode"] = mode
     names: dict[str, list[str]] = {}  # what was compiled, by where it is
-    for owner, name in adapter.compile_targets():
+    for owner, name in regional_targets(adapter) if regional else adapter.compile_targets():
         setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
         names.setdefault(path_of(adapter.pipe, owner), []).append(name)
     # (a list of blocks once: "transformer.layers.0-29")
     spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}
     return [f"{where}.{span}" if where else span for where, span in spans.items()]
+
+
+def regional_targets(adapter: Adapter) -> list[tuple[Any, str]]:
+    """The adapter's compile targets with each whole denoiser replaced by its repeated blocks.
+    Each block is compiled on its own, but torch.compile keeps one graph a class of block (the
+    blocks share their code; their weights are the graph's inputs, not guarded by identity), so
+    the warm-up compiles a block of each kind once a shape, not the whole denoiser; what lies
+    between the blocks (embedders, the final layer) runs eager."""
+    denoisers = {id(expert.model) for expert in adapter.experts()}
+    found: list[tuple[Any, str]] = []
+    for owner, name in adapter.compile_targets():
+        module = getattr(owner, name)
+        found += block_targets(module) if id(module) in denoisers else [(owner, name)]
+    return found
+
+
+def block_targets(model: torch.nn.Module) -> list[tuple[Any, str]]:
+    """(list, index) of each entry of every `ModuleList` of `model` whose entries are blocks of
+    one class (modules of modules: the transformer's blocks, however few), outermost lists
+    only."""
+    found: list[tuple[Any, str]] = []
+    taken: list[str] = []  # the lists found: nothing inside them is taken again
+    for path, module in model.named_modules():
+        if any(path.startswith(f"{t}.") for t in taken):
+            continue
+        listed = list(module) if isinstance(module, torch.nn.ModuleList) else []
+        kinds = {type(m) for m in listed}
+        if len(kinds) == 1 and all(next(m.children(), None) is not None for m in listed):
+            taken.append(path)
+            found += [(module, str(i)) for i in range(len(module))]
+    return found
 
 
 def path_of(pipe: Any, owner: Any) -> str:

@@ -73,6 +73,16 @@ def source_pixels(request: StageRequest, processor: Any, width: int, height: int
     return processor.preprocess(image, height=height, width=width)
 
 
+def mask_pixels(request: StageRequest, processor: Any, width: int, height: int) -> Any:
+    """An inpainting row's mask as its pipeline's call takes it: resized to the output (as
+    `edit_inputs` hands it over), then the pipeline's `mask_processor` (1, 1, H, W in [0, 1])."""
+    from PIL import Image
+
+    assert request.mask is not None, "an inpainting row without a mask"
+    mask = Image.fromarray(request.mask).convert("L").resize((width, height))
+    return processor.preprocess(mask, height=height, width=width)
+
+
 def upload_image(request: StageRequest) -> Any:
     """An edit's upload as an RGB PIL image, as sent (an instruction edit's pipeline fits it
     by its own rules)."""

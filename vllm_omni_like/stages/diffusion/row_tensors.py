@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni_like.models.adapter import pad_tokens
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.models.text_buckets import pad_tokens
 
 # a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
 # (SDXL's embeddings and pooled embeddings; a "mask" where texts keep their own lengths)

@@ -18,8 +18,10 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
+from vllm_omni_like.parallel.sequence_parallel import SequenceFollower, SequenceLeader
 from vllm_omni_like.stages.base import Deferred
 from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
+from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
@@ -59,11 +61,23 @@ class CfgRanks:
 
 
 @dataclass(eq=False)
+class SequenceRanks:
+    """Sequence parallelism: this rank's side of the N (rank 0 leads, the others serve its
+    forwards, each with its share of the tokens)."""
+
+    link: Link
+    leader: SequenceLeader | None  # rank 0's
+    follower: SequenceFollower | None  # the others'
+    models: dict[str, Any]  # the denoisers by name, compiled or not (a test wraps them)
+
+
+@dataclass(eq=False)
 class DiffusionRuntime:
     """A loaded diffusion stage, its fields in the order the load builds them (load.py's
     steps). Not frozen: a test swaps a field (`own`, `buckets`, `cfg`, `config`) to run another
-    path on the same models. A CFG-parallel rank 1 runs its denoiser only: its probe is attached to
-    nothing, it has no edit pipelines and no side stream."""
+    path on the same models. A CFG-parallel rank 1 (a sequence-parallel rank > 0) runs its
+    denoiser only: its probe is attached to nothing, it has no edit pipelines and no side
+    stream."""
 
     config: StageConfig
     # 1. where it runs
@@ -82,13 +96,15 @@ class DiffusionRuntime:
     defaults: Defaults
     # 4. speed: kernels, memory format, compilation
     speed: Speed
+    precision: str  # what its denoisers' matmuls run: "fp8", or the weights' dtype ("bf16")
     scheduler: Any  # the pipeline call's default scheduler
     buckets: tuple[int, ...]  # the batch sizes a compiled denoiser was warmed up for
     # 5. our own loop
     denoise: DenoiseLoop
     # 6. guidance: batched in one forward, or split over CFG-parallel ranks
     cfg: BatchedCFG | cfg_parallel.SplitCFG | None  # the denoiser's CFG wrapper, if any
-    cfg_ranks: CfgRanks | None  # None: one rank
+    cfg_ranks: CfgRanks | None  # None: not CFG-parallel
+    seq_ranks: SequenceRanks | None  # None: not sequence-parallel
     # 7. what runs beside the steps
     probe: BatchDimProbe  # the batch the denoiser's kernels get
     edit_pipes: dict[str, Any]  # "edit" / "inpaint" / "image2video" -> a pipeline sharing models
@@ -128,13 +144,17 @@ class DiffusionRuntime:
         p, d = request.params, self.defaults
         return p.width or d.width, p.height or d.height
 
-    def source_of(self, request: StageRequest, size: tuple[int, int]) -> torch.Tensor | None:
-        """An image-to-image edit's source pixels on the device (None: a row from noise)."""
-        if request.loop_mode != Mode.EDIT or not self.family.edit_strength:
+    def source_of(self, request: StageRequest, size: tuple[int, int]) -> Source | None:
+        """An image-to-image or inpainting edit's upload (and mask) on the device, as its
+        pipeline's processors make them (None: a row from noise)."""
+        mode = request.loop_mode
+        if mode not in (Mode.EDIT, Mode.INPAINT) or not self.family.edit_strength:
             return None
-        processor = self.edit_pipes[Mode.EDIT].image_processor
-        pixels: torch.Tensor = edits.source_pixels(request, processor, *size)
-        return pixels.to(self.device)
+        pipe = self.edit_pipes[mode]
+        pixels = edits.source_pixels(request, pipe.image_processor, *size).to(self.device)
+        if mode == Mode.EDIT:
+            return Source(pixels)
+        return Source(pixels, edits.mask_pixels(request, pipe.mask_processor, *size))
 
     def image_of(self, request: StageRequest, size: tuple[int, int]) -> Any | None:
         """The image our loop conditions a request's rows on: an image-to-video request's first

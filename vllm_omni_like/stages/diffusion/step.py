@@ -26,6 +26,7 @@ What differs between families is the adapter's (models/adapter.py): `encode_text
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +36,12 @@ import torch
 
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter, Guidance
-from vllm_omni_like.models.columns import column, mul, to_device
+from vllm_omni_like.models.columns import column, to_device
 from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.params import DEFAULT_STRENGTH
+from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -68,8 +71,9 @@ class LoopRow:
     text: int  # its prompt's row of the batch's embeddings
     negative: int | None  # its negative prompt's (a row with guidance), else None
     guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
-    # an image-to-image row's source pixels until its latents are made (`noise`), else None
-    source: torch.Tensor | None = None
+    # an edit row's upload until its latents are made (`noise`), else None
+    source: Source | None = None
+    anchor: Anchor | None = None  # an inpainting row's: what each step puts back
     # the image a row is conditioned on (an instruction edit's upload, an image-to-video
     # request's first frame) until its conditioning is made (`conditions`), else None
     image: Any | None = None
@@ -94,6 +98,7 @@ class Plan:
     embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
     # two experts: each guided row's (scale, the low-noise expert's), where one differs
     by_expert: list[tuple[float, float]] | None = None
+    anchor: Anchor | None = None  # inpainting rows': what each step puts back (others: none)
     # rows from an image: the model rows' own conditioning (with batched CFG: both branches');
     # two forwards: the unconditional branch's; the rows' own (what a step puts back)
     conditioning: Conditioning | None = None
@@ -109,8 +114,8 @@ class Settings:
     guidance: float
     rows_per_request: Callable[[StageRequest], int]
     prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
-    # an image-to-image request's source pixels at the batch's (width, height); None: noise
-    source: Callable[[StageRequest, tuple[int, int]], torch.Tensor | None] = lambda r, s: None
+    # an edit's upload (and mask) at the batch's (width, height); None: a row from noise
+    source: Callable[[StageRequest, tuple[int, int]], Source | None] = lambda r, s: None
     # the image a request's rows are conditioned on at the batch's (width, height); None: none
     image: Callable[[StageRequest, tuple[int, int]], Any | None] = lambda r, s: None
 
@@ -166,7 +171,8 @@ class DenoiseLoop:
                     negative = negatives.setdefault((p.negative_prompt, owner), len(negatives))
                 state = rs.Row(schedule, generator=gen)
                 prompt = prompts.setdefault((settings.prompt(r), owner), len(prompts))
-                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, source)
+                own = None if source is None else dataclasses.replace(source)  # (a row's)
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, own)
                 row.image = image
                 rows.append(row)
         text = self._embed(list(prompts), read)
@@ -178,15 +184,15 @@ class DenoiseLoop:
 
     def _schedule(
         self, request: StageRequest, settings: Settings, size: tuple[int, int]
-    ) -> tuple[rs.Schedule, torch.Tensor | None]:
-        """A request's schedule, and its source pixels where it is an image-to-image edit (it
+    ) -> tuple[rs.Schedule, Source | None]:
+        """A request's schedule, and its upload where it is an edit that starts from it (it
         runs its strength's last steps)."""
         p = request.params
         steps, start = p.num_inference_steps or settings.steps, 0
         source = settings.source(request, size)
         if source is not None:
-            strength = DEFAULT_STRENGTH if p.strength is None else p.strength
-            steps, start = self.adapter.edit_steps(steps, strength)
+            source.strength = DEFAULT_STRENGTH if p.strength is None else p.strength
+            steps, start = self.adapter.edit_steps(steps, source.strength)
         scheduler = self.adapter.scheduler(p.scheduler)
         args = self.adapter.schedule_args(scheduler, steps, *size)
         return rs.schedule_for(scheduler, steps, args, start), source
@@ -199,31 +205,13 @@ class DenoiseLoop:
         return self.embed(texts, [None if o is None else read[o] for _, o in keys])
 
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The rows' first latents: each row's noise from its own generator; an image-to-image
-        row's source encoded first (its VAE sample draws from the same generator, as the
-        img2img pipelines draw), then noised to its first step."""
-        sources = {
-            i: self.adapter.encode_image(r.source, r.state.generator)
-            for i, r in enumerate(rows)
-            if r.source is not None
-        }
-        latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        sigma = [
-            1.0 if i in sources else r.state.schedule.init_noise_sigma for i, r in enumerate(rows)
-        ]
-        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's)
-            latents = mul(column(sigma, latents), latents)
-        by_schedule: dict[int, list[int]] = {}
-        for i in sources:
-            by_schedule.setdefault(id(rows[i].state.schedule), []).append(i)
-        for picked in by_schedule.values():  # (rows of one schedule noised together)
-            source = torch.cat([sources[i] for i in picked])
-            index = row_index(picked, latents.device)
-            noised = rs.add_noise(rows[picked[0]].state.schedule, source, latents[index])
-            latents[index] = noised.to(latents.dtype)
-        for r in rows:
-            r.source = None  # (its pixels are no longer needed)
-        return latents
+        """The rows' first latents: each row's noise from its own generator (an edit row's
+        source encoded before, its masked image's draw after, as the pipelines draw), then
+        each started as its pipeline starts it (stages/diffusion/edit_rows.py)."""
+        edit_rows.encode_sources(self.adapter, rows)
+        noise = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
+        edit_rows.masked_image_draws(rows)
+        return edit_rows.first_latents(self.adapter, rows, noise)
 
     def conditions(
         self, rows: list[LoopRow], latents: torch.Tensor
@@ -249,8 +237,11 @@ class DenoiseLoop:
         """One step of the rows of `plan` (their `latents`): the guided prediction, then each
         row's scheduler update. Advances the rows' schedule positions."""
         output = self._predict(plan, latents)
-        stepped = rs.step([r.state for r in plan.group], output, latents)
-        if plan.put_back is not None:
+        states = [r.state for r in plan.group]
+        stepped = rs.step(states, output, latents)
+        if plan.anchor is not None:
+            stepped = edit_rows.blend(states, plan.anchor, stepped)  # (inpainting rows)
+        if plan.put_back is not None:  # (rows from an image)
             stepped = self.adapter.put_back(stepped, plan.put_back)
         return stepped
 
@@ -298,6 +289,7 @@ class DenoiseLoop:
             scale=scale,
             embedded=embedded,
             by_expert=by_expert,
+            anchor=edit_rows.anchors_of(group, latents),
         )
         if conditioning is not None:
             self._plan_conditioning(plan, conditioning, device)

@@ -25,6 +25,7 @@ from vllm_omni_like.stages.llm.token_rules import RowDecoder, RowResult
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
     check_model_dir,
+    dtype_name,
     quiet_loading,
     resolve_device,
     resolve_dtype,
@@ -123,6 +124,9 @@ class LLMStage(Stage):
         except TypeError:
             return False
         return True
+
+    def precision(self) -> str | None:
+        return dtype_name(self.dtype)
 
     def stepped_modes(self) -> tuple[Mode, ...]:
         return (Mode.TEXT,) if self.steps_rows else ()

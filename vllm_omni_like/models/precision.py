@@ -1,0 +1,46 @@
+"""Which precision a diffusion stage's denoisers run, torch-free: the families whose linear
+layers run FP8 matmuls (`Family.fp8`), the refusal of any other, and the layers a family keeps
+in the weights' dtype unless its adapter says otherwise (`Adapter.high_precision_layers`).
+
+Every rule is a tuple of `fnmatch` patterns over a denoiser's module names (`*` crosses dots);
+a linear layer that matches one keeps the weights' dtype, every other one runs FP8
+(stages/diffusion/fp8.py).
+"""
+
+from __future__ import annotations
+
+from vllm_omni_like.errors import ConfigError
+from vllm_omni_like.models.family import Family
+
+# Kept by default, each for a reason that holds in every transformer family here:
+# - the embedders (the latents' and the text's first projections, the timestep, guidance and
+#   pooled-text MLPs): their inputs are raw (sinusoids, VAE latents, encoder states), the first
+#   layers' error reaches every block, and they run once a step on few rows or few features;
+# - the modulation (adaptive norms' shift, scale and gate from the timestep): one row a sample,
+#   so FP8 gains no time, while its error scales every activation of its block;
+# - the final norm's modulation and projection: their output is the prediction itself.
+DEFAULT_HIGH_PRECISION: tuple[str, ...] = (
+    "*embed*",
+    "*norm*.linear",
+    "*modulation*",
+    "norm_out.*",
+    "proj_out",
+)
+
+
+def fp8_families() -> tuple[str, ...]:
+    """The families `--quantization fp8` runs, by name."""
+    from vllm_omni_like.models.registry import FAMILIES
+
+    return tuple(f.name for f in FAMILIES if f.fp8)
+
+
+def check_quantization(stage: str, family: Family, quantization: str) -> None:
+    """Refuse `--quantization fp8` for a family whose denoiser does not run it (the UNet
+    families, a pipeline no family claims): a start-up error naming the flag."""
+    if quantization == "fp8" and not family.fp8:
+        raise ConfigError(
+            f"stage {stage!r}: --quantization fp8 runs the transformer families "
+            f"({', '.join(fp8_families())}), not {family.name}: serve it with "
+            "--quantization none"
+        )
