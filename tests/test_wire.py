@@ -80,6 +80,23 @@ def test_an_image_to_image_edit_of_a_given_size_groups_with_text_rows_on_our_loo
     assert inpaint.batch_key(both) != text.batch_key(both)  # (the pipeline's call: its own)
     instruction = frozenset({Mode.EDIT})
     assert edit.batch_key(instruction) == (Mode.EDIT, 64, 64, None, (40, 56))
+    other = StageRequest("o", "a dog", sized, Mode.EDIT, images=[np.zeros((56, 40, 3), np.uint8)])
+    assert other.batch_key(instruction) != edit.batch_key(instruction)  # (another fit)
+
+
+def test_a_video_from_a_first_frame_groups_with_text_rows_where_our_loop_runs_both():
+    """Wan2.2-TI2V: rows from a first frame and from text share a shape group on our loop
+    (the same denoiser input); where our loop runs image to video only (Wan-I2V) they group by
+    shape; on the pipeline's call each request is a call of its own (one image a call)."""
+    upload = [np.zeros((40, 56, 3), np.uint8)]
+    params = GenerationParams(width=64, height=32, num_frames=5)
+    text = StageRequest("t", "a cat", params, Mode.TEXT2VIDEO)
+    frames = [StageRequest(r, "a dog", params, Mode.IMAGE2VIDEO, images=upload) for r in "ab"]
+    both = frozenset({Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO})
+    assert frames[0].batch_key(both) == frames[1].batch_key(both) == text.batch_key(both)
+    alone = frozenset({Mode.IMAGE2VIDEO})
+    assert frames[0].batch_key(alone) == frames[1].batch_key(alone) != text.batch_key(both)
+    assert frames[0].batch_key() != frames[1].batch_key()
 
 
 def test_the_families_and_pipelines_speak_in_modes():

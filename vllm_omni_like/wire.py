@@ -58,13 +58,17 @@ class StageRequest:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
         its own steps, guidance, scheduler and seed: only the shapes count. An image-to-image
         edit of a size given shares text-to-image's rows (the denoiser's input is the same:
-        only its start differs); an edit by instruction (no text-to-image beside it) or of
-        the upload's size keys on the upload's shape too."""
+        only its start differs), and a video from a first frame text-to-video's where our loop
+        runs both (Wan2.2-TI2V: the frame put back in the same latents); an edit by
+        instruction (no text-to-image beside it) or of the upload's size keys on the upload's
+        shape too (its sequence's length: the upload's fit depends on its shape only)."""
         mode, p = self.loop_mode, self.params
         if mode in own_loop:  # (text rows of any length share a step)
             if mode == Mode.TEXT:
                 return (mode,)
             key = (mode, p.width, p.height, p.num_frames)
+            if mode == Mode.IMAGE2VIDEO and Mode.TEXT2VIDEO in own_loop:
+                return (Mode.TEXT2VIDEO, *key[1:])
             if mode != Mode.EDIT:
                 return key
             if Mode.TEXT2IMG in own_loop and p.width and p.height:

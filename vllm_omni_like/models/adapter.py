@@ -9,8 +9,9 @@ its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-par
 sequence-parallel split (`split_sequence`),
 and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
 with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
-(`Family.own_loop`) go through the diffusers pipeline's own `__call__`. The contract tests
-(tests/models/) hold each family's answers equal to its pipeline's.
+(`Family.own_loop`) go through the diffusers pipeline's own `__call__`; rows from an image carry
+their own conditioning (models/row_conditions.py). The contract tests (tests/models/) hold each
+family's answers equal to its pipeline's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
+from vllm_omni_like.models.row_conditions import RowConditions
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 from vllm_omni_like.parallel.patch_decode import Bands
@@ -69,7 +71,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter:
+class Adapter(RowConditions):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
@@ -347,25 +349,6 @@ def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
         vae.to(memory_format=torch.channels_last)
         done = True
     return done
-
-
-def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """A masked text's tensors (those with a token axis: the embeddings, the mask) padded with
-    zeros to `length` tokens; a padded token is masked out, so a row's result is unchanged."""
-    have = text["mask"].shape[1]
-    if have == length:
-        return text
-    return {
-        k: zero_pad(v, length) if v.dim() >= 2 and v.shape[1] == have else v
-        for k, v in text.items()
-    }
-
-
-def zero_pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`x` (B, L, ...) with zeros to `length` on its second dimension (as it is if as long)."""
-    if x.shape[1] >= length:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)
 
 
 def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:

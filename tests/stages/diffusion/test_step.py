@@ -14,9 +14,9 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.row_tensors import text_dtype
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.stages.diffusion.step import text_dtype
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 

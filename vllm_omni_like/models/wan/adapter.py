@@ -10,6 +10,7 @@ import torch
 
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
 from vllm_omni_like.models.columns import to_device
+from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.models.wan import FAMILY
 from vllm_omni_like.models.wan.patch_decode import split_wan_decode
 from vllm_omni_like.models.wan.sequence_parallel import split_wan
@@ -70,38 +71,79 @@ class WanAdapter(Adapter):
         guidance: torch.Tensor | None = None,
     ) -> Any:
         """Rows at a timestep on each side of Wan2.2's boundary run their own expert."""
+        return self._by_expert(latents, timestep, text, None, at)
+
+    def predict_conditioned(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning,
+        at: Any = None,
+    ) -> Any:
+        """As `predict`, each row with its own conditioning (`model_inputs`)."""
+        return self._by_expert(latents, timestep, text, conditioning, at)
+
+    def _by_expert(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning | None,
+        at: Any,
+    ) -> Any:
         experts = self.experts()
         boundary = experts[0].boundary
         if boundary is None:
-            return self._call(experts[0].model, latents, timestep, text)
+            return self._call(experts[0].model, latents, timestep, text, conditioning)
         at = at if at is not None else timestep.tolist()  # (the loop gives them: no wait)
         high = [i for i, t in enumerate(at) if t >= boundary]
         low = [i for i, t in enumerate(at) if t < boundary]
         if not low or not high:
-            return self._call(experts[0 if high else 1].model, latents, timestep, text)
+            model = experts[0 if high else 1].model
+            return self._call(model, latents, timestep, text, conditioning)
         out = None
         for picked, expert in ((high, experts[0]), (low, experts[1])):
             index = to_device(torch.tensor(picked), latents.device)
-            part = self._call(expert.model, latents[index], timestep[index], text[index])
+            own = None if conditioning is None else {k: v[index] for k, v in conditioning.items()}
+            part = self._call(expert.model, latents[index], timestep[index], text[index], own)
             out = part.new_empty((latents.shape[0], *part.shape[1:])) if out is None else out
             out[index] = part
         return out
 
-    def _call(self, model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: Any) -> Any:
-        rows = latents.shape[0]
-        t = timestep
-        if self.per_token_timesteps:  # one timestep per latent token (no image condition)
-            p = model.config.patch_size
-            tokens = (
-                latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
-            )
-            t = t.reshape(rows, 1).expand(rows, tokens)
+    def _call(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning | None,
+    ) -> Any:
+        hidden, t, more = self.model_inputs(model, latents, timestep, conditioning)
         return model(
-            hidden_states=latents.to(text.dtype),
+            hidden_states=hidden.to(text.dtype),
             timestep=t,
             encoder_hidden_states=text,
             return_dict=False,
+            **more,
         )[0]
+
+    def model_inputs(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The denoiser's hidden states, timesteps and other inputs for rows of `latents` (and
+        their own conditioning, in an image-to-video family): the latents, and one timestep a
+        row or (Wan2.2-TI2V) the row's for each of its latent tokens."""
+        if not self.per_token_timesteps:
+            return latents, timestep, {}
+        rows = latents.shape[0]
+        p = model.config.patch_size
+        tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+        return latents, timestep.reshape(rows, 1).expand(rows, tokens), {}
 
     def high_precision_layers(self) -> tuple[str, ...]:
         """FP8: every block's self- and cross-attention projections (an image model's image

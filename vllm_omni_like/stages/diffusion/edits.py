@@ -83,6 +83,14 @@ def mask_pixels(request: StageRequest, processor: Any, width: int, height: int) 
     return processor.preprocess(mask, height=height, width=width)
 
 
+def upload_image(request: StageRequest) -> Any:
+    """An edit's upload as an RGB PIL image, as sent (an instruction edit's pipeline fits it
+    by its own rules)."""
+    from PIL import Image
+
+    return Image.fromarray(request.images[0]).convert("RGB")
+
+
 def first_frame(request: StageRequest, width: int, height: int) -> Any:
     """An image-to-video request's image as its video's first frame: scaled (aspect kept) to
     cover WxH, then its centre cut out - never stretched."""

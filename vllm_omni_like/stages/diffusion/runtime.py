@@ -133,7 +133,9 @@ class DiffusionRuntime:
     def settings(self) -> Settings:
         """What our own loop fills in for a request that leaves it unsaid."""
         d = self.defaults
-        return Settings(d.steps, d.guidance, self.rows_of, self.prompt_of, self.source_of)
+        return Settings(
+            d.steps, d.guidance, self.rows_of, self.prompt_of, self.source_of, self.image_of
+        )
 
     def size_of(self, request: StageRequest) -> tuple[int, int]:
         """The width and height a request makes (an edit's default: its upload's)."""
@@ -153,6 +155,17 @@ class DiffusionRuntime:
         if mode == Mode.EDIT:
             return Source(pixels)
         return Source(pixels, edits.mask_pixels(request, pipe.mask_processor, *size))
+
+    def image_of(self, request: StageRequest, size: tuple[int, int]) -> Any | None:
+        """The image our loop conditions a request's rows on: an image-to-video request's first
+        frame fitted to `size`, an instruction edit's upload as sent (the family fits it); None:
+        none (a row from text, or an image-to-image edit, which starts from its source)."""
+        mode = request.loop_mode
+        if mode == Mode.IMAGE2VIDEO:
+            return edits.first_frame(request, *size)
+        if mode == Mode.EDIT and not self.family.edit_strength:
+            return edits.upload_image(request)
+        return None
 
     def preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor
