@@ -59,8 +59,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "sd3.5-medium": {"steps": 40, "guidance": 4.5, "size": 1024},
     "qwen-image": {"steps": 50, "guidance": 4.0, "size": 1024, "peer_s": 12.8},
     "z-image-turbo": {"steps": 8, "guidance": 0.0, "size": 1024},
+    "sdxl": {"steps": 30, "guidance": 5.0, "size": 1024},
     # edits `edit_source` by instruction, at the upload's size (its pipeline fits the image to
-    # about a megapixel for the VAE: 1024x1024 here)
+    # about a megapixel for the VAE and Qwen2.5-VL: 1024x1024 here)
     "qwen-image-edit": {"steps": 50, "guidance": 4.0, "size": 1024},
 }
 PEER_SOURCE = {
@@ -122,7 +123,7 @@ def call(pipe: Any, seed: int, s: dict[str, Any]) -> tuple[np.ndarray, float]:
         # fresh lists: ZImagePipeline writes its chat template into the prompt list it gets
         # (a list kept across calls grew by a template a call: a new length, a recompile)
         **{k: list(v) if isinstance(v, list) else v for k, v in s["call"].items()},
-        **({"image": [Image.fromarray(edit_source(s["size"]))]} if s.get("edit") else {}),
+        **({"image": Image.fromarray(edit_source(s["size"]))} if s.get("edit") else {}),
     ).images
     pixels = (out[0] * 255).round().astype(np.uint8)
     Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=PNG_COMPRESS_LEVEL)
@@ -157,8 +158,16 @@ def timed(
     return statistics.median(times), images, step_ms, statistics.median(leads) if leads else None
 
 
+def denoiser(pipe: Any) -> Any:
+    """The pipeline's denoiser: its UNet (SD, SDXL) or its transformer."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
 def fastest_attention(pipe: Any, s: dict[str, Any]) -> str:
-    """The fastest attention backend diffusers runs here for this model (two eager steps)."""
+    """The fastest attention backend diffusers runs here for this model (two eager steps); a
+    UNet keeps its processors (PyTorch SDPA)."""
+    if getattr(pipe, "unet", None) is not None:
+        return "sdpa (the UNet's processors)"
     best, name = float("inf"), "native"
     one = {**s, "steps": 2}  # (one step is undefined for some schedules)
     for backend in ATTENTION:
@@ -185,14 +194,19 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         eager_s = timed(pipe, s, args.runs)[0]
         print(f"diffusers eager: {eager_s:.3f} s", file=sys.stderr)
         result["diffusers_s"] = round(eager_s, 3)
-    if "encoder_hidden_states_mask" in inspect.signature(pipe.transformer.forward).parameters:
+    model = denoiser(pipe)
+    if "encoder_hidden_states_mask" in inspect.signature(model.forward).parameters:
         result["text_mask_cost_ms"] = mask_cost(pipe, s["size"], args.runs * 3)
     # (a CPU smoke run over a tiny directory takes this same path: what a GPU sitting runs)
     result["attention"] = fastest_attention(pipe, s)
-    if hasattr(pipe.transformer, "fuse_qkv_projections"):  # Z-Image's has none
-        pipe.transformer.fuse_qkv_projections()
+    if hasattr(model, "fuse_qkv_projections"):  # Z-Image's has none
+        model.fuse_qkv_projections()
+    if model is getattr(pipe, "unet", None):  # diffusers' own advice for a compiled UNet
+        model.to(memory_format=torch.channels_last)
+        pipe.vae.to(memory_format=torch.channels_last)
     options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
-    pipe.transformer = torch.compile(pipe.transformer, **options)
+    name = "unet" if model is getattr(pipe, "unet", None) else "transformer"
+    setattr(pipe, name, torch.compile(model, **options))
     pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)
     compiled_s, images, step_ms, lead_ms = timed(pipe, s, args.runs)
     print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)

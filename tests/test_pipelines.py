@@ -81,7 +81,7 @@ def test_a_diffusion_stage_is_described_by_its_family_and_each_modes_loop():
     assert family == {
         "family": "stable-diffusion",
         "loop": "own",
-        "loops": {"text2img": "own", "edit": "pipeline"},
+        "loops": {"text2img": "own", "edit": "own", "inpaint": "own"},
     }
     assert set(family) == set(StageFamily.__annotations__)  # the TypedDict's keys, no other
     assert json.loads(json.dumps(family)) == family  # (its modes are strings in /health)

@@ -18,7 +18,14 @@ from vllm_omni_like.wire import Mode, StageRequest, WorkerReady
 
 
 def test_a_mode_is_its_string():
-    assert [m.value for m in Mode] == ["text", "text2img", "edit", "text2video", "image2video"]
+    assert [m.value for m in Mode] == [
+        "text",
+        "text2img",
+        "edit",
+        "text2video",
+        "image2video",
+        "inpaint",
+    ]
     assert Mode.EDIT == "edit" and hash(Mode.EDIT) == hash("edit")
     assert "edit" in {Mode.EDIT} and Mode.EDIT in {"edit"}
     assert f"{Mode.TEXT2VIDEO}" == "text2video" == str(Mode.TEXT2VIDEO)
@@ -53,6 +60,43 @@ def test_a_request_pickled_with_a_string_mode_batches_as_its_member():
         assert type(old.mode) is str and old.mode == new.mode
         assert old.batch_key() == new.batch_key()
         assert old.batch_key(frozenset({mode})) == new.batch_key(frozenset({mode}))
+
+
+def test_an_image_to_image_edit_of_a_given_size_groups_with_text_rows_on_our_loop():
+    """Our loop: an img2img edit of a given size shares the text rows' shape group (the same
+    denoiser input); one of the upload's size, an inpainting edit (its own loop mode) or an
+    edit by instruction (no text-to-image beside it) keys on its upload's shape."""
+    upload = [np.zeros((40, 56, 3), np.uint8)]
+    sized = GenerationParams(width=64, height=64, num_inference_steps=3)
+    text = StageRequest("t", "a cat", sized)
+    edit = StageRequest("e", "a dog", sized, Mode.EDIT, images=upload)
+    both = frozenset({Mode.TEXT2IMG, Mode.EDIT})
+    assert edit.loop_mode is Mode.EDIT and edit.batch_key(both) == text.batch_key(both)
+    unsized = StageRequest("u", "a dog", mode=Mode.EDIT, images=upload)
+    assert unsized.batch_key(both) == (Mode.EDIT, None, None, None, (40, 56))
+    mask = np.zeros((40, 56), np.uint8)
+    inpaint = StageRequest("i", "a dog", sized, Mode.EDIT, images=upload, mask=mask)
+    assert inpaint.loop_mode is Mode.INPAINT and inpaint.mode is Mode.EDIT
+    assert inpaint.batch_key(both) != text.batch_key(both)  # (the pipeline's call: its own)
+    instruction = frozenset({Mode.EDIT})
+    assert edit.batch_key(instruction) == (Mode.EDIT, 64, 64, None, (40, 56))
+    other = StageRequest("o", "a dog", sized, Mode.EDIT, images=[np.zeros((56, 40, 3), np.uint8)])
+    assert other.batch_key(instruction) != edit.batch_key(instruction)  # (another fit)
+
+
+def test_a_video_from_a_first_frame_groups_with_text_rows_where_our_loop_runs_both():
+    """Wan2.2-TI2V: rows from a first frame and from text share a shape group on our loop
+    (the same denoiser input); where our loop runs image to video only (Wan-I2V) they group by
+    shape; on the pipeline's call each request is a call of its own (one image a call)."""
+    upload = [np.zeros((40, 56, 3), np.uint8)]
+    params = GenerationParams(width=64, height=32, num_frames=5)
+    text = StageRequest("t", "a cat", params, Mode.TEXT2VIDEO)
+    frames = [StageRequest(r, "a dog", params, Mode.IMAGE2VIDEO, images=upload) for r in "ab"]
+    both = frozenset({Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO})
+    assert frames[0].batch_key(both) == frames[1].batch_key(both) == text.batch_key(both)
+    alone = frozenset({Mode.IMAGE2VIDEO})
+    assert frames[0].batch_key(alone) == frames[1].batch_key(alone) != text.batch_key(both)
+    assert frames[0].batch_key() != frames[1].batch_key()
 
 
 def test_the_families_and_pipelines_speak_in_modes():

@@ -149,6 +149,10 @@ class StageConfig:
     # the two guidance branches of each denoising step on two ranks (two devices) of one
     # replica (parallel/cfg_parallel.py): 2 workers per replica, devices taken two by two
     cfg_parallel: bool = False
+    # one request's denoiser forwards over N ranks (N devices) of one replica, each holding 1/N
+    # of the latent tokens (parallel/sequence_parallel.py, Ulysses attention): N workers per
+    # replica, devices taken N by N; 1: off
+    sequence_parallel: int = 1
     max_batch_size: int = 8
     # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
     # `batch_max_wait` seconds from the oldest queued request for a full batch; "refill" waits
@@ -201,6 +205,12 @@ class StageConfig:
     options: Any = field(default_factory=dict)
 
     @property
+    def leads(self) -> bool:
+        """Whether a replica's rank 0 leads its other ranks (CFG-parallel, sequence parallel):
+        it alone runs batches, and they serve the denoiser calls it hands them."""
+        return self.cfg_parallel or self.sequence_parallel > 1
+
+    @property
     def cold_timeout(self) -> float:
         """The stall bound of a step before the replica has measured any (engine/stall.py)."""
         if self.cold_step_timeout is not None:
@@ -212,8 +222,9 @@ class StageConfig:
         object.__setattr__(self, "devices", devices)
         if self.cfg_parallel:
             self._check_cfg_parallel(devices)
-        if devices and self.replicas == 1:  # the default: one replica per device (pair)
-            ranks = 2 if self.cfg_parallel else 1
+        self._check_sequence_parallel(devices)
+        if devices and self.replicas == 1:  # the default: one replica per device (group)
+            ranks = self.workers_per_replica if self.leads else 1
             object.__setattr__(self, "replicas", max(1, len(devices) // ranks))
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
@@ -311,6 +322,41 @@ class StageConfig:
         for pair in zip(devices[::2], devices[1::2], strict=True):
             if pair[0] == pair[1] and pair[0] != "cpu":
                 raise ConfigError(f"{where}: the two ranks need two GPUs, not {pair}")
+
+    def _check_sequence_parallel(self, devices: tuple[str, ...]) -> None:
+        n = self.sequence_parallel
+        where = f"stage {self.name!r}: sequence_parallel"
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{where} must be an integer >= 1 (ranks per replica), not {n!r}")
+        if n == 1:
+            return
+        if self.cfg_parallel:
+            raise ConfigError(
+                f"{where} {n} with cfg_parallel: CFG-parallel x sequence parallel (2 x {n} "
+                "ranks) is not built yet; choose one"
+            )
+        if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
+            raise ConfigError(f"{where} runs diffusion stages only, not {self.kind!r}")
+        if self.workers_per_replica not in (1, n):
+            raise ConfigError(f"{where} {n} runs {n} workers per replica")
+        object.__setattr__(self, "workers_per_replica", n)
+        # every rank decodes (a patch-parallel VAE) as it denoises: on the main thread, between
+        # steps, where the ranks' exchanges keep one order - not beside the next steps
+        object.__setattr__(self, "decode_overlap", False)
+        if not devices and self.device != "cpu":
+            raise ConfigError(
+                f"{where} {n}: a replica's {n} ranks need {n} devices: name them with "
+                f"--devices (devices: in YAML), {n} per replica, or run on --device cpu"
+            )
+        if len(devices) % n:
+            raise ConfigError(f"{where} {n} takes devices {n} by {n}, not {len(devices)}")
+        for start in range(0, len(devices), n):
+            group = devices[start : start + n]
+            gpus = [d for d in group if d != "cpu"]
+            if 0 < len(gpus) < n:
+                raise ConfigError(f"{where} {n}: a replica's ranks are all GPUs or all CPU")
+            if len(set(gpus)) != len(gpus):
+                raise ConfigError(f"{where} {n}: a replica's ranks need {n} GPUs, not {group}")
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -24,7 +24,12 @@ from vllm_omni_like.config import (
 )
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
-from vllm_omni_like.stage_flags import add_batching_args, add_precision_args, stage_flag
+from vllm_omni_like.stage_flags import (
+    add_batching_args,
+    add_parallel_args,
+    add_precision_args,
+    stage_flag,
+)
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
 STAGE_FLAGS = (
@@ -35,6 +40,7 @@ STAGE_FLAGS = (
     "gpu_memory_fraction",
     "replicas",
     "cfg_parallel",
+    "sequence_parallel",
     "max_batch_size",
     "batch_policy",
     "batch_wait",
@@ -124,15 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="F",
     )
     stage_flag(g, "replicas", "worker processes (replicas) per stage", type=int)
-    stage_flag(
-        g,
-        "cfg_parallel",
-        "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
-        "CPU), each running one classifier-free-guidance branch of every step: lower latency "
-        "per request; --devices are taken two by two, --replicas defaults to half of them",
-        action="store_true",
-        default=None,
-    )
+    add_parallel_args(g)
     stage_flag(
         g,
         "stall_timeout",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_STRENGTH = 0.8  # an image-to-image edit's when it gives none (diffusers' default)
+
 
 @dataclass(frozen=True)
 class GuideSpec:

@@ -1,5 +1,5 @@
-"""The flags that override every stage's field: the batching group of them, and the precision
-flags of the speed group."""
+"""The flags that override every stage's field: the parallel and batching groups of them, and
+the precision flags of the speed group."""
 
 from __future__ import annotations
 
@@ -28,6 +28,31 @@ def stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
     default = _STAGE[name]
     shown = on_off(default) if isinstance(default, bool) else default
     g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
+
+
+def add_parallel_args(g: Any) -> None:
+    """One request over several devices of a replica (in the stages group)."""
+    stage_flag(
+        g,
+        "cfg_parallel",
+        "diffusion stages: a replica spans two devices (two ranks, NCCL on CUDA, gloo on the "
+        "CPU), each running one classifier-free-guidance branch of every step: lower latency "
+        "per request; --devices are taken two by two, --replicas defaults to half of them",
+        action="store_true",
+        default=None,
+    )
+    stage_flag(
+        g,
+        "sequence_parallel",
+        "diffusion stages (Wan, FLUX.1): a replica spans N devices (N ranks), each holding 1/N "
+        "of every denoiser forward's latent tokens and the whole model, attention exchanging "
+        "heads for tokens (Ulysses), and (Wan) decoding a band of each video: lower latency "
+        "for one large video or image; --devices are taken N by N, --replicas defaults to "
+        "their number / N; its decodes do not overlap the next steps (--decode-overlap is "
+        "off); not with --cfg-parallel yet",
+        type=int,
+        metavar="N",
+    )
 
 
 def add_batching_args(parser: argparse.ArgumentParser) -> None:

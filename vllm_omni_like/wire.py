@@ -26,6 +26,8 @@ class Mode(StrEnum):
     EDIT = "edit"  # an image from an image (img2img, inpaint, an instruction)
     TEXT2VIDEO = "text2video"
     IMAGE2VIDEO = "image2video"
+    # an EDIT with a mask as the loops route it (`StageRequest.loop_mode`; sent as EDIT)
+    INPAINT = "inpaint"
 
 
 @dataclass
@@ -47,13 +49,31 @@ class StageRequest:
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)  # a mode given as its string is the member (or refused)
 
+    @property
+    def loop_mode(self) -> Mode:
+        """The mode that picks its loop and shape group: an edit with a mask inpaints."""
+        return Mode.INPAINT if self.mode == Mode.EDIT and self.mask is not None else self.mode
+
     def batch_key(self, own_loop: frozenset[Mode] = frozenset()) -> tuple[Any, ...]:
         """Equal keys may share a batch. In a mode our own loop runs (`own_loop`) each row has
-        its own steps, guidance, scheduler and seed: only the shapes count."""
-        if self.mode in own_loop:  # (text rows of any length share a step)
-            if self.mode == Mode.TEXT:
-                return (self.mode,)
-            return (self.mode, self.params.width, self.params.height, self.params.num_frames)
+        its own steps, guidance, scheduler and seed: only the shapes count. An image-to-image
+        edit of a size given shares text-to-image's rows (the denoiser's input is the same:
+        only its start differs), and a video from a first frame text-to-video's where our loop
+        runs both (Wan2.2-TI2V: the frame put back in the same latents); an edit by
+        instruction (no text-to-image beside it) or of the upload's size keys on the upload's
+        shape too (its sequence's length: the upload's fit depends on its shape only)."""
+        mode, p = self.loop_mode, self.params
+        if mode in own_loop:  # (text rows of any length share a step)
+            if mode == Mode.TEXT:
+                return (mode,)
+            key = (mode, p.width, p.height, p.num_frames)
+            if mode == Mode.IMAGE2VIDEO and Mode.TEXT2VIDEO in own_loop:
+                return (Mode.TEXT2VIDEO, *key[1:])
+            if mode != Mode.EDIT:
+                return key
+            if Mode.TEXT2IMG in own_loop and p.width and p.height:
+                return (Mode.TEXT2IMG, *key[1:])
+            return (*key, tuple(self.images[0].shape[:2]) if self.images else None)
         if self.mode == Mode.IMAGE2VIDEO:  # one image a call (the pipeline encodes one)
             return (*self.params.shape_key(self.mode), self.request_id)
         if self.mode != Mode.EDIT:

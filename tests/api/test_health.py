@@ -117,7 +117,7 @@ def test_health_says_starting_until_the_models_load(tmp_path):
             # which model family's adapter the stage runs, and through which loop each mode
             (stage,) = http.get("/health").json()["stages"]
             assert (stage["family"], stage["loop"]) == ("stable-diffusion", "own")
-            assert stage["loops"] == {"text2img": "own", "edit": "pipeline"}
+            assert stage["loops"] == {"text2img": "own", "edit": "own", "inpaint": "own"}
             family = [
                 line
                 for line in http.get("/metrics").text.splitlines()
@@ -126,8 +126,10 @@ def test_health_says_starting_until_the_models_load(tmp_path):
             assert family == [  # (prometheus_client writes the labels sorted)
                 'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
                 'mode="text2img",pipeline="tiny-image",stage="diffusion"} 1.0',
-                'vllm_omni_like_stage_family{family="stable-diffusion",loop="pipeline",'
+                'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
                 'mode="edit",pipeline="tiny-image",stage="diffusion"} 1.0',
+                'vllm_omni_like_stage_family{family="stable-diffusion",loop="own",'
+                'mode="inpaint",pipeline="tiny-image",stage="diffusion"} 1.0',
             ]
     finally:
         server.stop()

@@ -113,13 +113,22 @@ class Case:
         if self.edit and self.video:  # the first frame the stage fits to the size
             size = (kw.get("width", kwargs["width"]), kw.get("height", kwargs["height"]))
             kwargs["image"] = first_frame(self.request(), *size)
-        elif self.edit:
+        elif self.edit:  # one image, as a user calls it (the pipeline fits only a single one)
             from PIL import Image
 
-            kwargs["image"] = [Image.fromarray(EDIT_IMAGE)]
+            kwargs["image"] = Image.fromarray(EDIT_IMAGE)
         kwargs.update(kw)
         with torch.inference_mode():
             return pipe(**kwargs)
+
+    def image(self, width: int, height: int):
+        """The image the stage conditions an edit's rows on (its runtime's `image_of`): the
+        upload as sent, or an image-to-video request's first frame fitted to the size."""
+        from PIL import Image
+
+        if self.video:
+            return first_frame(self.request(), width, height)
+        return Image.fromarray(EDIT_IMAGE).convert("RGB")
 
     def request(self) -> StageRequest:
         params = GenerationParams(seed=SEED, num_inference_steps=STEPS)
@@ -176,6 +185,7 @@ def test_the_stage_makes_what_its_diffusers_pipeline_makes(case):
     stage = case.stage()
     rt = stage.runtime
     assert rt.family.name == case.name and type(rt.adapter).family.name == case.name
+    assert rt.loops[case.request().loop_mode] == ("own", None)  # (every family's mode)
     got = _run(stage, case.request())
     want = _pixels(case, case.call(case.pipeline()))
     assert got.shape == want.shape
@@ -201,9 +211,8 @@ CALLS = {Guidance.BATCHED: 1, Guidance.TWO_CALLS: 2, Guidance.TRUE_CFG: 2, Guida
 
 
 def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
-    if case.edit:  # its only mode runs the pipeline's call: the adapter never calls it
-        assert registry.loops_for(case.path)[family_of(case.path).modes[0]][0] == "pipeline"
-        assert not family_of(case.path).own_loop
+    if case.edit:  # rows that carry their own conditioning from the image
+        _check_conditioned_calls(case)
         return
     pipe = case.pipeline()
     adapter = adapter_for(pipe, family_of(case.path))
@@ -266,6 +275,61 @@ def test_the_adapter_calls_the_denoiser_as_the_pipeline_does(case):
         ratio = torch.norm(c, dim=-1, keepdim=True) / torch.norm(g, dim=-1, keepdim=True)
         want = unpack(g * ratio, *cond.shape[-2:])
     assert torch.allclose(adapter.guide(cond, uncond, 5.0), want)
+
+
+def _check_conditioned_calls(case: Case) -> None:
+    """A family whose rows carry their own conditioning from an image: the adapter makes a
+    row's conditioning as the pipeline makes it (`condition`, from the image the stage hands
+    over) and calls the denoiser with it as the pipeline does (`predict_conditioned`), each
+    call's inputs taken apart into the noise's latents and the row's conditioning."""
+    pipe = case.pipeline()
+    adapter = adapter_for(pipe, family_of(case.path))
+    assert adapter.conditioned and registry.loops_for(case.path)[case.request().mode][0] == "own"
+    (expert,) = adapter.experts()
+    calls = []
+    handle = expert.model.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append((kwargs, out[0])), with_kwargs=True
+    )
+    try:
+        case.call(pipe, num_inference_steps=2, output_type="latent")
+    finally:
+        handle.remove()
+    limits = case.limits()
+    width, height = limits.default_width, limits.default_height
+    shape = adapter.latent_shape(1, width, height, FRAMES)
+    timestep = pipe.scheduler.timesteps[0]
+    with torch.inference_mode():
+        image = case.image(width, height)
+        made = adapter.condition(image, shape, torch.float32, torch.device("cpu"))
+        for kwargs, out in calls[:2]:  # (the first step's branches)
+            latents, conditioning, text, out = _conditioned_inputs(case, shape, kwargs, out)
+            assert made.keys() == conditioning.keys()
+            for key, value in made.items():
+                assert torch.equal(value.expand_as(conditioning[key]), conditioning[key]), key
+            rows = latents.shape[0]
+            per_row = timestep.float().reshape(1).expand(rows)
+            got = adapter.predict_conditioned(latents, per_row, text, conditioning)
+            assert torch.allclose(got, out, atol=1e-6)
+
+
+def _conditioned_inputs(case: Case, shape: tuple, kwargs: dict, out: torch.Tensor) -> tuple:
+    """A recorded call as our loop's model rows: (latents, conditioning, text, prediction)."""
+    hidden = kwargs["hidden_states"]
+    if case.name == "qwen-image-edit":  # the noise's tokens, then the upload's
+        h, w = shape[-2:]
+        noise = h // 2 * (w // 2)
+        _, (_, ih, iw) = kwargs["img_shapes"][0]
+        mask = kwargs["encoder_hidden_states_mask"]
+        embeds = kwargs["encoder_hidden_states"]
+        text = {"embeds": embeds, "mask": torch.ones(embeds.shape[:2]) if mask is None else mask}
+        image = unpack(hidden[:, noise:], 2 * ih, 2 * iw)
+        latents, out = unpack(hidden[:, :noise], h, w), unpack(out[:, :noise], h, w)
+        return latents, {"image": image}, text, out  # (the pipeline keeps the noise's)
+    channels = shape[1]  # Wan image to video: the noise's channels, then the condition's
+    conditioning = {"condition": hidden[:, channels:]}
+    if kwargs.get("encoder_hidden_states_image") is not None:  # (Wan2.1-I2V's CLIP features)
+        conditioning["image_embeds"] = kwargs["encoder_hidden_states_image"]
+    return hidden[:, :channels], conditioning, kwargs["encoder_hidden_states"], out
 
 
 def _listed(args: tuple, out: list) -> tuple:

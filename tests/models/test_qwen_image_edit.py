@@ -146,3 +146,115 @@ def test_the_stages_edit_texts_are_padded_to_their_text_bucket():
             assert mask[0, : counts[-1]].all() and not mask[0, counts[-1] :].any()
             assert not embeds[0, counts[-1] :].any()  # (masked zeros)
     assert counts[0] < counts[1] and shapes == {(text_bucket(counts[1]),) * 2}
+
+
+def _vision_inputs(text_encoder) -> tuple[list, object]:
+    """What Qwen2.5-VL is handed, image by image: its grid (T, H, W patches) and patches."""
+    seen: list = []
+
+    def record(module, args, kwargs):
+        grids = kwargs["image_grid_thw"]
+        patches = kwargs["pixel_values"].split(grids.prod(dim=1).tolist())
+        seen.extend(zip(grids.tolist(), patches, strict=True))
+
+    return seen, text_encoder.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def test_the_vision_encoder_reads_the_upload_fitted_as_the_pipelines_single_image_call():
+    """Rows of small uploads (40x24 and 24x40: Qwen2.5-VL would read each as one merged patch)
+    of another size than the output (64x64), two in one batch and one of another size (its own
+    batch: the batching key): each row is what `QwenImageEditPipeline(image=<its upload>)` makes
+    at its seed, and Qwen2.5-VL reads the same patches of the image that call fits to about a
+    megapixel (here 1312x800 or 800x1312: 2x4 or 4x2 patches within the processor's limits)."""
+    import torch
+
+    from tests.models.test_family_contract import STEPS, _pixels, case_of
+    from vllm_omni_like.params import GenerationParams
+    from vllm_omni_like.stages.base import StageControl
+    from vllm_omni_like.stages.faults import FaultInjector
+    from vllm_omni_like.wire import StageRequest
+
+    case = case_of("qwen-image-edit")
+    batches = [[UPLOAD[:24, :40], UPLOAD[24:, 40:][::-1]], [UPLOAD[:40, :24]]]
+    stage, pipe = case.stage(), case.pipeline()
+    params = GenerationParams(seed=7, num_inference_steps=STEPS, width=64, height=64)
+    got, hook = _vision_inputs(stage.runtime.pipe.text_encoder)
+    outs = []
+    with hook:
+        for uploads in batches:
+            batch = [
+                StageRequest(f"r{len(outs)}{i}", "a red circle", params, "edit", [u])
+                for i, u in enumerate(uploads)
+            ]
+            outs += stage.execute(batch, StageControl(FaultInjector((), "diffusion")))
+    want, hook = _vision_inputs(pipe.text_encoder)
+    rows = [u for uploads in batches for u in uploads]
+    with hook:
+        for out, upload in zip(outs, rows, strict=True):
+            assert out.error is None, out.error
+            one = case.call(
+                pipe,
+                image=Image.fromarray(upload),
+                width=64,
+                height=64,
+                generator=[torch.Generator().manual_seed(7)],
+            )
+            diff = out.images[0].pixels.astype(int) - _pixels(case, one).astype(int)
+            assert np.abs(diff).max() <= 1
+    # each row's prompt then negative prompt (a batch reads its rows' prompts, then negatives)
+    got = [got[i] for i in (0, 2, 1, 3, 4, 5)]
+    assert [grid for grid, _ in got] == [grid for grid, _ in want]
+    assert [grid for grid, _ in want] == [[1, 2, 4]] * 4 + [[1, 4, 2]] * 2  # not [1, 2, 2]
+    assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got, want, strict=True))
+
+
+def test_an_edit_that_joins_a_busy_set_of_edits_at_step_k_makes_what_it_makes_alone(monkeypatch):
+    """Our loop's instruction edits: rows of one upload shape and output size share a shape
+    group and a forward; an edit joins at a step boundary with texts of its own (its prompt and
+    negative prompt read with its own upload: b, a's prompt with another upload of a's shape,
+    has its own text rows) and its upload's latents, put after its noise's tokens; each image
+    is the one it makes alone. (Uploads fit to about 128x128 here, not a megapixel: a CPU's
+    speed.)"""
+    import torch
+
+    from tests.models.test_family_contract import case_of
+    from tests.stages.diffusion.test_running_set import _Harness
+    from vllm_omni_like.models.qwen_image import edit
+    from vllm_omni_like.params import GenerationParams
+    from vllm_omni_like.wire import Mode, StageRequest
+
+    monkeypatch.setattr(edit, "FITTED_AREA", 128 * 128)
+    stage = case_of("qwen-image-edit").stage()
+    assert stage.runtime.loops[Mode.EDIT] == ("own", None)
+
+    def request(rid: str, steps: int, upload: np.ndarray, prompt: str = "make it red", **more):
+        params = GenerationParams(seed=3, num_inference_steps=steps, width=64, height=32, **more)
+        return StageRequest(rid, prompt, params, "edit", [upload])
+
+    a = request("a", 4, UPLOAD)
+    b = request("b", 4, np.random.default_rng(0).integers(0, 256, UPLOAD.shape, np.uint8))
+    c = request(
+        "c", 3, UPLOAD, "make the circle a pale blue and the square red", guidance_scale=1.0
+    )
+    own = frozenset(stage.runtime.own)
+    assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)
+    assert request("d", 3, UPLOAD[:40]).batch_key(own) != a.batch_key(own)  # (another fit)
+    alone = {}
+    for r in (a, b, c):
+        h = _Harness(stage)
+        h.add(1, r)
+        h.steps()
+        alone[r.request_id] = h.pixels(r.request_id)
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(2)
+    h.add(2, b, c)  # the same lane: one forward a step
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    joined = h.stepper.set
+    rows = {row.request.request_id: row for row in joined.rows}
+    assert rows["a"].text != rows["b"].text and rows["a"].negative != rows["b"].negative
+    upload = joined.conditioning["image"]  # (a row each, in the rows' order: a, b, c)
+    assert not torch.equal(upload[0], upload[1]) and torch.equal(upload[0], upload[2])
+    h.steps()
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid

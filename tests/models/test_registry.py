@@ -90,9 +90,15 @@ def _model(tmp_path, pipeline: str, scheduler: str, **config) -> str:
 def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     assert loops_for(arch_path("sd15")) == {
         "text2img": ("own", None),
-        "edit": ("pipeline", "stable-diffusion: edit runs the pipeline's call"),
+        "edit": ("own", None),  # (image to image)
+        "inpaint": ("own", None),
     }
     assert loops_for(arch_path("sdxl"))["text2img"] == ("own", None)  # (Euler: its own)
+    assert loops_for(arch_path("qwen-image-edit")) == {"edit": ("own", None)}  # (instructions)
+    for i2v in ("wan2.1-i2v-14b", "wan2.2-i2v-a14b"):
+        assert loops_for(arch_path(i2v)) == {"image2video": ("own", None)}
+    ti2v = {"text2video": ("own", None), "image2video": ("own", None)}
+    assert loops_for(arch_path("wan2.2-ti2v-5b")) == ti2v  # (one shape group)
     assert loops_for(arch_path("wan2.1-t2v-1.3b")) == {"text2video": ("own", None)}
     assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
         "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")

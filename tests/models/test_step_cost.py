@@ -36,7 +36,7 @@ DEFAULT = ("stable-diffusion", "z-image")
 FAMILIES = [
     pytest.param(name, marks=() if name in DEFAULT else pytest.mark.drill)
     for name in sorted(TINY)
-    if name not in ("qwen-image-edit", "wan-i2v")  # edits: the pipeline's own call runs them
+    if name not in ("qwen-image-edit", "wan-i2v")  # (their requests carry an image: not here)
 ]
 # the Tensor methods that wait for the device; counted on floating-point tensors (latents,
 # timesteps, scales, embeddings: what a step keeps on the device), not on the integer

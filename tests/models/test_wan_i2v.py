@@ -107,3 +107,86 @@ def test_each_model_refuses_the_mode_it_lacks_and_requests_never_share_a_call():
     assert _request("a").batch_key() != _request("b").batch_key()  # one image a call
     text = [StageRequest(r, "x", PARAMS, mode="text2video") for r in "ab"]
     assert text[0].batch_key() == text[1].batch_key()
+
+
+@pytest.mark.parametrize("model", ["wan2.1-i2v", "wan2.2-i2v-a14b"])
+def test_a_video_from_an_image_that_joins_a_busy_set_at_step_k_makes_what_it_makes_alone(model):
+    """Our loop's image-to-video rows (Wan2.1's CLIP features; A14B's two experts, rows on both
+    sides of the boundary in one step) join a busy set at a step boundary, each with its own
+    first frame's condition, steps, guidance and seed: each video is the one it makes alone."""
+    from tests.stages.diffusion.test_running_set import _Harness
+    from vllm_omni_like.wire import Mode
+
+    path = tiny_wan22_i2v_experts_path() if model.endswith("a14b") else contract.TINY["wan-i2v"]()
+    stage = _case(path).stage()
+    assert stage.runtime.loops[Mode.IMAGE2VIDEO] == ("own", None)
+    other = contract.EDIT_IMAGE[::-1, ::-1].copy()
+    a = _request("a", num_inference_steps=6)
+    b = StageRequest("b", "a blue square", dataclasses.replace(PARAMS, seed=4), "image2video")
+    b.images = [other]
+    c = _request("c", seed=5, num_inference_steps=4, guidance_scale=1.0)
+    if model.endswith("a14b"):
+        b = dataclasses.replace(b, params=dataclasses.replace(b.params, guidance_scale_2=1.5))
+    own = frozenset(stage.runtime.own)
+    assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)  # (one shape group)
+
+    def frames(h: _Harness, rid: str) -> np.ndarray:
+        out = h.outputs[rid]
+        assert out.error is None, out.error
+        return out.video.frames.astype(np.int16)
+
+    alone = {}
+    for r in (a, b, c):
+        h = _Harness(stage)
+        h.add(1, r)
+        h.steps()
+        alone[r.request_id] = frames(h, r.request_id)
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(2)  # (A14B: a's third timestep is under the boundary; b's and c's first above it)
+    h.add(2, b, c)
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    h.steps()
+    for rid, video in alone.items():
+        assert np.abs(frames(h, rid) - video).max() <= 1, rid
+
+
+def test_ti2v_rows_from_text_and_from_a_frame_share_a_set_and_a_forward():
+    """Wan2.2-TI2V on our loop: videos from a first frame and from text are one shape group;
+    a text row joins a busy set of rows from frames at a step boundary (and another frame's row
+    with it), every row steps in one forward - a frame's tokens at timestep 0, the frame put
+    back after each step - and each video is the one it makes alone."""
+    from tests.stages.diffusion.test_running_set import _Harness
+    from vllm_omni_like.wire import Mode
+
+    stage = _case(tiny_wan22_ti2v_path()).stage()
+    assert stage.runtime.loops == {m: ("own", None) for m in (Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO)}
+    a = _request("a", num_inference_steps=6)
+    b = StageRequest("b", "a blue square", dataclasses.replace(PARAMS, seed=4), "text2video")
+    c = _request("c", seed=5, num_inference_steps=4, guidance_scale=1.0)
+    c.images = [contract.EDIT_IMAGE[::-1, ::-1].copy()]
+    own = frozenset(stage.runtime.own)
+    assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)  # (one shape group)
+
+    def frames(h: _Harness, rid: str) -> np.ndarray:
+        out = h.outputs[rid]
+        assert out.error is None, out.error
+        return out.video.frames.astype(np.int16)
+
+    alone = {}
+    for r in (a, b, c):
+        h = _Harness(stage)
+        h.add(1, r)
+        h.steps()
+        alone[r.request_id] = frames(h, r.request_id)
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(2)
+    h.add(2, b, c)
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    batches = stage.runtime.probe
+    h.steps(1)
+    assert batches.max_seen == 5  # (one forward: a's and b's two branches, c's one)
+    h.steps()
+    for rid, video in alone.items():
+        assert np.abs(frames(h, rid) - video).max() <= 1, rid

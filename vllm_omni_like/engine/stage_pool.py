@@ -217,7 +217,7 @@ class StagePool:
         (executor/join_policy.py): one stepping that group (the one with most room) before one
         where it opens a lane; None if none may (FIFO: the head waits for room)."""
         head = self.waiting[0]
-        if head.cohort is not None or head.staged.mode not in self.stepped:
+        if head.cohort is not None or head.staged.loop_mode not in self.stepped:
             return None
         key = head.staged.batch_key(self.own_loop)
         same = (
@@ -250,7 +250,7 @@ class StagePool:
             units=sum(cost.step_units(p, self.text) for p in params),
             steps=max(cost.steps_of(p, self.default_steps, self.text) for p in params),
             key=batch[0].staged.batch_key(self.own_loop),
-            whole=batch[0].staged.mode not in self.stepped,
+            whole=batch[0].staged.loop_mode not in self.stepped,
         )
 
     def parallel_rate(self) -> float | None:

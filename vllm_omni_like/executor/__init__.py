@@ -24,9 +24,10 @@ def factory_for(config: EngineConfig) -> Callable[..., Executor]:
         raise ConfigError("--executor ray needs Ray: pip install 'vllm-omni-like[ray]'") from None
     for pipeline in config.pipelines:
         for stage in pipeline.stages:
-            if stage.cfg_parallel:
+            if stage.leads:
                 raise ConfigError(
-                    f"stage {stage.name!r}: --cfg-parallel runs on the multiproc executor only"
+                    f"stage {stage.name!r}: --cfg-parallel and --sequence-parallel run on the "
+                    "multiproc executor only"
                 )
     from vllm_omni_like.executor import ray_runtime
     from vllm_omni_like.executor.ray_executor import RayExecutor

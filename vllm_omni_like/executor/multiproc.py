@@ -71,8 +71,9 @@ class MultiprocExecutor(InboundExecutor):
         self.faults = faults
         self.devices = placement.rank_devices(config, replica)  # one per rank
         self.start_method = start_method.method_for(config, self.devices)  # spawn | forkserver
-        # a CFG-parallel replica's ranks meet through a file here (torch.distributed's store)
-        self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.cfg_parallel else ""
+        # the ranks of a replica rank 0 leads (CFG-parallel, sequence parallel) meet through a
+        # file here (torch.distributed's store)
+        self._rendezvous = tempfile.mkdtemp(prefix="omni-ranks-") if config.leads else ""
         self._workers: list[_WorkerHandle] = []
         self._ready: set[int] = set()  # ranks whose load finished
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -205,15 +206,15 @@ class MultiprocExecutor(InboundExecutor):
             if self._dead or self._stopping:
                 raise EngineDeadError(f"replica {self.replica} is dead", stage=self.config.name)
             self._inbound.sent(batch.batch_id, {r.request_id for r in batch.requests})
-        if self.config.cfg_parallel:  # rank 0 runs the batch; rank 1 serves its branch calls
+        if self.config.leads:  # rank 0 runs the batch; the others serve its denoiser calls
             self._send_all(batch, self._workers[:1])
             self._send_all(FollowBatch(batch.batch_id), self._workers[1:])
         else:
             self._send_all(batch)
 
     def abort(self, request_ids: list[str]) -> None:
-        # a CFG-parallel rank 1 holds no requests: aborts are rank 0's to apply
-        to = self._workers[:1] if self.config.cfg_parallel else self._workers
+        # the ranks rank 0 leads hold no requests: aborts are rank 0's to apply
+        to = self._workers[:1] if self.config.leads else self._workers
         self._send_all(AbortRequests(list(request_ids)), to)
 
     def _send_all(self, msg: object, workers: list[_WorkerHandle] | None = None) -> None:

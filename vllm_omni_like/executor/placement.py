@@ -25,11 +25,11 @@ def replica_device(devices: tuple[str, ...], default: str, index: int) -> str:
 
 
 def rank_devices(config: StageConfig, replica: int) -> tuple[str, ...]:
-    """The device of each worker (rank) of replica `replica`. The ranks of a CFG-parallel
-    replica take consecutive entries of `devices` (replica r: 2r and 2r+1); other ranks
-    share their replica's device."""
+    """The device of each worker (rank) of replica `replica`. The N ranks of a CFG-parallel
+    (N = 2) or sequence-parallel replica take consecutive entries of `devices` (replica r:
+    Nr to Nr + N - 1); other ranks share their replica's device."""
     ranks = config.workers_per_replica
-    if config.cfg_parallel and config.devices:
+    if config.leads and config.devices:
         n = len(config.devices)
         return tuple(config.devices[(replica * ranks + k) % n] for k in range(ranks))
     return (replica_device(config.devices, config.device, replica),) * ranks

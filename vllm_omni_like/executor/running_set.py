@@ -127,7 +127,7 @@ class RunningSet:
         return self.running or self._stepped(batch)
 
     def _stepped(self, batch: ExecuteBatch) -> bool:
-        return bool(batch.requests) and batch.requests[0].mode in self.stepped
+        return bool(batch.requests) and batch.requests[0].loop_mode in self.stepped
 
     def add(self, batch: ExecuteBatch) -> bool:
         """A group that arrived: it joins its lane (or opens one) now if the policy admits it
@@ -153,7 +153,7 @@ class RunningSet:
             assert len(self.lanes) < self.policy.lanes  # (the policy counted the lanes)
             if not self.lanes:
                 self.control.max_model_batch = 0
-            stepper = self.stage.stepper(batch.requests[0].mode)
+            stepper = self.stage.stepper(batch.requests[0].loop_mode)
             assert stepper is not None
             lane = Lane(stepper, time.monotonic(), load.key)
             self.lanes.append(lane)

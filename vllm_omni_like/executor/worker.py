@@ -265,8 +265,11 @@ class _Worker:
         except Exception as exc:  # the ranks no longer agree: the replica restarts whole
             raise FatalStageError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
-    def _end_branches(self, batch_id: int) -> None:
-        if self.stage is not None and self.config.cfg_parallel:
+    def _end_branches(self, batch_id: int, decoded: bool = False) -> None:
+        """The other ranks stop serving batch `batch_id`: CFG-parallel's rank 1 once its
+        denoising is over, sequence parallelism's once its decode is too (they decode it)."""
+        at_decode = self.config.sequence_parallel > 1
+        if self.stage is not None and self.config.leads and decoded == at_decode:
             try:
                 self.stage.end_branches(batch_id)
             except Exception as exc:
@@ -318,6 +321,7 @@ class _Worker:
         for out in outputs:
             self._deliver(job.owner(out.request_id), out)
         for batch_id, ids, started in job.ends():
+            self._guard(self._end_branches, batch_id, True)
             if self.reports:
                 steps = {rid: self.control.steps_run.get(rid, 0) for rid in ids}
                 after = self.control.steps_after_abort(ids)

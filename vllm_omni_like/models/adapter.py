@@ -5,11 +5,13 @@ differs between families; the stage itself names no model class. An adapter desc
 denoiser is called and with which conditioning (`predict`, `experts`, `per_token_timesteps`,
 `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
 latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
-its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split,
+its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split, the
+sequence-parallel split (`split_sequence`),
 and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
 with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
-(`Family.own_loop`) go through the diffusers pipeline's own `__call__`. The contract tests
-(tests/models/) hold each family's answers equal to its pipeline's.
+(`Family.own_loop`) go through the diffusers pipeline's own `__call__`; rows from an image carry
+their own conditioning (models/row_conditions.py). The contract tests (tests/models/) hold each
+family's answers equal to its pipeline's.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_omni_like.errors import ConfigError
+from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
+from vllm_omni_like.models.row_conditions import RowConditions
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
+from vllm_omni_like.parallel.patch_decode import Bands
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
 
@@ -64,7 +71,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter:
+class Adapter(RowConditions):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
@@ -182,6 +189,16 @@ class Adapter:
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         raise NotImplementedError(f"{self.family.name}: no latents of our own")
 
+    def encode_image(self, pixels: torch.Tensor, generator: torch.Generator | None) -> Any:
+        """An image-to-image row's source (1, 3, H, W in [-1, 1]) as its img2img pipeline's
+        latents of it, in our loop's layout (models/image_latents.py)."""
+        vae = self.pipe.vae
+        return image_latents.encode(vae, pixels.to(vae.dtype), generator, vae.dtype)
+
+    def edit_steps(self, steps: int, strength: float) -> tuple[int, int]:
+        """(steps, the first one an image-to-image row runs) at `strength`: SD's rule."""
+        return image_latents.whole_steps(steps, strength)
+
     # ---- the pipeline call ------------------------------------------------------------------
     def text_kwargs(
         self, prompts: list[str], negatives: list[str], tokenizer: Any
@@ -294,8 +311,18 @@ class Adapter:
         raise ValueError(f"CFG-parallel does not run {type(self.pipe).__name__}")
 
     def keep_for_branches(self) -> set[str]:
-        """What rank 1 of CFG-parallel keeps of the pipeline: its denoisers."""
+        """What rank 1 of CFG-parallel (or of sequence parallelism) keeps: its denoisers."""
         return {expert.name for expert in self.experts()}
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """Sequence parallelism: make each denoiser (not yet compiled) hold this rank's share of
+        its latent tokens and attend over every rank's (text whole, RoPE global); its heads."""
+        raise ConfigError(f"sequence parallelism does not run the {self.family.name} family yet")
+
+    def split_decode(self, bands: Bands) -> str | None:
+        """Sequence parallelism: make a component's `decode` (every rank calls it at once)
+        patch-parallel; the component's name (None: rank 0 decodes alone)."""
+        return None
 
 
 def adapter_for(pipe: Any, family: Family) -> Adapter:
@@ -322,25 +349,6 @@ def nhwc_unet_and_image_vae(pipe: Any, compiled: bool, forced: bool) -> bool:
         vae.to(memory_format=torch.channels_last)
         done = True
     return done
-
-
-def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """A masked text's tensors (those with a token axis: the embeddings, the mask) padded with
-    zeros to `length` tokens; a padded token is masked out, so a row's result is unchanged."""
-    have = text["mask"].shape[1]
-    if have == length:
-        return text
-    return {
-        k: zero_pad(v, length) if v.dim() >= 2 and v.shape[1] == have else v
-        for k, v in text.items()
-    }
-
-
-def zero_pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`x` (B, L, ...) with zeros to `length` on its second dimension (as it is if as long)."""
-    if x.shape[1] >= length:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)
 
 
 def auto_edit_pipelines(pipe: Any, stage: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class Family:
     # video model): no generation from text alone
     edit_strength: bool = True  # its edits take a strength (img2img); False: by instruction
     video_from_image: bool = False  # a video model that also starts from an image (TI2V)
+    inpaints: bool = False  # its edits also take a mask (Mode.INPAINT: an edit with one)
     config_flag: str | None = None  # a model_index.json value that must be true for this
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
     fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
@@ -78,4 +79,10 @@ class Family:
             if self.video_from_image:
                 return (Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO)
             return (Mode.TEXT2VIDEO,)
-        return (Mode.EDIT,) if self.needs_image else (Mode.TEXT2IMG, Mode.EDIT)
+        if self.needs_image:
+            return (Mode.EDIT,)
+        return (
+            (Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT)
+            if self.inpaints
+            else (Mode.TEXT2IMG, Mode.EDIT)
+        )

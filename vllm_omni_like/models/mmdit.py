@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.adapter import (
     Adapter,
     Decoder,
@@ -50,6 +51,9 @@ class MMDiT(ShiftedVAE):
 
     def edit_pipelines(self, stage: str) -> dict[str, Any]:
         return auto_edit_pipelines(self.pipe, stage)
+
+    def edit_steps(self, steps: int, strength: float) -> tuple[int, int]:
+        return image_latents.fractional_steps(steps, strength)  # (their img2img pipelines')
 
     def fuse_qkv(self) -> bool:
         self.pipe.transformer.fuse_qkv_projections()

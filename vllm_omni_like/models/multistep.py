@@ -47,11 +47,13 @@ KIND = {
 }
 
 
-def tables(scheduler: Any) -> Tables:
-    """The per-step tables of `scheduler` (its timesteps set, on the CPU)."""
+def tables(scheduler: Any, start: int = 0) -> Tables:
+    """The per-step tables of `scheduler` (its timesteps set, on the CPU) from its step
+    `start` on (an image-to-image row's first: its solver begins there with no history, as
+    the pipeline's scheduler does from its begin index)."""
     kind = KIND[type(scheduler).__name__]
     build = {"dpm": _dpm_tables, "unipc": _unipc_tables, "pndm": _pndm_tables}[kind]
-    variants, scalars = build(scheduler)
+    variants, scalars = build(scheduler, start)
     return Tables(kind, tuple(variants), tuple(scalars))
 
 
@@ -74,11 +76,11 @@ def _lam(s: Any, k: int) -> tuple[Any, Any, Any]:
     return alpha, sigma, torch.log(alpha) - torch.log(sigma)
 
 
-def _dpm_tables(s: Any) -> tuple[list[Any], list[Any]]:
+def _dpm_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
     conf, n = s.config, len(s.timesteps)
     variants, scalars = [], []
-    for i in range(n):
-        lower_nums = min(i, conf.solver_order)
+    for i in range(start, n):
+        lower_nums = min(i - start, conf.solver_order)
         final = i == n - 1 and (
             conf.euler_at_final
             or (conf.lower_order_final and n < 15)
@@ -128,28 +130,28 @@ def _unipc_update(s: Any, t: int, s0: int, order: int, prefix: str) -> dict[str,
     return {f"{prefix}_{key}": _f(value) for key, value in out.items()}
 
 
-def _unipc_tables(s: Any) -> tuple[list[Any], list[Any]]:
+def _unipc_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
     conf, n = s.config, len(s.timesteps)
     variants, scalars = [], []
     previous: int | None = None  # the order of the last predictor: the corrector's now
-    for i in range(n):
+    for i in range(start, n):
         this = min(conf.solver_order, n - i) if conf.lower_order_final else conf.solver_order
-        order = min(this, min(i, conf.solver_order) + 1)
+        order = min(this, min(i - start, conf.solver_order) + 1)
         row = {**_convert_scalars(s, i), **_unipc_update(s, i + 1, i, order, "p")}
         corrector = 0
-        if i > 0 and (i - 1) not in conf.disable_corrector:
+        if i > start and (i - 1) not in conf.disable_corrector:
             corrector = previous or 0
             row.update(_unipc_update(s, i, i - 1, corrector, "c"))
-        variants.append((conf.prediction_type, corrector, order, i > 0))
+        variants.append((conf.prediction_type, corrector, order, i > start))
         scalars.append(row)
         previous = order
     return variants, scalars
 
 
-def _pndm_tables(s: Any) -> tuple[list[Any], list[Any]]:
+def _pndm_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
     ratio = s.config.num_train_timesteps // s.num_inference_steps
     variants, scalars, held = [], [], 0
-    for i, t in enumerate(s.timesteps):
+    for i, t in enumerate(s.timesteps[start:]):  # (its counter starts at the slice)
         t, prev = int(t), int(t) - ratio
         if i == 1:
             t, prev = t + ratio, t

@@ -17,6 +17,7 @@ The names a request gives (`scheduler`) are models/schedulers.py's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Sequence
@@ -40,9 +41,24 @@ class Schedule:
     timesteps: torch.Tensor  # what the denoiser is given at each step (host, float32)
     tables: Tables  # each step's variant and scalars
     init_noise_sigma: float
-    _on_device: dict[torch.device, torch.Tensor] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    start: int = 0  # where in the scheduler's whole schedule it begins (image-to-image)
+    # the diffusers scheduler, its timesteps set and its begin index at `start`: it noises an
+    # image-to-image row's source as the pipeline's does (`add_noise`)
+    noiser: Any = field(default=None, compare=False, repr=False)
+    _on_device: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def noiser_on(self, device: torch.device) -> Any:
+        """The noiser with its tables on `device` (copied there once): noising on a device
+        then copies nothing from the host, so it never waits for the device."""
+        key = ("noiser", device)
+        if key not in self._on_device:
+            noiser = copy.deepcopy(self.noiser)
+            for name in ("timesteps", "sigmas", "alphas_cumprod"):
+                value = getattr(noiser, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(noiser, name, value.to(device))
+            self._on_device[key] = noiser
+        return self._on_device[key]
 
     @property
     def iterations(self) -> int:
@@ -53,7 +69,8 @@ class Schedule:
         """The timesteps on `device`, copied there once."""
         if device not in self._on_device:
             self._on_device[device] = self.timesteps.to(device)
-        return self._on_device[device]
+        timesteps: torch.Tensor = self._on_device[device]
+        return timesteps
 
 
 @dataclass
@@ -94,32 +111,75 @@ def make_scheduler(name: str, config: dict[str, Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(class_name: str, config_json: str, steps: int, args_json: str) -> Schedule:
+def _schedule(
+    class_name: str, config_json: str, steps: int, args_json: str, start: int
+) -> Schedule:
     import diffusers
 
     scheduler = getattr(diffusers, class_name).from_config(json.loads(config_json))
     scheduler.set_timesteps(steps, device="cpu", **json.loads(args_json))
     kind = KINDS[class_name]
-    tables = multistep.tables(scheduler) if kind == "multistep" else _explicit(scheduler, kind)
+    if kind == "multistep":
+        tables = multistep.tables(scheduler, start)
+    else:
+        whole = _explicit(scheduler, kind)
+        tables = Tables(kind, whole.variants[start:], whole.scalars[start:])
+    if hasattr(scheduler, "set_begin_index"):  # (as the image-to-image pipelines set it)
+        scheduler.set_begin_index(start)
     return Schedule(
         kind=kind,
         steps=steps,
-        timesteps=scheduler.timesteps.to(torch.float32),
+        timesteps=scheduler.timesteps[start:].to(torch.float32),
         tables=tables,
         init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)),
+        start=start,
+        noiser=scheduler,
     )
 
 
-def schedule_for(scheduler: Any, steps: int, args: dict[str, Any] | None = None) -> Schedule:
+def schedule_for(
+    scheduler: Any, steps: int, args: dict[str, Any] | None = None, start: int = 0
+) -> Schedule:
     """The tables of `scheduler`'s class and config at `steps` steps (cached); `args`: what
     else the pipeline gives its `set_timesteps` (FLUX.1: its sigmas, and the shift `mu` of
-    the image's length where the schedule shifts with it)."""
+    the image's length where the schedule shifts with it); `start`: the step an image-to-image
+    row begins at (the schedule is the whole one's from there)."""
     name = type(scheduler).__name__
     problem = unsupported(name, dict(scheduler.config))
     if problem is not None:
         raise ValueError(f"no batched steps for {problem}; these have them: {', '.join(KINDS)}")
     config = json.dumps(dict(scheduler.config), sort_keys=True, default=str)
-    return _schedule(name, config, steps, json.dumps(args or {}, sort_keys=True))
+    return _schedule(name, config, steps, json.dumps(args or {}, sort_keys=True), start)
+
+
+def add_noise(schedule: Schedule, source: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Rows of an image's latents (`source`) noised to their schedule's first step, as an
+    image-to-image pipeline noises them before its loop."""
+    return noise_to(schedule, 0, source, noise)
+
+
+def noise_to(
+    schedule: Schedule, index: int, source: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """`source` noised with `noise` to the schedule's step `index`, by its scheduler's own
+    `scale_noise` (flow matching) or `add_noise` at that step's timestep, from that step as
+    its begin index (where the pipeline's scheduler, stepped that far, is: an inpainting
+    pipeline's image after each step)."""
+    noiser = schedule.noiser_on(source.device)
+    at = schedule.start + index
+    first = noiser.timesteps[at : at + 1].repeat(source.shape[0])
+    begins = hasattr(noiser, "set_begin_index")
+    if begins:
+        noiser.set_begin_index(at)
+    try:
+        if hasattr(noiser, "scale_noise"):
+            noised: torch.Tensor = noiser.scale_noise(source, first, noise)
+        else:
+            noised = noiser.add_noise(source, noise, first)
+    finally:
+        if begins:
+            noiser.set_begin_index(schedule.start)
+    return noised
 
 
 # ---- the scalars of the kinds stepped here, as diffusers computes them ----------------------

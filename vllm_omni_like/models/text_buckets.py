@@ -1,7 +1,7 @@
 """Text-length buckets (Qwen-Image, Z-Image): each prompt's tokens padded on, with a mask, to
-the smallest of a few lengths, so a compiled denoiser sees one text shape per bucket and rows of
-many prompts share a forward; and the prompts a compiled stage warms every bucket up with, so
-no request's prompt compiles one at run time.
+the smallest of a few lengths (`pad_tokens`), so a compiled denoiser sees one text shape per
+bucket and rows of many prompts share a forward; and the prompts a compiled stage warms every
+bucket up with, so no request's prompt compiles one at run time.
 
 The buckets were picked by measurement (bench/README.md, "masked attention"): the mask, not the
 bucket, is what costs; a larger step between buckets costs less than a recompile.
@@ -10,6 +10,8 @@ bucket, is what costs; a larger step between buckets costs less than a recompile
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import torch
 
 TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest that holds it)
 WORD = "red"  # what a warm-up prompt repeats
@@ -46,3 +48,22 @@ def bucket_prompts(count: Callable[[str], int], tries: int = 16) -> tuple[str, .
             words = max(1, words + step)
         below = bucket
     return tuple(prompts)
+
+
+def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A masked text's tensors (those with a token axis: the embeddings, the mask) padded with
+    zeros to `length` tokens; a padded token is masked out, so a row's result is unchanged."""
+    have = text["mask"].shape[1]
+    if have == length:
+        return text
+    return {
+        k: zero_pad(v, length) if v.dim() >= 2 and v.shape[1] == have else v
+        for k, v in text.items()
+    }
+
+
+def zero_pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`x` (B, L, ...) with zeros to `length` on its second dimension (as it is if as long)."""
+    if x.shape[1] >= length:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], dim=1)

@@ -1,2 +1,2 @@
-"""Work of one request spread over devices: CFG-parallel's two ranks (sequence parallelism
-joins later), and the guidance-branch wrappers they build on."""
+"""Work of one request spread over devices: CFG-parallel's two ranks, sequence parallelism's N
+(Ulysses attention), and the guidance-branch wrappers they build on."""

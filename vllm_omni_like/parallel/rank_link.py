@@ -1,5 +1,6 @@
-"""The two ranks of a CFG-parallel replica, point to point (parallel/cfg_parallel.py runs the
-exchange over it).
+"""The ranks of a replica rank 0 leads, point to point between rank 0 and each other rank, and
+collectives over all of them: CFG-parallel's two (parallel/cfg_parallel.py runs the exchange
+over it), sequence parallelism's N (parallel/sequence_parallel.py).
 
 torch.distributed (NCCL on CUDA, gloo on the CPU) carries the tensors, and a second, gloo (host
 memory) group the small objects that steer the exchange. A call's arguments travel as a header
@@ -53,50 +54,72 @@ def shape_key(args: tuple, kwargs: dict, every: list[torch.Tensor]) -> tuple:
 
 
 class Link:
-    """The two ranks of one replica, point to point."""
+    """The ranks of one replica: rank 0 and each other rank point to point (`peer`: the other
+    rank of two, or rank 0 for the others; rank 0 of more names its peer), and collectives
+    over all of them (`collectives`: their connections made at the start too)."""
 
-    def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float) -> None:
-        if ranks.size != 2 or not ranks.rendezvous:
-            raise ValueError(f"CFG-parallel needs 2 ranks and a rendezvous, not {ranks}")
+    def __init__(
+        self, ranks: Ranks, device: torch.device, timeout_s: float, collectives: bool = False
+    ) -> None:
+        if ranks.size < 2 or not ranks.rendezvous:
+            raise ValueError(f"a link needs 2 ranks or more and a rendezvous, not {ranks}")
         self.rank = ranks.rank
-        self.peer = 1 - ranks.rank
+        self.size = ranks.size
+        self.peer = 1 if ranks.rank == 0 else 0
         self.device = device
         self._codes: dict[int, torch.Tensor] = {}
-        if device.type == "cuda":  # (no eager NCCL init: the two talk point to point only)
+        if device.type == "cuda":  # (NCCL's connections come with the first exchanges below)
             torch.cuda.set_device(device)
-        else:  # both ranks compute at once on the same cores: each takes half of them, or
-            # their thread pools' spinning waits slow both down (measured: 7x on 2 cores)
-            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+        else:  # the ranks compute at once on the same cores: each takes its share of them, or
+            # their thread pools' spinning waits slow all down (measured: 7x for 2 on 2 cores)
+            torch.set_num_threads(max(1, torch.get_num_threads() // ranks.size))
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             init_method=f"file://{ranks.rendezvous}",
             rank=ranks.rank,
-            world_size=2,
+            world_size=ranks.size,
             timeout=timeout,
         )
         # objects go host to host (gloo), whatever the tensors' backend
         self._objects = dist.new_group(backend="gloo", timeout=timeout)
-        # the first exchanges set up the connections between the two: here, not in a request
-        if self.rank == 0:
-            self.send_obj(("hello", 0))
-        if self.recv_obj() != ("hello", self.peer):
-            raise RankDiverged("the other rank did not answer the handshake")
-        if self.rank == 1:
-            self.send_obj(("hello", 1))
-        # ... and the tensors' connection (NCCL makes it at the first send, with both ranks)
-        if self.rank == 0:
-            self.send(self.code(0))
-        elif self.recv((1,), "int64").item() != 0:
-            raise RankDiverged("the other rank's first tensor was not the handshake")
+        self._handshake(collectives)
 
-    def _io(self, what: str, run: Callable[[], T]) -> T:
+    def _handshake(self, collectives: bool) -> None:
+        """The first exchanges set up the connections between the ranks: here, not in a
+        request: objects, then tensors (NCCL makes a pair's at its first send), then the
+        collectives' (at the first one)."""
+        others = range(1, self.size) if self.rank == 0 else (0,)
+        for peer in others:
+            if self.rank == 0:
+                self.send_obj(("hello", 0), peer)
+            if self.recv_obj(peer) != ("hello", peer):
+                raise RankDiverged(f"rank {peer} did not answer the handshake")
+            if self.rank > 0:
+                self.send_obj(("hello", self.rank), peer)
+            if self.rank == 0:
+                self.send(self.code(0), peer)
+            elif self.recv((1,), "int64", peer).item() != 0:
+                raise RankDiverged("rank 0's first tensor was not the handshake")
+        if collectives:
+            self.broadcast(self.code(0).clone())
+
+    @property
+    def group(self) -> Any:
+        """Every rank's (device) process group, for collectives."""
+        return dist.group.WORLD
+
+    def _io(self, what: str, peer: int | str, run: Callable[[], T]) -> T:
         try:
             return run()
-        except Exception as exc:  # the peer is gone or the group broke: not a request's fault
-            raise RankDiverged(f"rank {self.rank}: {what} rank {self.peer} failed: {exc}") from exc
+        except Exception as exc:  # a peer is gone or the group broke: not a request's fault
+            raise RankDiverged(f"rank {self.rank}: {what} {peer} failed: {exc}") from exc
 
-    def send_obj(self, obj: object) -> None:
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """`tensor` from rank 0 to every rank (each other rank's `tensor` receives it)."""
+        self._io("broadcast with", "every rank", lambda: dist.broadcast(tensor, src=0))
+
+    def send_obj(self, obj: object, peer: int | None = None) -> None:
         """A small object, host to host: one fixed-size message (a longer one in a second)."""
         data = pickle.dumps(obj)
         head = np.zeros(HEADER_BYTES, np.uint8)
@@ -104,23 +127,27 @@ class Link:
         fits = len(data) <= HEADER_BYTES - 8
         if fits:
             head[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
-        self._send_host(torch.from_numpy(head))
+        peer = self.peer if peer is None else peer
+        self._send_host(torch.from_numpy(head), peer)
         if not fits:
-            self._send_host(torch.from_numpy(np.frombuffer(data, np.uint8).copy()))
+            self._send_host(torch.from_numpy(np.frombuffer(data, np.uint8).copy()), peer)
 
-    def recv_obj(self) -> Any:
-        head = self._recv_host(HEADER_BYTES).numpy()
+    def recv_obj(self, peer: int | None = None) -> Any:
+        peer = self.peer if peer is None else peer
+        head = self._recv_host(HEADER_BYTES, peer).numpy()
         size = int.from_bytes(head[:8].tobytes(), "little")
         if size <= HEADER_BYTES - 8:
             return pickle.loads(head[8 : 8 + size].tobytes())
-        return pickle.loads(self._recv_host(size).numpy().tobytes())
+        return pickle.loads(self._recv_host(size, peer).numpy().tobytes())
 
-    def _send_host(self, tensor: torch.Tensor) -> None:
-        self._io("sending to", lambda: dist.send(tensor, dst=self.peer, group=self._objects))
+    def _send_host(self, tensor: torch.Tensor, peer: int) -> None:
+        group = self._objects
+        self._io("sending to rank", peer, lambda: dist.send(tensor, dst=peer, group=group))
 
-    def _recv_host(self, size: int) -> torch.Tensor:
+    def _recv_host(self, size: int, peer: int) -> torch.Tensor:
         tensor = torch.empty(size, dtype=torch.uint8)
-        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer, group=self._objects))
+        group = self._objects
+        self._io("receiving from rank", peer, lambda: dist.recv(tensor, src=peer, group=group))
         return tensor
 
     def code(self, value: int) -> torch.Tensor:
@@ -129,12 +156,14 @@ class Link:
             self._codes[value] = torch.full((1,), value, dtype=torch.int64, device=self.device)
         return self._codes[value]
 
-    def send(self, tensor: torch.Tensor) -> None:
-        self._io("sending to", lambda: dist.send(tensor.contiguous(), dst=self.peer))
+    def send(self, tensor: torch.Tensor, peer: int | None = None) -> None:
+        dst = self.peer if peer is None else peer
+        self._io("sending to rank", dst, lambda: dist.send(tensor.contiguous(), dst=dst))
 
-    def recv(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: str, peer: int | None = None) -> torch.Tensor:
+        src = self.peer if peer is None else peer
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-        self._io("receiving from", lambda: dist.recv(tensor, src=self.peer))
+        self._io("receiving from rank", src, lambda: dist.recv(tensor, src=src))
         return tensor
 
     def close(self) -> None:

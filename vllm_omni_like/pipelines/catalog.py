@@ -50,7 +50,11 @@ def arch_path(name: str) -> str:
     return str(resources.files("vllm_omni_like") / "assets" / "archs" / name)
 
 
-DIFFUSION_ONLY = ("cfg_parallel", "quantization")  # overrides of every stage that only
+DIFFUSION_ONLY = (
+    "cfg_parallel",
+    "sequence_parallel",
+    "quantization",
+)  # overrides of every stage that only
 # diffusion stages take (an LLM stage in front keeps its own)
 
 

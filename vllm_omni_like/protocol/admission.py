@@ -9,11 +9,10 @@ from dataclasses import replace
 from vllm_omni_like.config import Limits
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.limits import OPENAI_VIDEO_SIZES, ModelLimits, check_expert_scales
-from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.params import DEFAULT_STRENGTH, GenerationParams
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest, parse_size
 
 DEFAULT_SECONDS = 1.0
-DEFAULT_STRENGTH = 0.8  # diffusers' img2img default
 
 
 def check_prompt(prompt: str, limits: Limits) -> None:

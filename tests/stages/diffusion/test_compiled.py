@@ -4,6 +4,8 @@ that never recompiles after its warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -129,9 +131,10 @@ def test_a_compiled_flux_set_pads_rows_not_cfg_pairs_and_never_recompiles():
 
 
 @pytest.mark.slow
-def test_a_compiled_ti2v_stage_warms_up_its_first_frame_call_too(caplog):
-    """Wan2.2-TI2V's image to video runs the pipeline's call, whose denoiser shapes are not the
-    own loop's: the warm-up runs it too, so a request from an image compiles nothing."""
+def test_a_compiled_ti2v_stage_runs_a_first_frame_on_its_text_rows_graph(caplog):
+    """Wan2.2-TI2V's rows from a first frame and from text share our loop's forward (the same
+    inputs, each row's frame mask beside them): the text rows' warm-up is theirs too, no call
+    of the pipeline's is warmed up, and a request from an image compiles nothing."""
     from torch._dynamo.utils import counters
 
     from tests.models.test_family_contract import EDIT_IMAGE
@@ -149,11 +152,44 @@ def test_a_compiled_ti2v_stage_warms_up_its_first_frame_call_too(caplog):
         )
     )
     stage.load("cpu")
-    assert "warmed up 64x64 from an image" in caplog.text
+    assert "warmed up 64x64 x1" in caplog.text and "from an image" not in caplog.text
     graphs = counters["stats"]["unique_graphs"]
     frames = stage.runtime.defaults.frames
     params = GenerationParams(seed=1, num_inference_steps=3, num_frames=frames)
     request = StageRequest("r", "x", params, mode="image2video", images=[EDIT_IMAGE])
     (out,) = stage.execute([request], _control())
     assert out.error is None and out.video.frames.shape[1:] == (64, 64, 3)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen-image-edit", "wan-i2v"])
+def test_a_compiled_stage_that_only_starts_from_an_image_warms_up_from_a_blank_one(
+    family, monkeypatch
+):
+    """Qwen-Image-Edit's instruction edits and Wan's image to video run our loop from an
+    image: the warm-up starts from a blank upload of each warm-up size (an edit's upload fits
+    to that aspect's sequence), so a request of that size and aspect, with and without
+    guidance, compiles nothing. (Qwen-Image-Edit's uploads fit to about 128x128 here, not a
+    megapixel: a CPU's speed.)"""
+    from torch._dynamo.utils import counters
+
+    from tests.models.test_family_contract import EDIT_IMAGE, case_of
+    from vllm_omni_like.models.qwen_image import edit
+
+    monkeypatch.setattr(edit, "FITTED_AREA", 128 * 128)
+    case = case_of(family)
+    stage = case.stage(
+        compile=True, batch_buckets=(1,), options={**case.options, "compile_backend": "eager"}
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    limits = case.limits()
+    size = (limits.default_width, limits.default_height)  # (64x64: a square upload's aspect)
+    mode = "image2video" if case.video else "edit"
+    upload = EDIT_IMAGE[:, :48]  # (48x48: a square)
+    for guidance in (1.0, None):
+        params = GenerationParams(seed=1, num_inference_steps=2, guidance_scale=guidance)
+        params = dataclasses.replace(params, width=size[0], height=size[1])
+        (out,) = stage.execute([StageRequest("r", "x", params, mode, [upload])], _control())
+        assert out.error is None, out.error
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled

@@ -144,6 +144,52 @@ def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alon
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
+def test_an_image_to_image_edit_joins_a_busy_text_set_and_makes_what_it_makes_alone(stage):
+    """An edit of a size given shares text-to-image's shape group (one lane, one forward a
+    step) and joins at a step boundary, starting at its strength's step; a multistep solver
+    beside it is unaffected. Both images are the ones they make alone."""
+    upload = np.arange(40 * 56 * 3, dtype=np.uint8).reshape(40, 56, 3)
+    params = GenerationParams(seed=7, num_inference_steps=6, strength=0.5, width=32, height=32)
+    edit = StageRequest("e", "a blue square", params, mode="edit", images=[upload])
+    text = _req("t", seed=3, steps=7, scheduler="dpm++2m", width=32, height=32)
+    alone = {r.request_id: _alone(stage, r) for r in (edit, text)}
+    h = _Harness(stage)
+    h.add(1, text)
+    h.steps(2)
+    h.add(2, edit)  # the same lane: its rows step in the text rows' forward
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    h.steps()
+    assert sorted(h.groups) == [1, 2]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
+def test_an_inpainting_edit_joins_a_busy_inpainting_set_and_makes_what_it_makes_alone(stage):
+    """Inpainting rows are their own shape group (each step puts their unmasked region back):
+    one that joins another's set at a step boundary, at another strength and schedule,
+    makes the image it makes alone, and so does the one it joined."""
+    upload = np.arange(40 * 56 * 3, dtype=np.uint8).reshape(40, 56, 3)
+    mask = np.zeros((40, 56), np.uint8)
+    mask[8:32, 10:40] = 255
+
+    def inpaint(rid: str, seed: int, steps: int, strength: float, **params) -> StageRequest:
+        p = GenerationParams(seed=seed, num_inference_steps=steps, strength=strength, **params)
+        p = dataclasses.replace(p, width=32, height=32)
+        return StageRequest(rid, "a blue square", p, mode="edit", images=[upload], mask=mask)
+
+    first = inpaint("a", seed=7, steps=8, strength=0.75, scheduler="euler-a")
+    later = inpaint("b", seed=9, steps=6, strength=1.0, scheduler="dpm++2m")
+    alone = {r.request_id: _alone(stage, r) for r in (first, later)}
+    h = _Harness(stage)
+    h.add(1, first)
+    h.steps(2)
+    h.add(2, later)
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1, 2]]
+    h.steps()
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
 def test_the_sets_tensors_stay_inference_tensors_through_joins_and_leaves(stage):
     """A compiled model guards on its inputs' dispatch keys and was warmed up on inference
     tensors: a set's latents and text must stay such tensors when rows join (a cat), leave and

@@ -14,9 +14,9 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.row_tensors import text_dtype
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.stages.diffusion.step import text_dtype
 from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
@@ -272,15 +272,18 @@ def test_a_scheduler_outside_the_family_is_refused_by_the_stage(image, video):
     video.validate(_request(video, scheduler="flow-euler"))  # (taken)
 
 
-def test_an_edit_runs_the_pipelines_call_with_the_scheduler_asked(image):
+def test_an_edit_on_the_pipelines_call_runs_with_the_scheduler_asked(image, monkeypatch):
+    monkeypatch.setattr(image.runtime, "own", set())  # (as a CFG-parallel rank runs it)
     base = np.full((64, 64, 3), 200, dtype=np.uint8)
+    mask = np.zeros((64, 64), dtype=np.uint8)
+    mask[16:48, 16:48] = 255
 
     def edit(scheduler):
         params = GenerationParams(seed=5, num_inference_steps=4, strength=0.8, scheduler=scheduler)
-        batch = [StageRequest("e", "a blue square", params, mode="edit", images=[base])]
-        return _run(image, batch)["e"], type(image.runtime.edit_pipes["edit"].scheduler).__name__
+        request = StageRequest("e", "a blue square", params, mode="edit", images=[base], mask=mask)
+        pipe = image.runtime.edit_pipes["inpaint"]
+        return _run(image, [request])["e"], type(pipe.scheduler).__name__
 
-    assert image.runtime.loops["edit"][0] == "pipeline"
     default, used = edit(None)
     assert used == "DDIMScheduler"  # the model's own
     euler, used = edit("euler")

@@ -18,7 +18,8 @@ FAMILY = Family(
     default_guidance=3.5,  # FluxPipeline's
     adapter="vllm_omni_like.models.flux.adapter",
     fp8=True,
-    own_loop=(Mode.TEXT2IMG,),
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
+    inpaints=True,
     schedulers=("flow-euler",),
     # at their published defaults (1024x1024 from their VAE's config); schnell: no guidance
     presets={

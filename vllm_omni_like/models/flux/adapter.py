@@ -17,8 +17,10 @@ import torch
 
 from vllm_omni_like.models.adapter import Guidance
 from vllm_omni_like.models.flux import FAMILY
+from vllm_omni_like.models.flux.sequence_parallel import split_flux
 from vllm_omni_like.models.mmdit import MMDiT, PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
+from vllm_omni_like.parallel.ulysses import SequenceShards
 
 MAX_TEXT_TOKENS = 512  # FluxPipeline's limit (and default) for the T5 tokens
 
@@ -92,6 +94,11 @@ class FluxAdapter(MMDiT, PackedLatents):
             "norm_out.linear",
             "proj_out",
         )
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """The image tokens split, the T5 text whole (models/flux/sequence_parallel.py)."""
+        split_flux(self.pipe.transformer, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
     def _ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The image tokens' position ids (FluxPipeline._prepare_latent_image_ids), once a size."""

@@ -8,9 +8,9 @@ guidance: the negative prompt runs its own forward at its own length, and the gu
 is rescaled to the conditional one's norm per token.
 
 Qwen-Image-Edit (`EDIT_FAMILY`, its architecture `qwen-image-edit`): the same transformer and
-VAE; it edits an input image by instruction (no strength): Qwen2.5-VL reads the prompt with
-the image, and the image's latents join the noise's tokens at every step. It makes no image
-from text alone.
+VAE; it edits an input image by instruction (no strength), on our own loop: Qwen2.5-VL reads the
+prompt with the image, and the image's latents join the noise's tokens at every step. It makes
+no image from text alone.
 """
 
 from vllm_omni_like.models.family import Config, Family
@@ -47,7 +47,8 @@ EDIT_FAMILY = Family(
     adapter="vllm_omni_like.models.qwen_image.edit",
     fp8=True,
     vae_factors=qwen_vae_factors,
-    schedulers=(),  # (the pipeline's call: its own scheduler)
+    own_loop=(Mode.EDIT,),
+    schedulers=("flow-euler",),
     native_side=1024,
     needs_image=True,
     edit_strength=False,

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Decoder, Guidance, pad_tokens
+from vllm_omni_like.models.adapter import Decoder, Guidance
 from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
-from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
+from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
 from vllm_omni_like.params import GenerationParams
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`

@@ -21,7 +21,8 @@ FAMILY = Family(
     default_guidance=7.0,  # StableDiffusion3Pipeline's
     adapter="vllm_omni_like.models.sd3.adapter",
     fp8=True,
-    own_loop=(Mode.TEXT2IMG,),
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
+    inpaints=True,
     schedulers=("flow-euler",),
     # at their published defaults (1024x1024 from their VAE's config)
     presets={

@@ -16,7 +16,8 @@ FAMILY = Family(
     size_base=8,  # StableDiffusionPipeline.check_inputs
     default_guidance=7.5,
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
-    own_loop=(Mode.TEXT2IMG,),  # edits (img2img, inpaint) run the pipelines' own calls
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
+    inpaints=True,
     schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
     presets={"sd15": {"default_steps": 30}},
 )
@@ -33,6 +34,7 @@ XL_FAMILY = Family(
     default_guidance=5.0,  # StableDiffusionXLPipeline's
     adapter="vllm_omni_like.models.stable_diffusion.xl",
     own_loop=FAMILY.own_loop,
+    inpaints=True,
     schedulers=FAMILY.schedulers,
     presets={"sdxl": {"default_steps": 30}},
 )

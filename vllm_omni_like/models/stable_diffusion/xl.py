@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.adapter import Decoder, is_image_vae
 from vllm_omni_like.models.stable_diffusion import XL_FAMILY
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
@@ -26,6 +27,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         vae: Any = getattr(pipe, "vae", None)
         upcast = vae is not None and vae.dtype == torch.float16 and vae.config.force_upcast
         self._vae32 = copy.deepcopy(vae).to(torch.float32) if upcast else None
+        self._encoder32: Any = None  # (an edit's encode in float32: made on the first)
 
     def text_embed_dim(self) -> int:
         return int(self.pipe.unet.config.cross_attention_dim)
@@ -79,6 +81,17 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype, int(dim))
             self._time_ids[key] = ids.to(latents.device)
         return self._time_ids[key]
+
+    def encode_image(self, pixels: torch.Tensor, generator: torch.Generator | None) -> Any:
+        """StableDiffusionXLImg2ImgPipeline's: in float32 where the VAE's config says
+        `force_upcast` (a float32 copy, made once: the pipeline casts its own VAE, which another
+        thread may be decoding with), in the latents' dtype after."""
+        vae = self.pipe.vae
+        if not vae.config.force_upcast or vae.dtype == torch.float32:
+            return super().encode_image(pixels, generator)
+        if self._encoder32 is None:
+            self._encoder32 = self._vae32 or copy.deepcopy(vae).to(torch.float32)
+        return image_latents.encode(self._encoder32, pixels.float(), generator, vae.dtype)
 
     def decoder(self, pipe: Any) -> Decoder | None:
         if not is_image_vae(pipe.vae):

@@ -57,11 +57,13 @@ FAMILY = Family(
     },
 )
 
-# its first frame given: WanImageToVideoPipeline over the same models (the pipeline's call)
+# its first frame given: as WanImageToVideoPipeline over the same models makes it, on our loop
+# beside text rows (models/wan/ti2v.py)
 TI2V_FAMILY = dataclasses.replace(
     FAMILY,
     name="wan-ti2v",
     adapter="vllm_omni_like.models.wan.ti2v",
+    own_loop=(Mode.TEXT2VIDEO, Mode.IMAGE2VIDEO),
     video_from_image=True,
     config_flag="expand_timesteps",
     presets={  # 1280x704, 121 frames at 24 fps
@@ -83,8 +85,7 @@ I2V_FAMILY = dataclasses.replace(
     name="wan-i2v",
     pipelines=("WanImageToVideoPipeline",),
     adapter="vllm_omni_like.models.wan.i2v",
-    own_loop=(),  # (the pipeline's call: the image's latents and mask join each step's input)
-    schedulers=(),  # (its own scheduler)
+    own_loop=(Mode.IMAGE2VIDEO,),  # (each row's first-frame condition beside its noise)
     needs_image=True,
     # at 720p as published: Wan2.1-I2V-14B-720P 50 steps at CFG 5, Wan2.2-I2V-A14B 40 steps at
     # CFG 3.5 for both experts

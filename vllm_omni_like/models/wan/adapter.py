@@ -10,9 +10,14 @@ import torch
 
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
 from vllm_omni_like.models.columns import to_device
+from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.models.wan import FAMILY
+from vllm_omni_like.models.wan.patch_decode import split_wan_decode
+from vllm_omni_like.models.wan.sequence_parallel import split_wan
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG
+from vllm_omni_like.parallel.patch_decode import Bands
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 
 
@@ -26,6 +31,7 @@ class WanAdapter(Adapter):
         super().__init__(pipe, family)
         transformer = getattr(pipe, "transformer", None)  # (a model's `dtype` walks its
         self._dtype = None if transformer is None else transformer.dtype  # modules: at load)
+        self.patch_decode = False  # (sequence parallelism: `split_decode`)
 
     def experts(self) -> list[Expert]:
         """`transformer` alone, or (Wan2.2-A14B) `transformer` for the high-noise steps, from
@@ -65,38 +71,79 @@ class WanAdapter(Adapter):
         guidance: torch.Tensor | None = None,
     ) -> Any:
         """Rows at a timestep on each side of Wan2.2's boundary run their own expert."""
+        return self._by_expert(latents, timestep, text, None, at)
+
+    def predict_conditioned(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning,
+        at: Any = None,
+    ) -> Any:
+        """As `predict`, each row with its own conditioning (`model_inputs`)."""
+        return self._by_expert(latents, timestep, text, conditioning, at)
+
+    def _by_expert(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning | None,
+        at: Any,
+    ) -> Any:
         experts = self.experts()
         boundary = experts[0].boundary
         if boundary is None:
-            return self._call(experts[0].model, latents, timestep, text)
+            return self._call(experts[0].model, latents, timestep, text, conditioning)
         at = at if at is not None else timestep.tolist()  # (the loop gives them: no wait)
         high = [i for i, t in enumerate(at) if t >= boundary]
         low = [i for i, t in enumerate(at) if t < boundary]
         if not low or not high:
-            return self._call(experts[0 if high else 1].model, latents, timestep, text)
+            model = experts[0 if high else 1].model
+            return self._call(model, latents, timestep, text, conditioning)
         out = None
         for picked, expert in ((high, experts[0]), (low, experts[1])):
             index = to_device(torch.tensor(picked), latents.device)
-            part = self._call(expert.model, latents[index], timestep[index], text[index])
+            own = None if conditioning is None else {k: v[index] for k, v in conditioning.items()}
+            part = self._call(expert.model, latents[index], timestep[index], text[index], own)
             out = part.new_empty((latents.shape[0], *part.shape[1:])) if out is None else out
             out[index] = part
         return out
 
-    def _call(self, model: Any, latents: torch.Tensor, timestep: torch.Tensor, text: Any) -> Any:
-        rows = latents.shape[0]
-        t = timestep
-        if self.per_token_timesteps:  # one timestep per latent token (no image condition)
-            p = model.config.patch_size
-            tokens = (
-                latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
-            )
-            t = t.reshape(rows, 1).expand(rows, tokens)
+    def _call(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Conditioning | None,
+    ) -> Any:
+        hidden, t, more = self.model_inputs(model, latents, timestep, conditioning)
         return model(
-            hidden_states=latents.to(text.dtype),
+            hidden_states=hidden.to(text.dtype),
             timestep=t,
             encoder_hidden_states=text,
             return_dict=False,
+            **more,
         )[0]
+
+    def model_inputs(
+        self,
+        model: Any,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The denoiser's hidden states, timesteps and other inputs for rows of `latents` (and
+        their own conditioning, in an image-to-video family): the latents, and one timestep a
+        row or (Wan2.2-TI2V) the row's for each of its latent tokens."""
+        if not self.per_token_timesteps:
+            return latents, timestep, {}
+        rows = latents.shape[0]
+        p = model.config.patch_size
+        tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+        return latents, timestep.reshape(rows, 1).expand(rows, tokens), {}
 
     def high_precision_layers(self) -> tuple[str, ...]:
         """FP8: every block's self- and cross-attention projections (an image model's image
@@ -158,7 +205,7 @@ class WanAdapter(Adapter):
         first frame, each later call its temporal factor more): its decoder when it does not
         tile (a tiled decode calls it per tile)."""
         vae = self.pipe.vae
-        if vae is None or vae.use_tiling:
+        if vae is None or vae.use_tiling or self.patch_decode:
             return None
         patch = vae.config.patch_size
         return ChunkSource(vae.decoder, lambda out: _chunk_pixels(out, patch))
@@ -187,6 +234,19 @@ class WanAdapter(Adapter):
         wrapper = PairCFG(self.pipe.transformer, leader)
         self.pipe.transformer = wrapper
         return wrapper
+
+    def split_decode(self, bands: Bands) -> str | None:
+        """The VAE's decode, patch-parallel (models/wan/patch_decode.py); its chunks are no
+        longer whole frames, so the MP4 is not streamed from them."""
+        self.pipe.vae.decode = split_wan_decode(self.pipe.vae, bands)
+        self.patch_decode = True
+        return "vae"
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """Each expert's tokens split (models/wan/sequence_parallel.py); its heads."""
+        for expert in self.experts():
+            split_wan(expert.model, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.adapter import Guidance, pad_tokens, vae_decoder_target
+from vllm_omni_like.models.adapter import Guidance, vae_decoder_target
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
-from vllm_omni_like.models.text_buckets import bucket_prompts, text_bucket
+from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
 from vllm_omni_like.models.z_image import FAMILY
 from vllm_omni_like.models.z_image.sequence import (
     block_targets,

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
-from vllm_omni_like.models.adapter import zero_pad
-from vllm_omni_like.models.text_buckets import text_bucket
+from vllm_omni_like.models.text_buckets import text_bucket, zero_pad
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_omni_like.params import DEFAULT_STRENGTH as STRENGTH
 from vllm_omni_like.wire import Mode, StageRequest
 
 
@@ -29,9 +30,7 @@ def edit_inputs(
 
     images, masks = [], []
     first = batch[0]
-    m = size_multiple
-    height = first.params.height or max(m, first.images[0].shape[0] // m * m)
-    width = first.params.width or max(m, first.images[0].shape[1] // m * m)
+    width, height = edit_size(first, size_multiple)
     kwargs.update(height=height, width=width)
     for r in batch:
         image = Image.fromarray(r.images[0]).convert("RGB")
@@ -46,7 +45,7 @@ def edit_inputs(
     kwargs["image"] = images
     if not strength:
         return Mode.EDIT
-    kwargs["strength"] = first.params.strength if first.params.strength is not None else 0.8
+    kwargs["strength"] = first.params.strength if first.params.strength is not None else STRENGTH
     # diffusers runs int(steps x strength) steps and fails on none: run one at least (the API
     # already asks for enough steps; this covers the Python API)
     while int(kwargs["num_inference_steps"] * kwargs["strength"]) < 1:
@@ -55,6 +54,41 @@ def edit_inputs(
         kwargs["mask_image"] = masks
         return "inpaint"
     return Mode.EDIT
+
+
+def edit_size(request: StageRequest, size_multiple: int) -> tuple[int, int]:
+    """An edit's output size: the one it gives, else its upload's rounded down to the model's
+    multiple."""
+    m, p, shape = size_multiple, request.params, request.images[0].shape
+    return p.width or max(m, shape[1] // m * m), p.height or max(m, shape[0] // m * m)
+
+
+def source_pixels(request: StageRequest, processor: Any, width: int, height: int) -> Any:
+    """An image-to-image row's source as its pipeline's call takes it: the upload resized to
+    the output (as `edit_inputs` hands it over), then the pipeline's `image_processor`
+    (1, 3, H, W in [-1, 1], float32, on the host)."""
+    from PIL import Image
+
+    image = Image.fromarray(request.images[0]).convert("RGB").resize((width, height))
+    return processor.preprocess(image, height=height, width=width)
+
+
+def mask_pixels(request: StageRequest, processor: Any, width: int, height: int) -> Any:
+    """An inpainting row's mask as its pipeline's call takes it: resized to the output (as
+    `edit_inputs` hands it over), then the pipeline's `mask_processor` (1, 1, H, W in [0, 1])."""
+    from PIL import Image
+
+    assert request.mask is not None, "an inpainting row without a mask"
+    mask = Image.fromarray(request.mask).convert("L").resize((width, height))
+    return processor.preprocess(mask, height=height, width=width)
+
+
+def upload_image(request: StageRequest) -> Any:
+    """An edit's upload as an RGB PIL image, as sent (an instruction edit's pipeline fits it
+    by its own rules)."""
+    from PIL import Image
+
+    return Image.fromarray(request.images[0]).convert("RGB")
 
 
 def first_frame(request: StageRequest, width: int, height: int) -> Any:

@@ -20,14 +20,29 @@ from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
+from vllm_omni_like.parallel.patch_decode import Bands
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
+from vllm_omni_like.parallel.sequence_parallel import (
+    SequenceFollower,
+    SequenceLeader,
+    SequenceParallelCall,
+    SequenceParallelDenoiser,
+    heads_note,
+)
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import quantize
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
-from vllm_omni_like.stages.diffusion.runtime import CfgRanks, Defaults, DiffusionRuntime, Speed
+from vllm_omni_like.stages.diffusion.runtime import (
+    CfgRanks,
+    Defaults,
+    DiffusionRuntime,
+    SequenceRanks,
+    Speed,
+)
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.torch_utils import (
     BatchDimProbe,
@@ -50,7 +65,7 @@ def load_runtime(
     config: StageConfig, options: DiffusionOptions, ranks: Ranks, device_name: str
 ) -> DiffusionRuntime:
     """Load `config.model` onto `device_name` and build what runs it."""
-    # 1. where it runs: the device, the other CFG-parallel rank (it loads meanwhile)
+    # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
     path = _model_dir(config)
     device = resolve_device(device_name)
     dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
@@ -62,16 +77,18 @@ def load_runtime(
     # 3. text, limits, what a request leaves unsaid
     text = _prompt_encoder(pipe, adapter, options, device)
     limits = model_limits.diffusion_limits(config)
-    # 4. speed: kernels, memory format, compilation (none of them changes the maths)
+    # 4. speed: kernels, memory format; the sequence-parallel split, compiled with the model
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
     precision = _quantize(config, adapter, device, dtype)  # (FP8 matmuls: other maths)
+    _split_sequence(config, ranks, link, adapter)  # (before compiling: compiled in)
     buckets = _compile(config, options, adapter)
-    # 5. our own loop
+    # 5. our own loop; sequence parallelism: rank 0's forwards run on every rank
     denoise = _own_loop(config, adapter, device, text, buckets)
+    seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
     cfg, cfg_ranks = _guidance(config, ranks, link, tracer, pipe, adapter, family.modes[0] in own)
     # 7. what runs beside the steps (rank 0): the batch probe, edit pipelines, side stream
-    probe, edit_pipes, side_stream = _beside(config.name, pipe, adapter, device, cfg, cfg_ranks)
+    probe, edit_pipes, side_stream = _beside(config, ranks, pipe, adapter, device, cfg)
     return DiffusionRuntime(
         config=config,
         device=device,
@@ -92,6 +109,7 @@ def load_runtime(
         denoise=denoise,
         cfg=cfg,
         cfg_ranks=cfg_ranks,
+        seq_ranks=seq_ranks,
         probe=probe,
         edit_pipes=edit_pipes,
         side_stream=side_stream,
@@ -110,14 +128,48 @@ def _model_dir(config: StageConfig) -> str:
 
 
 def _connect_ranks(config: StageConfig, ranks: Ranks, device: torch.device) -> Link | None:
-    """CFG-parallel: meet the other rank first (it loads meanwhile); the process group's
-    timeout is a backstop behind the executor's death and stall detection."""
-    if not config.cfg_parallel:
+    """CFG-parallel, sequence parallelism: meet the other ranks first (they load meanwhile);
+    the process group's timeout is a backstop behind the executor's death and stall
+    detection."""
+    if not config.leads:
         return None
     backstop = (
         max(config.load_timeout, config.compile_timeout, config.cold_timeout) + config.stall_timeout
     )
-    return Link(ranks, device, backstop)
+    return Link(ranks, device, backstop, collectives=config.sequence_parallel > 1)
+
+
+def _split_sequence(config: StageConfig, ranks: Ranks, link: Link | None, adapter: Adapter) -> None:
+    """Sequence parallelism: the family's split of its denoisers' tokens over the ranks."""
+    if link is None or config.sequence_parallel == 1:
+        return
+    heads = adapter.split_sequence(SequenceShards(ranks.rank, ranks.size, link.group))
+    if (note := heads_note(heads, ranks.size)) is not None:
+        logger.warning("stage %s: %s", config.name, note)
+
+
+def _sequence_ranks(
+    config: StageConfig, ranks: Ranks, link: Link | None, pipe: Any, adapter: Adapter
+) -> SequenceRanks | None:
+    """Rank 0's denoisers (and a patch-parallel VAE's decode) hand each call to the other
+    ranks, which keep only those models (compiled or not) and serve them."""
+    if link is None or config.sequence_parallel == 1:
+        return None
+    models: dict[str, Any] = {expert.name: expert.model for expert in adapter.experts()}
+    vae = adapter.split_decode(Bands(ranks.rank, ranks.size, link.group))
+    if vae is not None:
+        models[f"{vae}.decode"] = getattr(pipe, vae).decode
+    if ranks.rank > 0:
+        cfg_parallel.keep_only(pipe, adapter.keep_for_branches() | ({vae} if vae else set()))
+        return SequenceRanks(link, None, SequenceFollower(link), models)
+    leader = SequenceLeader(link)
+    for name, model in models.items():
+        owner, _, method = name.partition(".")
+        if method:  # (a component's method: its decode)
+            setattr(getattr(pipe, owner), method, SequenceParallelCall(model, name, leader))
+        else:
+            setattr(pipe, name, SequenceParallelDenoiser(model, name, leader))
+    return SequenceRanks(link, leader, None, models)
 
 
 def _check_text_encoder(config: StageConfig, path: str) -> None:
@@ -294,7 +346,7 @@ def _guidance(
     twice; or split over the ranks), and this rank's side of the CFG-parallel ranks (rank 1
     keeps only what its denoiser needs). `own_first`: our own loop runs the family's first
     mode (and batches the branches itself)."""
-    if link is None:
+    if link is None or not config.cfg_parallel:
         return (adapter.batched_cfg() if config.batched_cfg and not own_first else None), None
     branch_model = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
     if ranks.rank > 0:
@@ -305,21 +357,21 @@ def _guidance(
 
 
 def _beside(
-    name: str,
+    config: StageConfig,
+    ranks: Ranks,
     pipe: Any,
     adapter: Adapter,
     device: torch.device,
     cfg: CfgWrapper | None,
-    cfg_ranks: CfgRanks | None,
 ) -> tuple[BatchDimProbe, dict[str, Any], torch.cuda.Stream | None]:
-    """The batch probe, the edit pipelines and the side stream (rank 1, which serves its
-    denoiser only, needs none of them: its probe is attached to nothing)."""
+    """The batch probe, the edit pipelines and the side stream (a rank rank 0 leads, serving
+    its denoiser only, needs none of them: its probe is attached to nothing)."""
     probe = BatchDimProbe()
-    if cfg_ranks is not None and cfg_ranks.follower is not None:
+    if config.leads and ranks.rank > 0:
         return probe, {}, None
     # on the model itself: it sees the batch the kernels get
     probe.attach(cfg.model if cfg is not None else getattr(pipe, adapter.denoiser_name))
-    edit_pipes = adapter.edit_pipelines(name)
+    edit_pipes = adapter.edit_pipelines(config.name)
     # the decode of a deferred batch runs here, beside the next batch's steps
     side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     return probe, edit_pipes, side_stream

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from vllm_omni_like.models.adapter import Guidance
@@ -31,10 +32,13 @@ class OwnLoop:
 
     def warm_up(self, rows: int, width: int, height: int) -> int:
         """A batch of `rows` for each of the adapter's warm-up prompts (one a text shape its
-        denoiser sees), without guidance and with it; returns how many ran."""
+        denoiser sees), without guidance and with it; returns how many ran. A family that only
+        starts from an image starts from a blank upload of the size (an upload of another
+        aspect may fit to another sequence length: a shape of its own)."""
         rt = self.runtime
         frames = rt.defaults.frames if rt.is_video else None
         mode = rt.family.modes[0]
+        images = [np.zeros((height, width, 3), np.uint8)] if rt.family.needs_image else []
         scales = self._warm_up_guidance()
         for guidance in scales:
             params = GenerationParams(
@@ -46,7 +50,9 @@ class OwnLoop:
                 guidance_scale=guidance,
             )
             for prompt in self._warm_up_prompts:
-                batch = [StageRequest(f"warm-up-{i}", prompt, params, mode) for i in range(rows)]
+                batch = [
+                    StageRequest(f"warm-up-{i}", prompt, params, mode, images) for i in range(rows)
+                ]
                 self.begin(batch, StageControl(FaultInjector((), rt.name))).finish(batch)
         return len(self._warm_up_prompts) * len(scales)
 

@@ -1,5 +1,5 @@
 """The diffusion stage's side of the diffusers pipeline's own call: the modes our loop does not
-run (edits; every mode of a generic family or of CFG-parallel ranks). Whole requests batched
+run (inpainting; every mode of a generic family or of CFG-parallel ranks). Whole requests batched
 together (one step count, guidance and scheduler a batch: the batching key holds them), with
 CFG batched or split over ranks by wrapping the denoiser. It receives the stage's runtime
 (runtime.py)."""

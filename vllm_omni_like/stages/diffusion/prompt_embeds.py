@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.stages.diffusion.step import Text
+from vllm_omni_like.stages.diffusion.row_tensors import Text
 
 
 def random_prompt_embeds(
@@ -41,10 +41,14 @@ class PromptEncoder:
     random_shape: tuple[int, int] | None
     dtype: torch.dtype  # the denoiser's (random embeddings only)
 
-    def __call__(self, texts: list[str | None]) -> Text:
+    def __call__(self, texts: list[str | None], images: list[Any] | None = None) -> Text:
+        """`images`: what each text is read with, where the family's text reads an image (a
+        dummy's random embeddings read none)."""
         if self.random_shape is not None:
             seq_len, dim = self.random_shape
             given = [t or "" for t in texts]
             return random_prompt_embeds(given, seq_len, dim, self.dtype, self.device)
+        if images is not None:
+            return self.adapter.encode_text_with_images(texts, images, self.device)
         max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
         return self.adapter.encode_text(texts, self.device, max_length)

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_omni_like.stages.diffusion.step import (
-    DenoiseLoop,
-    LoopRow,
-    Plan,
+from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
+    cat_named,
     cat_rows,
     row_index,
     take,
+    take_named,
 )
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop, LoopRow, Plan
 from vllm_omni_like.wire import StageRequest
 
 
@@ -53,6 +54,8 @@ class DenoiseSet:
         self.rows: list[LoopRow] = []
         self.text: Text | None = None
         self.latents: torch.Tensor | None = None
+        # rows from an image: each row's own conditioning, kept as the latents are (else None)
+        self.conditioning: Conditioning | None = None
         self._plan: Plan | None = None
 
     @property
@@ -65,8 +68,15 @@ class DenoiseSet:
         return _distinct(row.request for row in self.rows)
 
     @torch.inference_mode()
-    def join(self, rows: list[LoopRow], text: Text, latents: torch.Tensor) -> None:
-        """Add a group's rows (`loop.rows` and `loop.noise` made them) at the step boundary."""
+    def join(
+        self,
+        rows: list[LoopRow],
+        text: Text,
+        latents: torch.Tensor,
+        conditioning: Conditioning | None = None,
+    ) -> None:
+        """Add a group's rows (`loop.rows`, `loop.noise` and `loop.conditions` made them) at
+        the step boundary."""
         if self.text is not None and self.latents is not None:
             base = _text_rows(self.text)
             for row in rows:  # its text rows follow the set's
@@ -74,8 +84,11 @@ class DenoiseSet:
                 row.negative = None if row.negative is None else row.negative + base
             self.text = cat_rows(self.text, text)
             self.latents = torch.cat([self.latents, latents.to(self.latents.dtype)])
+            assert (self.conditioning is None) == (conditioning is None)  # (one family's)
+            if self.conditioning is not None and conditioning is not None:
+                self.conditioning = cat_named(self.conditioning, conditioning)
         else:
-            self.text, self.latents = text, latents
+            self.text, self.latents, self.conditioning = text, latents, conditioning
         self.rows += rows
         self._plan = None
 
@@ -101,7 +114,7 @@ class DenoiseSet:
             return {}
         plan = self._plan
         if plan is None or plan.active != active:
-            plan = self.loop.plan(self.rows, active, self.text, self.latents)
+            plan = self.loop.plan(self.rows, active, self.text, self.latents, self.conditioning)
         saved = [(r.state.index, dict(r.state.history)) for r in plan.group]
         try:
             part = self.latents if plan.index is None else self.latents[plan.index]
@@ -161,7 +174,7 @@ class DenoiseSet:
         rows = [self.rows[i] for i in keep]
         self._plan = None
         if not rows:
-            self.rows, self.text, self.latents = [], None, None
+            self.rows, self.text, self.latents, self.conditioning = [], None, None, None
             return
         used = sorted({r.text for r in rows} | {r.negative for r in rows if r.negative is not None})
         where = {old: new for new, old in enumerate(used)}
@@ -171,6 +184,8 @@ class DenoiseSet:
         device = self.latents.device
         self.text = take(self.text, used, device)
         self.latents = self.latents[row_index(keep, device)]
+        if self.conditioning is not None:
+            self.conditioning = take_named(self.conditioning, keep, device)
         self.rows = rows
 
 

@@ -17,9 +17,9 @@ import time
 import torch
 
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
+from vllm_omni_like.stages.diffusion.row_tensors import text_dtype
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet, Left
 from vllm_omni_like.stages.diffusion.runtime import DiffusionRuntime
-from vllm_omni_like.stages.diffusion.step import text_dtype
 from vllm_omni_like.wire import StageRequest
 
 _now = time.monotonic  # (a test's fake clock replaces it)
@@ -49,7 +49,7 @@ class OwnLoopSet(RowStepper):
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
         rt, d, p = self.runtime, self.runtime.defaults, batch[0].params
         frames = (p.num_frames or d.frames) if rt.is_video else 1
-        width, height = p.width or d.width, p.height or d.height
+        width, height = rt.size_of(batch[0])
         opened = self.set.empty and not self._traced
         if opened:  # the set's timeline begins before its first rows' text encoders
             self._traced = True
@@ -60,6 +60,7 @@ class OwnLoopSet(RowStepper):
                 shape = rt.adapter.latent_shape(len(rows), width, height, frames)
                 dtype = rt.adapter.latent_dtype(text_dtype(embeds))
                 latents = rt.denoise.noise(rows, shape, dtype)
+                latents, conditioning = rt.denoise.conditions(rows, latents)
         except BaseException as exc:
             if opened:
                 self.drained(exc)
@@ -68,7 +69,7 @@ class OwnLoopSet(RowStepper):
         if self.set.empty:
             self.frames = frames if rt.is_video else 0
             rt.probe.reset()
-        self.set.join(rows, embeds, latents)
+        self.set.join(rows, embeds, latents, conditioning)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
         requests = self.set.requests

@@ -18,8 +18,10 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.rank_link import Link
+from vllm_omni_like.parallel.sequence_parallel import SequenceFollower, SequenceLeader
 from vllm_omni_like.stages.base import Deferred
-from vllm_omni_like.stages.diffusion import vae_decode, video_stream
+from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
+from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
@@ -59,11 +61,23 @@ class CfgRanks:
 
 
 @dataclass(eq=False)
+class SequenceRanks:
+    """Sequence parallelism: this rank's side of the N (rank 0 leads, the others serve its
+    forwards, each with its share of the tokens)."""
+
+    link: Link
+    leader: SequenceLeader | None  # rank 0's
+    follower: SequenceFollower | None  # the others'
+    models: dict[str, Any]  # the denoisers by name, compiled or not (a test wraps them)
+
+
+@dataclass(eq=False)
 class DiffusionRuntime:
     """A loaded diffusion stage, its fields in the order the load builds them (load.py's
     steps). Not frozen: a test swaps a field (`own`, `buckets`, `cfg`, `config`) to run another
-    path on the same models. A CFG-parallel rank 1 runs its denoiser only: its probe is attached to
-    nothing, it has no edit pipelines and no side stream."""
+    path on the same models. A CFG-parallel rank 1 (a sequence-parallel rank > 0) runs its
+    denoiser only: its probe is attached to nothing, it has no edit pipelines and no side
+    stream."""
 
     config: StageConfig
     # 1. where it runs
@@ -89,7 +103,8 @@ class DiffusionRuntime:
     denoise: DenoiseLoop
     # 6. guidance: batched in one forward, or split over CFG-parallel ranks
     cfg: BatchedCFG | cfg_parallel.SplitCFG | None  # the denoiser's CFG wrapper, if any
-    cfg_ranks: CfgRanks | None  # None: one rank
+    cfg_ranks: CfgRanks | None  # None: not CFG-parallel
+    seq_ranks: SequenceRanks | None  # None: not sequence-parallel
     # 7. what runs beside the steps
     probe: BatchDimProbe  # the batch the denoiser's kernels get
     edit_pipes: dict[str, Any]  # "edit" / "inpaint" / "image2video" -> a pipeline sharing models
@@ -118,7 +133,39 @@ class DiffusionRuntime:
     def settings(self) -> Settings:
         """What our own loop fills in for a request that leaves it unsaid."""
         d = self.defaults
-        return Settings(d.steps, d.guidance, self.rows_of, self.prompt_of)
+        return Settings(
+            d.steps, d.guidance, self.rows_of, self.prompt_of, self.source_of, self.image_of
+        )
+
+    def size_of(self, request: StageRequest) -> tuple[int, int]:
+        """The width and height a request makes (an edit's default: its upload's)."""
+        if request.mode == Mode.EDIT:
+            return edits.edit_size(request, self.limits.size_multiple)
+        p, d = request.params, self.defaults
+        return p.width or d.width, p.height or d.height
+
+    def source_of(self, request: StageRequest, size: tuple[int, int]) -> Source | None:
+        """An image-to-image or inpainting edit's upload (and mask) on the device, as its
+        pipeline's processors make them (None: a row from noise)."""
+        mode = request.loop_mode
+        if mode not in (Mode.EDIT, Mode.INPAINT) or not self.family.edit_strength:
+            return None
+        pipe = self.edit_pipes[mode]
+        pixels = edits.source_pixels(request, pipe.image_processor, *size).to(self.device)
+        if mode == Mode.EDIT:
+            return Source(pixels)
+        return Source(pixels, edits.mask_pixels(request, pipe.mask_processor, *size))
+
+    def image_of(self, request: StageRequest, size: tuple[int, int]) -> Any | None:
+        """The image our loop conditions a request's rows on: an image-to-video request's first
+        frame fitted to `size`, an instruction edit's upload as sent (the family fits it); None:
+        none (a row from text, or an image-to-image edit, which starts from its source)."""
+        mode = request.loop_mode
+        if mode == Mode.IMAGE2VIDEO:
+            return edits.first_frame(request, *size)
+        if mode == Mode.EDIT and not self.family.edit_strength:
+            return edits.upload_image(request)
+        return None
 
     def preview_images(
         self, pipe: Any, want: list[StageRequest], first: dict[str, int], latents: torch.Tensor

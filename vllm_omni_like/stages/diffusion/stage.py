@@ -48,24 +48,29 @@ class DiffusionStage(Stage):
         # 2) compiled: every warm-up shape now, so no request pays for it
         if not self.config.compile:
             return
-        if runtime.cfg_ranks is not None and runtime.cfg_ranks.follower is not None:
+        if self.ranks.rank > 0 and self.config.leads:
             self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
             return
         self._warm_up()
         self.end_branches(cfg_parallel.WARM_UP)
 
     def serve_branches(self, batch_id: int) -> None:
+        """A rank > 0: serve rank 0's calls of batch `batch_id` (its CFG branches, or its
+        sequence-parallel forwards) until rank 0 ends it."""
         rt = self.runtime
-        assert rt.cfg_ranks is not None and rt.cfg_ranks.follower is not None, (
-            "serve_branches on a stage that is no CFG-parallel rank 1"
-        )
         with rt.tracer.batch():
+            if rt.seq_ranks is not None and rt.seq_ranks.follower is not None:
+                rt.seq_ranks.follower.serve(rt.seq_ranks.models, batch_id)
+                return
+            assert rt.cfg_ranks is not None and rt.cfg_ranks.follower is not None, (
+                "serve_branches on a stage that is no CFG-parallel rank 1"
+            )
             rt.cfg_ranks.follower.serve(rt.cfg_ranks.branch_model, batch_id, rt.tracer.mark)
 
     def end_branches(self, batch_id: int) -> None:
-        ranks = self.runtime.cfg_ranks
-        if ranks is not None and ranks.leader is not None:
-            ranks.leader.end(batch_id)
+        for ranks in (self.runtime.cfg_ranks, self.runtime.seq_ranks):
+            if ranks is not None and ranks.leader is not None:
+                ranks.leader.end(batch_id)
 
     def _warm_up(self) -> None:
         """Compile now, for every warm-up size and batch bucket, so no request pays for it."""
@@ -145,7 +150,7 @@ class DiffusionStage(Stage):
     # 3. execute -----------------------------------------------------------------------------------
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
-        if batch[0].mode in self.runtime.own:
+        if batch[0].loop_mode in self.runtime.own:
             return self.own_loop.begin(batch, control)
         return self.pipeline_call.begin(batch, control)
 
@@ -160,8 +165,9 @@ class DiffusionStage(Stage):
         return OwnLoopSet(self.runtime) if mode in self.stepped_modes() else None
 
     def close(self) -> None:
-        if self.runtime.cfg_ranks is not None:
-            self.runtime.cfg_ranks.link.close()
+        for ranks in (self.runtime.cfg_ranks, self.runtime.seq_ranks):
+            if ranks is not None:
+                ranks.link.close()
         # what load built goes (the models with it, where nothing else holds them)
         del self.runtime, self.own_loop, self.pipeline_call
         if torch.cuda.is_available():

@@ -13,12 +13,20 @@ is aborted, leaves the forward; the loop ends when none is left. What a row comp
 its own inputs only, so it equals that row run alone (a batched matmul may round differently:
 tests/stages/diffusion/test_step.py bounds it). The latents go to the stage's deferred decode.
 
+A row from an image (an instruction edit, image to video) carries its own conditioning, made
+once when it joins (`conditions`) and kept row by row beside the latents: each forward takes its
+model rows' (both CFG branches alike), and each step puts back what it fixes (TI2V's first
+frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its prompt's with
+its request's upload.
+
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
-`latent_dtype`, `predict`, `guide`, `scheduler`.
+`latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
+(models/row_conditions.py) `condition`, `predict_conditioned`, `put_back`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,52 +35,31 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models import row_schedulers as rs
-from vllm_omni_like.models.adapter import Adapter, Guidance, pad_tokens
-from vllm_omni_like.models.columns import column, mul, to_device
+from vllm_omni_like.models.adapter import Adapter, Guidance
+from vllm_omni_like.models.columns import column, to_device
+from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.params import DEFAULT_STRENGTH
+from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
+from vllm_omni_like.stages.diffusion.row_tensors import (
+    Text,
+    cat_named,
+    cat_rows,
+    pad_named,
+    pad_rows,
+    pad_tensor,
+    row_index,
+    take,
+    take_named,
+)
 from vllm_omni_like.wire import StageRequest
 
-# a batch's text conditioning: embeddings (rows, seq, dim), or named tensors with rows first
-# (SDXL's embeddings and pooled embeddings; a "mask" where texts keep their own lengths)
-Text = torch.Tensor | dict[str, torch.Tensor]
-# texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros)
-Embed = Callable[[list[str | None]], Text]
-
-
-def take(text: Text, rows: list[int], device: torch.device) -> Text:
-    """The text rows `rows` (a value kept on the host - Z-Image's token counts - picked there:
-    nothing waits for the device)."""
-    index = row_index(rows, device)
-    if isinstance(text, dict):
-        host = torch.tensor(rows, dtype=torch.long)
-        return {k: v[index] if v.device == index.device else v[host] for k, v in text.items()}
-    return text[index]
-
-
-def pad_tensor(value: torch.Tensor, pad: int) -> torch.Tensor:
-    """`pad` more rows, copies of the last."""
-    return torch.cat([value, value[-1:].expand(pad, *value.shape[1:])])
-
-
-def pad_rows(value: Text, pad: int) -> Text:
-    if isinstance(value, dict):
-        return {k: pad_tensor(v, pad) for k, v in value.items()}
-    return pad_tensor(value, pad)
-
-
-def cat_rows(a: Text, b: Text) -> Text:
-    if isinstance(a, dict) and isinstance(b, dict):
-        if "mask" in a:  # texts of their own lengths: both padded to the longer, masked
-            length = max(a["mask"].shape[1], b["mask"].shape[1])
-            a, b = pad_tokens(a, length), pad_tokens(b, length)
-        return {k: torch.cat([a[k], b[k]]) for k in a}
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.cat([a, b])
-    raise TypeError("text conditionings of two kinds")
-
-
-def text_dtype(text: Text) -> torch.dtype:
-    return next(iter(text.values())).dtype if isinstance(text, dict) else text.dtype
+# texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros);
+# the images the texts are read with, one a text, where the family's text reads them (else None)
+Embed = Callable[[list[str | None], list[Any] | None], Text]
+# a text row's: its text, and the request whose image it is read with (None: none)
+TextKey = tuple[str | None, str | None]
 
 
 @dataclass
@@ -84,6 +71,12 @@ class LoopRow:
     text: int  # its prompt's row of the batch's embeddings
     negative: int | None  # its negative prompt's (a row with guidance), else None
     guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
+    # an edit row's upload until its latents are made (`noise`), else None
+    source: Source | None = None
+    anchor: Anchor | None = None  # an inpainting row's: what each step puts back
+    # the image a row is conditioned on (an instruction edit's upload, an image-to-video
+    # request's first frame) until its conditioning is made (`conditions`), else None
+    image: Any | None = None
 
     @property
     def cfg(self) -> bool:
@@ -105,6 +98,12 @@ class Plan:
     embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
     # two experts: each guided row's (scale, the low-noise expert's), where one differs
     by_expert: list[tuple[float, float]] | None = None
+    anchor: Anchor | None = None  # inpainting rows': what each step puts back (others: none)
+    # rows from an image: the model rows' own conditioning (with batched CFG: both branches');
+    # two forwards: the unconditional branch's; the rows' own (what a step puts back)
+    conditioning: Conditioning | None = None
+    negative_conditioning: Conditioning | None = None
+    put_back: Conditioning | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +114,10 @@ class Settings:
     guidance: float
     rows_per_request: Callable[[StageRequest], int]
     prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
+    # an edit's upload (and mask) at the batch's (width, height); None: a row from noise
+    source: Callable[[StageRequest, tuple[int, int]], Source | None] = lambda r, s: None
+    # the image a request's rows are conditioned on at the batch's (width, height); None: none
+    image: Callable[[StageRequest, tuple[int, int]], Any | None] = lambda r, s: None
 
 
 class DenoiseLoop:
@@ -144,56 +147,114 @@ class DenoiseLoop:
     ) -> tuple[list[LoopRow], Any]:
         """Each request's rows (`n` images, or one video), and the batch's text conditioning:
         each distinct prompt once, then each distinct negative prompt once, in two encoder
-        calls as a pipeline makes them (a batch's rounding then is the pipeline's). `size`:
-        the batch's width and height (a schedule may depend on it: FLUX.1's shift)."""
-        prompts: dict[str | None, int] = {}
-        negatives: dict[str | None, int] = {}
-
+        calls as a pipeline makes them (a batch's rounding then is the pipeline's); where the
+        family's text reads a row's image, each request's own. `size`: the batch's width and
+        height (a schedule may depend on it: FLUX.1's shift)."""
+        prompts: dict[TextKey, int] = {}
+        negatives: dict[TextKey, int] = {}
+        read: dict[str, Any] = {}  # the image each request's texts are read with
         rows = []
         for r in batch:
             p = r.params
             low_noise = self.adapter.low_noise_scale(p)  # (two experts: the second's scale)
             base = p.seed if p.seed is not None else random.randrange(2**31)
             guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
-            steps = p.num_inference_steps or settings.steps
-            scheduler = self.adapter.scheduler(p.scheduler)
-            args = self.adapter.schedule_args(scheduler, steps, *size)
-            schedule = rs.schedule_for(scheduler, steps, args)
+            schedule, source = self._schedule(r, settings, size)
+            image = settings.image(r, size)
+            owner = None  # (a text of its own: Qwen2.5-VL reads the upload with the prompt)
+            if image is not None and self.adapter.text_reads_image:
+                owner, read[r.request_id] = r.request_id, image
             for i in range(settings.rows_per_request(r)):
                 gen = torch.Generator(device=self.device).manual_seed(base + i)
                 negative = None
                 if guidance > self.adapter.cfg_above and not self.distilled:
-                    negative = negatives.setdefault(p.negative_prompt, len(negatives))
+                    negative = negatives.setdefault((p.negative_prompt, owner), len(negatives))
                 state = rs.Row(schedule, generator=gen)
-                prompt = prompts.setdefault(settings.prompt(r), len(prompts))
-                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise)
+                prompt = prompts.setdefault((settings.prompt(r), owner), len(prompts))
+                own = None if source is None else dataclasses.replace(source)  # (a row's)
+                row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, own)
+                row.image = image
                 rows.append(row)
-        text = self.embed(list(prompts))
+        text = self._embed(list(prompts), read)
         if negatives:
             for row in rows:  # (the negatives' rows follow the prompts')
                 row.negative = None if row.negative is None else row.negative + len(prompts)
-            text = cat_rows(text, self.embed(list(negatives)))
+            text = cat_rows(text, self._embed(list(negatives), read))
         return rows, text
 
+    def _schedule(
+        self, request: StageRequest, settings: Settings, size: tuple[int, int]
+    ) -> tuple[rs.Schedule, Source | None]:
+        """A request's schedule, and its upload where it is an edit that starts from it (it
+        runs its strength's last steps)."""
+        p = request.params
+        steps, start = p.num_inference_steps or settings.steps, 0
+        source = settings.source(request, size)
+        if source is not None:
+            source.strength = DEFAULT_STRENGTH if p.strength is None else p.strength
+            steps, start = self.adapter.edit_steps(steps, source.strength)
+        scheduler = self.adapter.scheduler(p.scheduler)
+        args = self.adapter.schedule_args(scheduler, steps, *size)
+        return rs.schedule_for(scheduler, steps, args, start), source
+
+    def _embed(self, keys: list[TextKey], read: dict[str, Any]) -> Text:
+        """The texts of `keys`, each read with its request's image (`read`) where it has one."""
+        texts = [text for text, _ in keys]
+        if all(owner is None for _, owner in keys):
+            return self.embed(texts, None)
+        return self.embed(texts, [None if o is None else read[o] for _, o in keys])
+
     def noise(self, rows: list[LoopRow], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        latents = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        sigma = [r.state.schedule.init_noise_sigma for r in rows]
-        if any(s != 1.0 for s in sigma):  # (as a pipeline scales by its scheduler's)
-            latents = mul(column(sigma, latents), latents)
-        return latents
+        """The rows' first latents: each row's noise from its own generator (an edit row's
+        source encoded before, its masked image's draw after, as the pipelines draw), then
+        each started as its pipeline starts it (stages/diffusion/edit_rows.py)."""
+        edit_rows.encode_sources(self.adapter, rows)
+        noise = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
+        edit_rows.masked_image_draws(rows)
+        return edit_rows.first_latents(self.adapter, rows, noise)
+
+    def conditions(
+        self, rows: list[LoopRow], latents: torch.Tensor
+    ) -> tuple[torch.Tensor, Conditioning | None]:
+        """Each row's own conditioning from its image (models/row_conditions.py), rows first,
+        made once an image (a request's rows share theirs), and the rows' first `latents` with
+        what it fixes put back; (latents, None) where the family's rows carry none."""
+        if not self.adapter.conditioned:
+            return latents, None
+        made: dict[int, Conditioning] = {}
+        row = (1, *latents.shape[1:])
+        for r in rows:
+            if id(r.image) not in made:
+                made[id(r.image)] = self.adapter.condition(r.image, row, latents.dtype, self.device)
+        each = [made[id(r.image)] for r in rows]
+        conditioning = {k: torch.cat([c[k] for c in each]) for k in each[0]}
+        for r in rows:
+            r.image = None  # (its conditioning is made)
+        return self.adapter.put_back(latents, conditioning), conditioning
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
         """One step of the rows of `plan` (their `latents`): the guided prediction, then each
         row's scheduler update. Advances the rows' schedule positions."""
         output = self._predict(plan, latents)
-        return rs.step([r.state for r in plan.group], output, latents)
+        states = [r.state for r in plan.group]
+        stepped = rs.step(states, output, latents)
+        if plan.anchor is not None:
+            stepped = edit_rows.blend(states, plan.anchor, stepped)  # (inpainting rows)
+        if plan.put_back is not None:  # (rows from an image)
+            stepped = self.adapter.put_back(stepped, plan.put_back)
+        return stepped
 
     def plan(
-        self, rows: list[LoopRow], active: list[int], embeds: Text, latents: torch.Tensor
+        self,
+        rows: list[LoopRow],
+        active: list[int],
+        embeds: Text,
+        latents: torch.Tensor,
+        conditioning: Conditioning | None = None,
     ) -> Plan:
         """What the steps over the rows `active` reuse: their indices, which have guidance,
-        the text of their model rows."""
+        the text of their model rows (and their own conditioning, of the set's rows)."""
         group = [rows[i] for i in active]
         cfg = [j for j, r in enumerate(group) if r.cfg]
         text = [r.text for r in group]
@@ -217,7 +278,7 @@ class DenoiseLoop:
             embedded = to_device(torch.tensor([r.guidance for r in group]), device)
         pairs = [(group[j].guidance, _or(group[j].guidance_2, group[j].guidance)) for j in cfg]
         by_expert = pairs if any(a != b for a, b in pairs) else None
-        return Plan(
+        plan = Plan(
             active=active,
             group=group,
             index=None if len(active) == len(rows) else row_index(active, device),
@@ -228,7 +289,25 @@ class DenoiseLoop:
             scale=scale,
             embedded=embedded,
             by_expert=by_expert,
+            anchor=edit_rows.anchors_of(group, latents),
         )
+        if conditioning is not None:
+            self._plan_conditioning(plan, conditioning, device)
+        return plan
+
+    def _plan_conditioning(
+        self, plan: Plan, conditioning: Conditioning, device: torch.device
+    ) -> None:
+        """The plan's rows' own conditioning (of the set's `conditioning`), and their model
+        rows': the unconditional branch takes its row's as the conditional one does."""
+        own = conditioning if plan.index is None else take_named(conditioning, plan.active, device)
+        plan.put_back = own
+        uncond = own if plan.cfg_index is None else take_named(own, plan.cfg, device)
+        if plan.cfg and self.batched_cfg:
+            plan.conditioning = cat_named(own, uncond)
+        else:
+            plan.conditioning = own
+            plan.negative_conditioning = uncond if plan.cfg else None
 
     def _predict(self, plan: Plan, latents: torch.Tensor) -> torch.Tensor:
         """The guided prediction of each row: the conditional branch of all, the unconditional
@@ -240,14 +319,15 @@ class DenoiseLoop:
         cfg_states = [states[j] for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
-            out = self._forward(inputs, states + cfg_states, plan.texts)
+            out = self._forward(inputs, states + cfg_states, plan.texts, None, plan.conditioning)
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            cond = self._forward(scaled, states, plan.texts, plan.embedded)
+            cond = self._forward(scaled, states, plan.texts, plan.embedded, plan.conditioning)
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
-            uncond = self._forward(uncond_rows, cfg_states, plan.negatives)
+            negative = plan.negative_conditioning
+            uncond = self._forward(uncond_rows, cfg_states, plan.negatives, None, negative)
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, scale)
@@ -274,9 +354,11 @@ class DenoiseLoop:
         states: list[rs.Row],
         text: Text,
         guidance: torch.Tensor | None = None,
+        conditioning: Conditioning | None = None,
     ) -> Any:
         """One denoiser call (each model row at its row's timestep; `guidance`: each row's
-        scale, for a guidance embedding), padded to the compiled bucket of its model rows."""
+        scale, for a guidance embedding; `conditioning`: each model row's own, where rows carry
+        one), padded to the compiled bucket of its model rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -287,14 +369,12 @@ class DenoiseLoop:
             text = pad_rows(text, pad)
             states = states + [states[-1]] * pad
             guidance = None if guidance is None else pad_tensor(guidance, pad)
+            conditioning = None if conditioning is None else pad_named(conditioning, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
+        if conditioning is not None:
+            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[:rows]
         return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
 
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row positions as an index tensor on `device` (a pinned, non-blocking copy)."""
-    return to_device(torch.tensor(rows, dtype=torch.long), device)

@@ -1,0 +1,163 @@
+"""Sequence parallelism led by one rank: each denoiser forward of a replica runs on its N ranks
+at once, each rank holding the whole model and 1/N of the latent tokens (parallel/ulysses.py:
+its share, and attention over the whole sequence).
+
+Rank 0 (the leader) runs the stage as one GPU would - the loop, the running set, aborts,
+errors, bisection: every decision - and its denoisers are wrapped (`SequenceParallelDenoiser`)
+so that each forward is handed to the other ranks as it starts: a header naming the denoiser
+and its arguments' structure (host to host), then the new tensors, broadcast from rank 0; then
+every rank runs the same forward on the same inputs, its adapter's hooks splitting the tokens
+(models/<family>/sequence_parallel.py), the attention exchanging them, the output gathered. The
+other ranks (followers) run no loop: between batches they wait on their worker's pipe (no
+collective is open while a replica idles), and during a batch they serve rank 0's forwards
+until rank 0 ends it. No control decision needs a vote: the followers only ever do what the
+header says.
+
+A forward's collectives bind the ranks together: a rank that fails inside one (out of memory
+included) leaves the others waiting in it, so any failure once the header went out ends the
+worker (`RankDiverged`), and the executor restarts the replica as a whole; the process group's
+timeout is only a backstop behind the executor's death and stall detection. Tensors passed by
+the previous forward as the very same object (the prompt embeddings) are not sent again
+(parallel/rank_link.py's packing, as CFG-parallel's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_omni_like.parallel.branches import DenoiserWrapper
+from vllm_omni_like.parallel.rank_link import (
+    Link,
+    RankDiverged,
+    pack_args,
+    tensor_spec,
+    unpack_args,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceLeader:
+    """Rank 0's side: hands each forward to the other ranks and runs its own share."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.passed: list[torch.Tensor] = []  # the previous forward's tensors (the others hold)
+
+    def forward(self, name: str, model: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """`model(*args, **kwargs)` on every rank (the others run their denoiser `name`)."""
+        link = self.link
+        tensors: list[torch.Tensor] = []
+        every: list[torch.Tensor] = []
+        kept = {id(t): i for i, t in enumerate(self.passed)}
+        meta = pack_args((args, kwargs), tensors, every, kept)
+        self.passed = every
+        header = ("call", name, meta, [tensor_spec(t) for t in tensors])
+        for peer in range(1, link.size):
+            link.send_obj(header, peer)
+        try:
+            for t in tensors:
+                link.broadcast(t.contiguous())
+            return model(*args, **kwargs)
+        except RankDiverged:
+            raise
+        except Exception as exc:  # the others wait in this forward's collectives: no way back
+            logger.exception("rank 0: a sequence-parallel forward of %s failed", name)
+            raise RankDiverged(
+                f"rank 0: a sequence-parallel forward failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def end(self, batch_id: int) -> None:
+        """Batch `batch_id` needs no more forwards: the other ranks stop serving it."""
+        for peer in range(1, self.link.size):
+            self.link.send_obj(("end", batch_id), peer)
+
+
+class SequenceFollower:
+    """A rank > 0: serves rank 0's forwards, batch after batch. Rank 0 ends each batch once, in
+    the order its batches end (a running set's short group may end before a long one that came
+    first); an end for a batch other than the one served is kept, and that batch, when its turn
+    comes, is over at once."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.ended: set[int] = set()  # batches rank 0 ended before this rank served them
+        self.held: list[torch.Tensor] = []  # the previous forward's tensors
+
+    def serve(self, models: dict[str, Callable[..., Any]], batch_id: int) -> None:
+        """Run rank 0's forwards on `models` (by name) until it ends batch `batch_id`. Any
+        failure raises (the worker exits: the other ranks wait in the forward's collectives)."""
+        if batch_id in self.ended:
+            self.ended.discard(batch_id)
+            return
+        link = self.link
+        while True:
+            match link.recv_obj():
+                case ("end", ended):
+                    if ended == batch_id:
+                        return
+                    self.ended.add(ended)
+                case ("call", name, meta, specs) if name in models:
+                    tensors = [self._received(shape, dtype) for shape, dtype in specs]
+                    every: list[torch.Tensor] = []
+                    args, kwargs = unpack_args(meta, tensors, every, self.held)
+                    self.held = every
+                    self._run(models[name], name, args, kwargs)
+                    del args, kwargs, tensors
+                case other:
+                    raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
+
+    def _run(self, model: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> None:
+        try:
+            with torch.inference_mode():
+                model(*args, **kwargs)
+        except Exception:  # (the worker exits on it: its traceback goes to the log first)
+            logger.exception(
+                "rank %d: a sequence-parallel forward of %s failed", self.link.rank, name
+            )
+            raise
+
+    def _received(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.link.device)
+        self.link.broadcast(tensor)
+        return tensor
+
+
+class SequenceParallelCall:
+    """Rank 0's `call` (a VAE's patch-parallel decode) run by every rank at once, as `name`."""
+
+    def __init__(self, call: Callable[..., Any], name: str, leader: SequenceLeader) -> None:
+        self.call = call
+        self.name = name
+        self.leader = leader
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.leader.forward(self.name, self.call, args, kwargs)
+
+
+class SequenceParallelDenoiser(DenoiserWrapper):
+    """Rank 0's denoiser `name` whose every forward runs on all the replica's ranks."""
+
+    def __init__(self, model: torch.nn.Module, name: str, leader: SequenceLeader) -> None:
+        super().__init__(model)
+        self.name = name
+        self.leader = leader
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.leader.forward(self.name, self.model, args, kwargs)
+
+
+def heads_note(heads: int, size: int) -> str | None:
+    """What an attention of `heads` heads costs over `size` ranks where they do not divide
+    (None where they do): each rank computes ceil(heads / size) of them."""
+    if heads % size == 0:
+        return None
+    per = -(-heads // size)
+    return (
+        f"{heads} attention heads over {size} ranks: each rank computes {per} (padded to "
+        f"{per * size}; {per * size - heads} of zeros), the time of {per * size} heads"
+    )

@@ -1,0 +1,120 @@
+"""Ulysses sequence parallelism: each of a replica's N ranks holds 1/N of a sequence's tokens,
+and attention trades heads for tokens with one all-to-all, so that each rank attends over every
+token for 1/N of the heads, then trades them back.
+
+- A sequence is cut into N contiguous shares after zero-padding it to a multiple of N
+  (`shard`); `gather` puts the shares back together and drops the padding. Padded tokens run
+  through the per-token layers like any other (zeros stay finite through norms and MLPs) and
+  never reach the softmax: after the exchange every rank holds the whole padded sequence, and
+  the padded queries, keys and values are cut off there - the same as masking the keys, without
+  a mask that would push SDPA off its fastest kernels.
+- Tokens every rank holds whole (`replicated`: a text's, in a joint attention) are not
+  exchanged: each rank takes its own heads of them, and their outputs are gathered head-wise.
+- Heads that do not divide by N are padded with zero heads up to the next multiple (a zero
+  query over zero keys and values attends to zeros): each rank gets ceil(H/N) heads, as many
+  as the busiest rank of an uneven split would, so the padding costs bytes, not time.
+- The exchanges are torch.distributed's functional collectives, which torch.compile traces
+  into the model's graph (no graph break); q, k and v travel in one all-to-all.
+
+What the sequence is (which tokens, where in a model) is the family adapter's to say
+(models/<family>/sequence_parallel.py); parallel/sequence_parallel.py runs the ranks' forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as fc
+import torch.nn.functional as F
+
+
+def padded(length: int, parts: int) -> int:
+    """`length` rounded up to a multiple of `parts`."""
+    return -(-length // parts) * parts
+
+
+def pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`x` zero-padded at the end of `dim` to `length` (as it is if as long)."""
+    extra = length - x.shape[dim]
+    if extra <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+class SequenceShards:
+    """One rank's side of a replica's N ranks splitting sequences: its share of a sequence, the
+    whole sequence back from every rank's share, and attention over the whole of it.
+
+    `length` is the real token count of the sequence being split, set by the `shard` of the
+    current forward (the padding is cut off against it); one forward splits one sequence."""
+
+    def __init__(self, rank: int, size: int, group: Any) -> None:
+        self.rank = rank
+        self.size = size
+        self.group = group  # the ranks' process group (the functional collectives')
+        self.length = 0
+
+    def local(self, length: int) -> int:
+        """The tokens each rank holds of a sequence of `length` (padding included)."""
+        return padded(length, self.size) // self.size
+
+    def shard(self, x: torch.Tensor, dim: int, record: bool = True) -> torch.Tensor:
+        """This rank's contiguous share of `x` along `dim`, once zero-padded to a multiple of N;
+        `record`: `x` is the sequence being split (its length is kept for `gather` and
+        `attention`)."""
+        length = x.shape[dim]
+        if record:
+            self.length = length
+        per = self.local(length)
+        return pad_dim(x, dim, per * self.size).narrow(dim, self.rank * per, per)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence (`length` tokens along `dim`) from every rank's share `x`."""
+        first = x.movedim(dim, 0).contiguous()
+        whole = fc.all_gather_single(first, 0, self.group)
+        return whole.narrow(0, 0, self.length).movedim(0, dim)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, replicated: int = 0
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v over the whole sequence, in diffusers' processors'
+        (B, L, H, D) layout: L = `replicated` tokens every rank holds whole (first), then this
+        rank's share of the split sequence. Returns this rank's L tokens, every head."""
+        heads = q.shape[2]
+        per = -(-heads // self.size)  # each rank's heads (zero heads pad the last ones)
+        qkv = pad_dim(torch.cat([q, k, v]), 2, per * self.size)
+        text = qkv[:, :replicated, self.rank * per : (self.rank + 1) * per]
+        image = self._to_heads(qkv[:, replicated:])
+        whole = self.local(self.length) * self.size
+        joint = torch.cat([text, image[:, : self.length]], dim=1)
+        q, k, v = (x.transpose(1, 2) for x in joint.chunk(3))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        image_out = self._to_tokens(pad_dim(out[:, replicated:], 1, whole))
+        if replicated:
+            text_out = self._gather_heads(out[:, :replicated])
+            image_out = torch.cat([text_out, image_out], dim=1)
+        return image_out[:, :, :heads]
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, s, N*h, D), this rank's s tokens -> (B, N*s, h, D), every token of its heads."""
+        b, s, hn, d = x.shape
+        n = self.size
+        sent = x.reshape(b, s, n, hn // n, d).permute(2, 0, 1, 3, 4).contiguous()
+        got = fc.all_to_all_single(sent, None, None, self.group)
+        return got.reshape(n, b, s, hn // n, d).permute(1, 0, 2, 3, 4).reshape(b, n * s, -1, d)
+
+    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """`_to_heads` undone: (B, N*s, h, D) -> (B, s, N*h, D)."""
+        b, ns, h, d = x.shape
+        n = self.size
+        sent = x.reshape(b, n, ns // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
+        got = fc.all_to_all_single(sent, None, None, self.group)
+        return got.reshape(n, b, ns // n, h, d).permute(1, 2, 0, 3, 4).reshape(b, ns // n, -1, d)
+
+    def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h, D), this rank's heads of tokens every rank holds -> (B, T, N*h, D)."""
+        whole = fc.all_gather_single(x.movedim(2, 0).contiguous(), 0, self.group)
+        return whole.movedim(0, 2)
