@@ -66,8 +66,7 @@ def load_runtime(
 ) -> DiffusionRuntime:
     """Load `config.model` onto `device_name` and build what runs it."""
     # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
-    path = _model_dir(config)
-    device = resolve_device(device_name)
+    path, device = _model_dir(config), resolve_device(device_name)
     dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
     link = _connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
@@ -77,11 +76,9 @@ def load_runtime(
     # 3. text, limits, what a request leaves unsaid
     text = _prompt_encoder(pipe, adapter, options, device)
     limits = model_limits.diffusion_limits(config)
-    # 4. speed: kernels, memory format; the sequence-parallel split, compiled with the model
+    # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
-    precision = _quantize(config, adapter, device, dtype)  # (FP8 matmuls: other maths)
-    _split_sequence(config, ranks, link, adapter)  # (before compiling: compiled in)
-    buckets = _compile(config, options, adapter)
+    precision, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
     # 5. our own loop; sequence parallelism: rank 0's forwards run on every rank
     denoise = _own_loop(config, adapter, device, text, buckets)
     seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter)
@@ -288,6 +285,23 @@ def _speed_up(
         ", ".join(tuned) or "default kernels",
     )
     return Speed(attention, channels_last, tuned)
+
+
+def _denoisers(
+    config: StageConfig,
+    options: DiffusionOptions,
+    ranks: Ranks,
+    link: Link | None,
+    adapter: Adapter,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[str, tuple[int, ...]]:
+    """The denoisers as they will run, in this order: FP8 matmuls (other maths; made from the
+    fused 16-bit weights), the sequence-parallel split, both compiled in; returns the precision
+    the stage runs and the batch buckets compiled."""
+    precision = _quantize(config, adapter, device, dtype)
+    _split_sequence(config, ranks, link, adapter)
+    return precision, _compile(config, options, adapter)
 
 
 def _quantize(
