@@ -123,7 +123,9 @@ def fail_mid_exchange(eng, faults: Path, n: int, victim: int, kind: str, seed: i
     assert all((faults / f"entered-{r}").exists() for r in survivors), "not in the exchange"
     assert not (faults / f"armed-{victim}-{kind}").exists()  # (fired once)
     new = wait_for(lambda: _ranks(replica, n), 120, "the restarted replica")
-    assert not set(new) & set(old) and eng.health()[0]["restarts"] >= 1
+    assert not set(new) & set(old)
+    # (the snapshot /health reads is published once a pass of the orchestrator: a tick later)
+    wait_for(lambda: eng.health()[0]["restarts"] >= 1, 2.0, "/health counting the restart")
     return out, took
 
 
