@@ -66,11 +66,7 @@ def load_runtime(
 ) -> DiffusionRuntime:
     """Load `config.model` onto `device_name` and build what runs it."""
     # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
-    path = _model_dir(config)
-    device = resolve_device(device_name)
-    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
-    link = _connect_ranks(config, ranks, device)
-    tracer = BatchTracer(config.name, ranks.rank, device)
+    path, device, dtype, link, tracer = _where(config, ranks, device_name)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call
     family, pipe, adapter = _load_pipeline(config, path, device, dtype)
     loops, own = _choose_loops(config.name, path, family, config.cfg_parallel)
@@ -114,6 +110,18 @@ def load_runtime(
         edit_pipes=edit_pipes,
         side_stream=side_stream,
     )
+
+
+def _where(
+    config: StageConfig, ranks: Ranks, device_name: str
+) -> tuple[str, torch.device, torch.dtype, Link | None, BatchTracer]:
+    """The model's directory, the device and the weights' dtype there, the link to the
+    replica's other ranks, the stage's tracer."""
+    path = _model_dir(config)
+    device = resolve_device(device_name)
+    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
+    link = _connect_ranks(config, ranks, device)
+    return path, device, dtype, link, BatchTracer(config.name, ranks.rank, device)
 
 
 def _model_dir(config: StageConfig) -> str:
