@@ -258,3 +258,38 @@ def test_an_edit_that_joins_a_busy_set_of_edits_at_step_k_makes_what_it_makes_al
     h.steps()
     for rid, image in alone.items():
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
+def test_edits_of_two_upload_shapes_step_in_two_lanes_in_turn(monkeypatch):
+    """Uploads of two aspects fit to two sequence lengths: two shape groups, each its own lane
+    (two lanes a replica here), the lanes stepping in turn by age; each image is the one it
+    makes alone."""
+    from tests.models.test_family_contract import case_of
+    from tests.stages.diffusion.test_running_set import _Harness
+    from vllm_omni_like.models.qwen_image import edit
+    from vllm_omni_like.params import GenerationParams
+    from vllm_omni_like.wire import StageRequest
+
+    monkeypatch.setattr(edit, "FITTED_AREA", 128 * 128)
+    stage = case_of("qwen-image-edit").stage()
+    params = GenerationParams(seed=3, num_inference_steps=4, width=64, height=32)
+    wide = StageRequest("w", "make it red", params, "edit", [UPLOAD])
+    tall = StageRequest("t", "make it red", params, "edit", [UPLOAD.transpose(1, 0, 2).copy()])
+    own = frozenset(stage.runtime.own)
+    assert wide.batch_key(own) != tall.batch_key(own)
+    alone = {}
+    for r in (wide, tall):
+        h = _Harness(stage)
+        h.add(1, r)
+        h.steps()
+        alone[r.request_id] = h.pixels(r.request_id)
+    h = _Harness(stage, lanes=2)
+    h.add(1, wide)
+    h.steps(1)
+    h.add(2, tall)  # another shape group: a lane of its own
+    assert [lane.batch_ids for lane in h.rows.lanes] == [[1], [2]]
+    h.steps(6)
+    assert h.stepped[1:] == [[1], [2], [1], [2], [1], [2]]  # in turn (the older wait first)
+    h.steps()
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid

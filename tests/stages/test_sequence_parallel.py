@@ -192,9 +192,8 @@ def test_ti2v_videos_equal_one_rank_two_lengths_in_one_set(tmp_path):
 
 @pytest.mark.drill
 def test_ti2v_image_to_video_equals_one_rank(tmp_path):
-    """The pipeline's own call (WanImageToVideoPipeline over the same models: the first
-    frame's latents at timestep 0 beside the noise): its transformer's forwards split, its
-    decode in bands."""
+    """A row from a first frame on our loop (the frame's latents put back, its tokens at
+    timestep 0): its transformer's forwards split, its decode in bands."""
     request = StageRequest(
         "i2v",
         "a red circle",
