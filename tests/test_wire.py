@@ -77,7 +77,13 @@ def test_an_image_to_image_edit_of_a_given_size_groups_with_text_rows_on_our_loo
     mask = np.zeros((40, 56), np.uint8)
     inpaint = StageRequest("i", "a dog", sized, Mode.EDIT, images=upload, mask=mask)
     assert inpaint.loop_mode is Mode.INPAINT and inpaint.mode is Mode.EDIT
-    assert inpaint.batch_key(both) != text.batch_key(both)  # (the pipeline's call: its own)
+    assert inpaint.batch_key(both) != text.batch_key(both)  # (a shape group of its own)
+    inpaints = frozenset({Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT})
+    small, large = (
+        StageRequest(r, "a dog", mode=Mode.EDIT, images=[np.zeros(s, np.uint8)], mask=mask)
+        for r, s in (("s", (40, 56, 3)), ("l", (64, 56, 3)))
+    )
+    assert small.batch_key(inpaints) != large.batch_key(inpaints)  # (sized by their uploads)
     instruction = frozenset({Mode.EDIT})
     assert edit.batch_key(instruction) == (Mode.EDIT, 64, 64, None, (40, 56))
     other = StageRequest("o", "a dog", sized, Mode.EDIT, images=[np.zeros((56, 40, 3), np.uint8)])

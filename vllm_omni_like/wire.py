@@ -69,6 +69,8 @@ class StageRequest:
             key = (mode, p.width, p.height, p.num_frames)
             if mode == Mode.IMAGE2VIDEO and Mode.TEXT2VIDEO in own_loop:
                 return (Mode.TEXT2VIDEO, *key[1:])
+            if mode == Mode.INPAINT and not (p.width and p.height):  # (its upload's size)
+                return (*key, tuple(self.images[0].shape[:2]) if self.images else None)
             if mode != Mode.EDIT:
                 return key
             if Mode.TEXT2IMG in own_loop and p.width and p.height:

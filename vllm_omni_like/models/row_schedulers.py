@@ -42,8 +42,8 @@ class Schedule:
     tables: Tables  # each step's variant and scalars
     init_noise_sigma: float
     start: int = 0  # where in the scheduler's whole schedule it begins (image-to-image)
-    # the diffusers scheduler, its timesteps set and its begin index at `start`: it noises an
-    # image-to-image row's source as the pipeline's does (`add_noise`)
+    # the diffusers scheduler, its timesteps set: its tables noise an edit row's source as the
+    # pipeline's scheduler does (`noise_to`)
     noiser: Any = field(default=None, compare=False, repr=False)
     _on_device: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -124,8 +124,6 @@ def _schedule(
     else:
         whole = _explicit(scheduler, kind)
         tables = Tables(kind, whole.variants[start:], whole.scalars[start:])
-    if hasattr(scheduler, "set_begin_index"):  # (as the image-to-image pipelines set it)
-        scheduler.set_begin_index(start)
     return Schedule(
         kind=kind,
         steps=steps,
@@ -161,24 +159,27 @@ def add_noise(schedule: Schedule, source: torch.Tensor, noise: torch.Tensor) -> 
 def noise_to(
     schedule: Schedule, index: int, source: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    """`source` noised with `noise` to the schedule's step `index`, by its scheduler's own
-    `scale_noise` (flow matching) or `add_noise` at that step's timestep, from that step as
-    its begin index (where the pipeline's scheduler, stepped that far, is: an inpainting
-    pipeline's image after each step)."""
+    """`source` noised with `noise` to the schedule's step `index`, by its scheduler's maths
+    at that step (where the pipeline's scheduler, stepped that far, noises: an inpainting
+    pipeline's image after each step). A sigma schedule's sigma is a slice of its table on the
+    device (diffusers' `add_noise` indexes it with a list, a copy from the host that waits for
+    the device), then its `scale_noise` (flow matching), its `add_noise` from alpha and sigma
+    (DPM-Solver, UniPC) or from sigma (Euler); the others' `add_noise` itself (an index on the
+    device)."""
     noiser = schedule.noiser_on(source.device)
     at = schedule.start + index
-    first = noiser.timesteps[at : at + 1].repeat(source.shape[0])
-    begins = hasattr(noiser, "set_begin_index")
-    if begins:
-        noiser.set_begin_index(at)
-    try:
+    sigmas = getattr(noiser, "sigmas", None)
+    if isinstance(sigmas, torch.Tensor):  # (DDIM and PNDM have none: alphas, by timestep)
+        shape = (1,) * source.dim()
+        sigma = sigmas.to(dtype=source.dtype)[at : at + 1].reshape(shape)
         if hasattr(noiser, "scale_noise"):
-            noised: torch.Tensor = noiser.scale_noise(source, first, noise)
-        else:
-            noised = noiser.add_noise(source, noise, first)
-    finally:
-        if begins:
-            noiser.set_begin_index(schedule.start)
+            return sigma * noise + (1.0 - sigma) * source
+        if hasattr(noiser, "_sigma_to_alpha_sigma_t"):
+            alpha_t, sigma_t = noiser._sigma_to_alpha_sigma_t(sigma)
+            return alpha_t * source + sigma_t * noise  # type: ignore[no-any-return]
+        return source + noise * sigma
+    first = noiser.timesteps[at : at + 1].repeat(source.shape[0])
+    noised: torch.Tensor = noiser.add_noise(source, noise, first)
     return noised
 
 

@@ -52,7 +52,7 @@ def first_latents(adapter: Any, rows: list[Any], noise: torch.Tensor) -> torch.T
         image = r.source.latents
         if r.source.mask is not None:
             mask = torch.nn.functional.interpolate(r.source.mask, size=tuple(image.shape[-2:]))
-            r.anchor = Anchor(image, noise[i : i + 1].clone(), mask.to(image.device, noise.dtype))
+            r.anchor = Anchor(image, noise[i : i + 1].clone(), mask.to(noise.dtype))
         if r.source.mask is None or r.source.strength < 1.0:  # (inpainting at 1: noise alone)
             sources[i] = image
     sigma = [1.0 if i in sources else r.state.schedule.init_noise_sigma for i, r in enumerate(rows)]

@@ -12,6 +12,7 @@ import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.limits import ModelLimits
 from vllm_omni_like.outputs import StageOutput
@@ -151,10 +152,11 @@ class DiffusionRuntime:
         if mode not in (Mode.EDIT, Mode.INPAINT) or not self.family.edit_strength:
             return None
         pipe = self.edit_pipes[mode]
-        pixels = edits.source_pixels(request, pipe.image_processor, *size).to(self.device)
+        pixels = to_device(edits.source_pixels(request, pipe.image_processor, *size), self.device)
         if mode == Mode.EDIT:
             return Source(pixels)
-        return Source(pixels, edits.mask_pixels(request, pipe.mask_processor, *size))
+        mask = edits.mask_pixels(request, pipe.mask_processor, *size)
+        return Source(pixels, to_device(mask, self.device))  # (pinned copies: no wait)
 
     def image_of(self, request: StageRequest, size: tuple[int, int]) -> Any | None:
         """The image our loop conditions a request's rows on: an image-to-video request's first
