@@ -176,7 +176,8 @@ def noise_to(
             return sigma * noise + (1.0 - sigma) * source
         if hasattr(noiser, "_sigma_to_alpha_sigma_t"):
             alpha_t, sigma_t = noiser._sigma_to_alpha_sigma_t(sigma)
-            return alpha_t * source + sigma_t * noise  # type: ignore[no-any-return]
+            mixed: torch.Tensor = alpha_t * source + sigma_t * noise
+            return mixed
         return source + noise * sigma
     first = noiser.timesteps[at : at + 1].repeat(source.shape[0])
     noised: torch.Tensor = noiser.add_noise(source, noise, first)
