@@ -130,17 +130,7 @@ def test_a_video_from_an_image_that_joins_a_busy_set_at_step_k_makes_what_it_mak
     own = frozenset(stage.runtime.own)
     assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)  # (one shape group)
 
-    def frames(h: _Harness, rid: str) -> np.ndarray:
-        out = h.outputs[rid]
-        assert out.error is None, out.error
-        return out.video.frames.astype(np.int16)
-
-    alone = {}
-    for r in (a, b, c):
-        h = _Harness(stage)
-        h.add(1, r)
-        h.steps()
-        alone[r.request_id] = frames(h, r.request_id)
+    alone = {r.request_id: _alone(stage, r) for r in (a, b, c)}
     h = _Harness(stage)
     h.add(1, a)
     h.steps(2)  # (A14B: a's third timestep is under the boundary; b's and c's first above it)
@@ -168,17 +158,7 @@ def test_ti2v_rows_from_text_and_from_a_frame_share_a_set_and_a_forward():
     own = frozenset(stage.runtime.own)
     assert a.batch_key(own) == b.batch_key(own) == c.batch_key(own)  # (one shape group)
 
-    def frames(h: _Harness, rid: str) -> np.ndarray:
-        out = h.outputs[rid]
-        assert out.error is None, out.error
-        return out.video.frames.astype(np.int16)
-
-    alone = {}
-    for r in (a, b, c):
-        h = _Harness(stage)
-        h.add(1, r)
-        h.steps()
-        alone[r.request_id] = frames(h, r.request_id)
+    alone = {r.request_id: _alone(stage, r) for r in (a, b, c)}
     h = _Harness(stage)
     h.add(1, a)
     h.steps(2)
@@ -190,3 +170,20 @@ def test_ti2v_rows_from_text_and_from_a_frame_share_a_set_and_a_forward():
     h.steps()
     for rid, video in alone.items():
         assert np.abs(frames(h, rid) - video).max() <= 1, rid
+
+
+def frames(h, rid: str) -> np.ndarray:
+    """A request's video frames from a harness, its error none."""
+    out = h.outputs[rid]
+    assert out.error is None, out.error
+    return out.video.frames.astype(np.int16)
+
+
+def _alone(stage, request) -> np.ndarray:
+    """The video a request makes alone in a running set."""
+    from tests.stages.diffusion.test_running_set import _Harness
+
+    h = _Harness(stage)
+    h.add(1, request)
+    h.steps()
+    return frames(h, request.request_id)
