@@ -16,7 +16,7 @@ FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
 # template, tokenize, constraint, detokenize: one row of an LLM stage's batch (the others run on)
-FAULT_POINTS = ("load", "execute", "step", "output", "store")
+FAULT_POINTS: tuple[str, ...] = ("load", "execute", "step", "output", "store")
 FAULT_POINTS += ("template", "tokenize", "constraint", "detokenize")  # an LLM stage's rows
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "slow", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise

@@ -60,7 +60,7 @@ class LoraLinear(torch.nn.Module):
 
     def __init__(
         self,
-        base: torch.nn.Module,
+        base: torch.nn.Linear | Fp8Linear,
         slots: int,
         rank: int,
         parts: tuple[int, ...],
