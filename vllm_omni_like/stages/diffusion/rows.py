@@ -171,26 +171,31 @@ class DenoiseSet:
             self._keep(keep)
 
     def _hold(self, rows: list[LoopRow]) -> None:
-        pool, held = self.loop.loras, []
+        pool = self.loop.loras
         if pool is None:
             return
         try:
             for row in rows:
                 row.lora = pool.acquire(row.request.params.loras)
-                held.append(row)
         except BaseException:
-            for row in held:
+            for row in rows:
                 pool.release(row.lora)
+                row.lora = ()
             raise
+
+    def let_go(self, rows: list[LoopRow] | None = None) -> None:
+        """`rows`' LoRA slots (default: every row's) let go: they hold none after."""
+        if self.loop.loras is not None:
+            for row in self.rows if rows is None else rows:
+                self.loop.loras.release(row.lora)
+                row.lora = ()
 
     def _keep(self, keep: list[int]) -> None:
         """Only the rows `keep`, their text compacted (the set's text never outgrows it); the
         others' LoRA slots let go."""
         assert self.latents is not None and self.text is not None
         rows = [self.rows[i] for i in keep]
-        if self.loop.loras is not None:
-            for i in set(range(len(self.rows))) - set(keep):
-                self.loop.loras.release(self.rows[i].lora)
+        self.let_go([self.rows[i] for i in set(range(len(self.rows))) - set(keep)])
         self._plan = None
         if not rows:
             self.rows, self.text, self.latents, self.conditioning = [], None, None, None
