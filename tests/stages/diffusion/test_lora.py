@@ -181,7 +181,7 @@ def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(st
     with open(broken, "wb") as f:
         f.write(b"\x00" * 40)
     try:
-        with pytest.raises(InvalidRequestError, match="broken.safetensors cannot be read") as e:
+        with pytest.raises(InvalidRequestError, match=r"broken\.safetensors cannot be read") as e:
             stage.validate(_req("x", (LoraRef("broken"),)))
         assert e.value.code == "lora_unusable"
     finally:
@@ -194,9 +194,10 @@ def test_a_registered_adapter_the_base_cannot_take_refuses_the_start(tmp_path):
     unet = _pipe().unet
     bad = low_rank(unet, 1, 4, ends=("time_embedding.linear_1",))
     path = write_peft(tmp_path / "bad.safetensors", bad)
+    loras = (f"t={path}",)
     config = StageConfig(
-        name="diffusion", kind="diffusion", model="tiny-image", dtype="float32", loras=(f"t={path}",)
+        name="diffusion", kind="diffusion", model="tiny-image", dtype="float32", loras=loras
     )
     s = DiffusionStage(config)
-    with pytest.raises(ConfigError, match="time_embedding.linear_1 is not an attention or MLP"):
+    with pytest.raises(ConfigError, match=r"time_embedding\.linear_1 is not an attention or MLP"):
         s.load("cpu")
