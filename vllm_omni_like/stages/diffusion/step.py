@@ -19,11 +19,9 @@ model rows' (both CFG branches alike), and each step puts back what it fixes (TI
 frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its prompt's with
 its request's upload.
 
-A row may run LoRA adapters (lora_pool.py): it holds their pool slots from its join to its
-leave, and each forward hands the pool's layers its model rows' slots and scales (the
-unconditional branch its row's), one device tensor a forward, so a mix of adapters never
-splits the batch. An adapter may carry the steps and guidance it was made for: its rows run
-them where the request leaves them unsaid.
+A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
+slots and scales (the unconditional branch its row's) as device tensors; an adapter's own steps
+and guidance apply to its rows where the request leaves them unsaid.
 
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
 `latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
@@ -113,8 +111,7 @@ class Plan:
     conditioning: Conditioning | None = None
     negative_conditioning: Conditioning | None = None
     put_back: Conditioning | None = None
-    # LoRA: the model rows' adapters (with batched CFG: both branches'); two forwards: the
-    # unconditional branch's
+    # LoRA: the model rows' (with batched CFG: both branches'); two forwards: the uncond's
     lora: LoraRows | None = None
     negative_lora: LoraRows | None = None
 
@@ -316,11 +313,16 @@ class DenoiseLoop:
         )
         if conditioning is not None:
             self._plan_conditioning(plan, conditioning, device)
-        if self.loras is not None:
-            uncond = [group[j].lora for j in cfg]
-            both = cfg and self.batched_cfg
-            plan.lora = self.loras.rows([r.lora for r in group] + (uncond if both else []), device)
-            plan.negative_lora = self.loras.rows(uncond, device) if cfg and not both else None
+        return self._plan_loras(plan, device)
+
+    def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
+        """The model rows' LoRA adapters: the unconditional branch takes its row's."""
+        if (pool := self.loras) is None:
+            return plan
+        uncond = [plan.group[j].lora for j in plan.cfg]
+        both = bool(plan.cfg) and self.batched_cfg
+        plan.lora = pool.rows([r.lora for r in plan.group] + (uncond if both else []), device)
+        plan.negative_lora = pool.rows(uncond, device) if plan.cfg and not both else None
         return plan
 
     def _plan_conditioning(
