@@ -131,6 +131,15 @@ class LoraPool:
             if self.pins[slot] <= 0:
                 del self.pins[slot]
 
+    def evict(self, name: str) -> bool:
+        """Adapter `name` off the device now, unless a running row holds it; whether it went."""
+        slot = self.slots.get(name)
+        if slot is None or self.pins[slot]:
+            return False
+        del self.slots[name]
+        self.free.append(slot)
+        return True
+
     def _slot(self, name: str) -> int:
         if name in self.slots:
             self.slots.move_to_end(name)
