@@ -169,7 +169,11 @@ def test_the_pool_evicts_the_least_recently_used_idle_adapter_never_a_held_one(s
     assert not pool.pins
     again = pool.acquire((LoraRef("a"),))  # resident: no write
     assert pool.loads == loads + 1
+    assert not pool.evict("a")  # (held by a row)
     pool.release(again)
+    assert pool.evict("a") and "a" not in pool.slots and not pool.evict("a")
+    pool.release(pool.acquire((LoraRef("a"),)))  # (written again into the freed slot)
+    assert pool.loads == loads + 2
 
 
 def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(stage, files):
