@@ -205,3 +205,44 @@ def test_a_registered_adapter_the_base_cannot_take_refuses_the_start(tmp_path):
     s = DiffusionStage(config)
     with pytest.raises(ConfigError, match=r"time_embedding\.linear_1 is not an attention or MLP"):
         s.load("cpu")
+
+
+def test_a_video_model_mixes_adapters_in_one_batch_too(tmp_path):
+    """Wan (tiny-video): its converter returns no alphas; a row equals its solo video."""
+    import diffusers
+
+    path = ensure_tiny_model("tiny-video")
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        path, subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    weights = low_rank(model, 1, 4, ends=ends, std=0.5)
+    file = write_peft(tmp_path / "v.safetensors", weights, prefix="transformer")
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-video",
+        dtype="float32",
+        loras=(f"v={file}",),
+        max_lora_rank=4,
+    )
+    video = DiffusionStage(config)
+    video.load("cpu")
+    try:
+
+        def req(rid: str, loras=()) -> StageRequest:
+            p = GenerationParams(seed=1, num_inference_steps=2, num_frames=5, loras=loras)
+            return StageRequest(rid, "a red circle moving right", p, mode="text2video")
+
+        def run(batch):
+            control = StageControl(FaultInjector((), "diffusion"), None)
+            outs = video.begin(batch, control).finish(batch)
+            return {o.request_id: o.video.frames.astype(int) for o in outs}
+
+        batch = [req("base"), req("v", (LoraRef("v"),))]
+        together = run(batch)
+        for r in batch:
+            assert np.abs(run([r])[r.request_id] - together[r.request_id]).max() <= 1
+        assert np.abs(together["v"] - together["base"]).mean() > 5
+    finally:
+        video.close()

@@ -115,8 +115,9 @@ def _convert(
     kwargs: dict[str, Any] = {"return_lora_metadata": True}
     if "return_alphas" in inspect.signature(convert).parameters:
         kwargs["return_alphas"] = True
-    try:
-        state, alphas, _ = convert(dict(raw), **kwargs)
+    try:  # (state, alphas, metadata), or (state, metadata) where a family has no alphas
+        out = convert(dict(raw), **kwargs)
+        state, alphas = out[0], out[1] if len(out) == 3 else None
     except (ValueError, KeyError, IndexError, RuntimeError) as exc:
         raise LoraError(f"LoRA {name!r}: diffusers' converter refused it: {exc}") from None
     encoders = sorted({k.split(".")[0] for k in state if k.split(".")[0] in ENCODERS})
