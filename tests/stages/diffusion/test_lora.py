@@ -246,3 +246,84 @@ def test_a_video_model_mixes_adapters_in_one_batch_too(tmp_path):
         assert np.abs(together["v"] - together["base"]).mean() > 5
     finally:
         video.close()
+
+
+def test_a_join_that_finds_every_slot_held_fails_and_holds_nothing(stage):
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    held = [pool.acquire((LoraRef(n),)) for n in ("a", "b", "kohya", "c")]
+    try:
+        before = dict(pool.pins)
+        batch = [_req("x", (LoraRef("a"),)), _req("y", (LoraRef("fast"),))]
+        with pytest.raises(UnavailableError) as info:
+            _run(stage, batch)
+        assert info.value.code == "lora_pool_full"
+        assert str(info.value) == (
+            "all 4 LoRA slots (--max-loras) are held by running requests; 'fast' cannot be "
+            "loaded now: retry"
+        )
+        assert dict(pool.pins) == before  # (x's hold on a was let go with the failed join)
+    finally:
+        for selection in held:
+            pool.release(selection)
+    assert not pool.pins
+
+
+def test_a_mode_our_loop_does_not_run_or_a_stage_without_a_pool_refuses_a_lora(stage):
+    rt, own = stage.runtime, stage.runtime.own
+    rt.own = set()  # (as if the pipeline's call ran every mode)
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            stage.validate(_req("x", A))
+        assert str(info.value) == (
+            "LoRA adapters run on our own loop; this model's text2img runs the pipeline's call"
+        )
+    finally:
+        rt.own = own
+    pool, rt.denoise.loras = rt.denoise.loras, None
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            stage.validate(_req("x", A))
+        assert str(info.value) == "this model serves no LoRA adapters (--lora, --lora-dir)"
+    finally:
+        rt.denoise.loras = pool
+
+
+def test_both_branches_in_two_forwards_take_the_rows_adapters(files):
+    loras = (f"b={files['b']}",)
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-image",
+        dtype="float32",
+        loras=loras,
+        max_lora_rank=8,
+        batched_cfg=False,
+    )
+    two = DiffusionStage(config)
+    two.load("cpu")
+    try:
+        batch = [_req("base"), _req("b", B, seed=4)]
+        split = _run(two, batch)
+    finally:
+        two.close()
+    alone = _run_one_forward(files, batch)
+    for r in batch:
+        assert np.abs(split[r.request_id] - alone[r.request_id]).max() <= 1, r.request_id
+
+
+def _run_one_forward(files, batch):
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-image",
+        dtype="float32",
+        loras=(f"b={files['b']}",),
+        max_lora_rank=8,
+    )
+    one = DiffusionStage(config)
+    one.load("cpu")
+    try:
+        return _run(one, batch)
+    finally:
+        one.close()

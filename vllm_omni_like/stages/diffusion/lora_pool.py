@@ -94,18 +94,22 @@ class LoraPool:
         if len(refs) > PER_ROW:
             raise InvalidRequestError(f"at most {PER_ROW} LoRA adapters a request", param="lora")
         for ref in refs:
-            try:
-                self.read(ref.name)
-            except LoraError as exc:
-                raise InvalidRequestError(
-                    str(exc), stage=stage, param="lora", code="lora_unusable"
-                ) from None
+            self.usable(ref.name, stage)
+
+    def usable(self, name: str, stage: str | None = None) -> AdapterWeights:
+        """`read`, a file that cannot be used being the request's 400 (`lora_unusable`)."""
+        try:
+            return self.read(name)
+        except LoraError as exc:
+            raise InvalidRequestError(
+                str(exc), stage=stage, param="lora", code="lora_unusable"
+            ) from None
 
     def defaults(self, refs: tuple[LoraRef, ...]) -> tuple[int | None, float | None]:
         """The steps and guidance a request's adapters were made for (the first that says)."""
         steps = guidance = None
         for ref in refs:
-            w = self.read(ref.name)
+            w = self.usable(ref.name)
             steps = w.steps if steps is None else steps
             guidance = w.guidance if guidance is None else guidance
         return steps, guidance
@@ -144,7 +148,7 @@ class LoraPool:
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
-        weights = self.read(name)
+        weights = self.usable(name)  # (a file changed since the request's validation)
         if self.free:
             slot = self.free.pop()
         else:
