@@ -327,3 +327,24 @@ def _run_one_forward(files, batch):
         return _run(one, batch)
     finally:
         one.close()
+
+
+def test_a_file_broken_after_its_validation_fails_its_join_alone(stage, files):
+    import os
+    import shutil
+
+    path = os.path.join(files["dir"], "later.safetensors")
+    shutil.copy(files["c"], path)
+    try:
+        request = _req("x", (LoraRef("later"),))
+        stage.validate(request)  # (read and checked: fine)
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 16)  # (then the file changes under it)
+        control = StageControl(FaultInjector((), "diffusion"), None)
+        with pytest.raises(InvalidRequestError) as info:
+            stage.begin([request], control)
+        assert info.value.code == "lora_unusable"
+        assert str(info.value).startswith("LoRA 'later': later.safetensors cannot be read")
+        assert not stage.runtime.denoise.loras.pins
+    finally:
+        os.remove(path)
