@@ -101,7 +101,7 @@ def test_a_fused_qkv_projection_takes_a_fused_b(tmp_path):
 
 def test_fp8_linear_layers_take_the_same_wrapper():
     torch.manual_seed(0)
-    base = Fp8Linear.from_linear(torch.nn.Linear(32, 16))
+    base = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False))  # (buffers alone)
     context = LoraContext()
     layer = LoraLinear(base, 2, 4, (16,), context, torch.float32)
     a, b = torch.randn(4, 32), torch.randn(16, 4)

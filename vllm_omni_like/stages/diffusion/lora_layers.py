@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class LoraLinear(torch.nn.Module):
         self.out_features: int = base.out_features
         assert sum(parts) == self.out_features, (parts, self.out_features)
         self.rank, self.parts, self.context = rank, parts, context
-        device = next(iter(base.buffers()), next(base.parameters())).device
+        device = next(itertools.chain(base.buffers(), base.parameters())).device
         wide = rank * len(parts)
         a = torch.zeros(slots, wide, self.in_features, dtype=dtype, device=device)
         b = torch.zeros(slots, self.out_features, wide, dtype=dtype, device=device)
