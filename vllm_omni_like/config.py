@@ -9,23 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_like.errors import ConfigError
+from vllm_omni_like.loras import LoraSpec, check_loras
 from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
 # template, tokenize, constraint, detokenize: one row of an LLM stage's batch (the others run on)
-FAULT_POINTS = (
-    "load",
-    "execute",
-    "step",
-    "output",
-    "store",
-    "template",
-    "tokenize",
-    "constraint",
-    "detokenize",  # an LLM stage's rows
-)
+FAULT_POINTS: tuple[str, ...] = ("load", "execute", "step", "output", "store")
+FAULT_POINTS += ("template", "tokenize", "constraint", "detokenize")  # an LLM stage's rows
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "slow", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")
@@ -196,6 +188,11 @@ class StageConfig:
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
+    # LoRA adapters (loras.py): registered, and `lora_dir`'s at run time; a pool of `max_loras`
+    loras: tuple[LoraSpec, ...] = ()
+    lora_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
     # what a request may ask of the model; None: the model's own (models/limits.py)
     max_side: int | None = None
     max_pixels: int | None = None
@@ -245,6 +242,8 @@ class StageConfig:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         self._check_choices()
         self._check_batching()
+        loras = (self.loras, self.lora_dir, self.max_loras, self.max_lora_rank)
+        object.__setattr__(self, "loras", check_loras(self.name, self.kind, self.leads, *loras))
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -26,6 +26,7 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import (
     add_batching_args,
+    add_lora_args,
     add_parallel_args,
     add_precision_args,
     stage_flag,
@@ -64,6 +65,10 @@ STAGE_FLAGS = (
     "decode_overlap",
     "quantization",
     "regional_compile",
+    "loras",
+    "lora_dir",
+    "max_loras",
+    "max_lora_rank",
     "max_side",
     "max_pixels",
     "max_frames",
@@ -156,6 +161,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
     )
     add_batching_args(parser)
+    add_lora_args(parser)
     g = parser.add_argument_group("speed (diffusion stages)")
     stage_flag(
         g,
@@ -283,8 +289,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
     found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
-    if "warmup_sizes" in found:
-        found["warmup_sizes"] = tuple(found["warmup_sizes"])
+    for name in ("warmup_sizes", "loras"):  # (repeatable flags)
+        if name in found:
+            found[name] = tuple(found[name])
     return found
 
 

@@ -151,3 +151,39 @@ def add_precision_args(g: Any) -> None:
         "warm-up (auto: on with --quantization fp8)",
         choices=REGIONAL_COMPILE_MODES,
     )
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters of the diffusion stages (stages/diffusion/lora_pool.py)."""
+    g = parser.add_argument_group("LoRA adapters (diffusion stages, our own loop)")
+    g.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter (a .safetensors file: diffusers/peft, or kohya-style for SD1.5, "
+        "SDXL and FLUX.1) a request picks by NAME (`lora` field, or model BASE:NAME), read and "
+        "checked at start-up; repeatable; replaces a YAML stage's `loras:` (default: none)",
+    )
+    stage_flag(
+        g,
+        "lora_dir",
+        "a directory whose NAME.safetensors files requests may pick by NAME at run time (read "
+        "when first asked for; no name leaves the directory)",
+        metavar="DIR",
+    )
+    stage_flag(
+        g,
+        "max_loras",
+        "adapters held on the device at once (least recently used evicted, never one a "
+        "running request uses)",
+        type=int,
+        metavar="N",
+    )
+    stage_flag(
+        g,
+        "max_lora_rank",
+        "the device pool's rank: lower ranks are padded to it, higher ones refused",
+        type=int,
+        metavar="R",
+    )

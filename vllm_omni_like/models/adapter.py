@@ -27,7 +27,7 @@ import torch
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models import image_latents
 from vllm_omni_like.models.family import Family
-from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
+from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION, LORA_LAYERS
 from vllm_omni_like.models.row_conditions import RowConditions
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
@@ -303,6 +303,10 @@ class Adapter(RowConditions):
         """With --quantization fp8, the linear layers of a denoiser (fnmatch patterns over its
         module names) that keep the weights' dtype (models/precision.py)."""
         return DEFAULT_HIGH_PRECISION
+
+    def lora_layers(self) -> tuple[str, ...]:
+        """The linear layers of a denoiser a LoRA adapter may target (models/precision.py)."""
+        return LORA_LAYERS
 
     # ---- classifier-free guidance --------------------------------------------------------------
     def batched_cfg(self) -> BatchedCFG | None:

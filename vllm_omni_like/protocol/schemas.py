@@ -13,6 +13,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoraItem(_Strict):
+    """A LoRA adapter a request picks (`/v1/models` lists them as `base:adapter`)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    scale: float = Field(default=1.0, ge=-8.0, le=8.0)
+
+
 class _Sampling(_Strict):
     """The extensions every generation route takes (sent through the SDK's `extra_body`)."""
 
@@ -21,6 +28,7 @@ class _Sampling(_Strict):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, lt=2**31)
     scheduler: str | None = None  # a name the model's family runs (`/v1/models` lists them)
+    lora: list[LoraItem] | None = None  # LoRA adapters, each at its scale (protocol/loras.py)
     user: str | None = None
     quality: Any = None
     style: Any = None

@@ -76,7 +76,9 @@ class DenoiseSet:
         conditioning: Conditioning | None = None,
     ) -> None:
         """Add a group's rows (`loop.rows`, `loop.noise` and `loop.conditions` made them) at
-        the step boundary."""
+        the step boundary, each holding its LoRA adapters' pool slots (written there now if
+        not resident) until it leaves; nothing joins where one cannot."""
+        self._hold(rows)
         if self.text is not None and self.latents is not None:
             base = _text_rows(self.text)
             for row in rows:  # its text rows follow the set's
@@ -168,10 +170,32 @@ class DenoiseSet:
         if len(keep) < len(self.rows):
             self._keep(keep)
 
+    def _hold(self, rows: list[LoopRow]) -> None:
+        pool = self.loop.loras
+        if pool is None:
+            return
+        try:
+            for row in rows:
+                row.lora = pool.acquire(row.request.params.loras)
+        except BaseException:
+            for row in rows:
+                pool.release(row.lora)
+                row.lora = ()
+            raise
+
+    def let_go(self, rows: list[LoopRow] | None = None) -> None:
+        """`rows`' LoRA slots (default: every row's) let go: they hold none after."""
+        if self.loop.loras is not None:
+            for row in self.rows if rows is None else rows:
+                self.loop.loras.release(row.lora)
+                row.lora = ()
+
     def _keep(self, keep: list[int]) -> None:
-        """Only the rows `keep`, their text compacted (the set's text never outgrows it)."""
+        """Only the rows `keep`, their text compacted (the set's text never outgrows it); the
+        others' LoRA slots let go."""
         assert self.latents is not None and self.text is not None
         rows = [self.rows[i] for i in keep]
+        self.let_go([self.rows[i] for i in set(range(len(self.rows))) - set(keep)])
         self._plan = None
         if not rows:
             self.rows, self.text, self.latents, self.conditioning = [], None, None, None

@@ -147,6 +147,24 @@ class DiffusionStage(Stage):
             )
         lim.check_scheduler(self.config.model or "the model", p.scheduler)
         check_prompt_length(rt.text.tokenizer, request, self.name)
+        if p.loras:
+            self._validate_loras(request)
+
+    def _validate_loras(self, request: StageRequest) -> None:
+        """A request's LoRA adapters: served here, on our own loop, each read and checked (a
+        broken file fails this request alone)."""
+        rt, pool = self.runtime, self.runtime.denoise.loras
+        if pool is None:
+            raise InvalidRequestError(
+                "this model serves no LoRA adapters (--lora, --lora-dir)", param="lora"
+            )
+        if request.loop_mode not in rt.own:
+            raise InvalidRequestError(
+                f"LoRA adapters run on our own loop; this model's {request.loop_mode} runs the "
+                "pipeline's call",
+                param="lora",
+            )
+        pool.check_request(request.params.loras, self.name)
 
     # 3. execute -----------------------------------------------------------------------------------
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:

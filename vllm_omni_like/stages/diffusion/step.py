@@ -19,6 +19,10 @@ model rows' (both CFG branches alike), and each step puts back what it fixes (TI
 frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its prompt's with
 its request's upload.
 
+A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
+slots and scales (the unconditional branch its row's) as device tensors; an adapter's own steps
+and guidance apply to its rows where the request leaves them unsaid.
+
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
 `latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
 (models/row_conditions.py) `condition`, `predict_conditioned`, `put_back`.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,7 @@ from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
 from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows, Selection
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -77,6 +83,7 @@ class LoopRow:
     # the image a row is conditioned on (an instruction edit's upload, an image-to-video
     # request's first frame) until its conditioning is made (`conditions`), else None
     image: Any | None = None
+    lora: Selection = ()  # its LoRA adapters' (pool slot, scale), held while in the set
 
     @property
     def cfg(self) -> bool:
@@ -104,6 +111,9 @@ class Plan:
     conditioning: Conditioning | None = None
     negative_conditioning: Conditioning | None = None
     put_back: Conditioning | None = None
+    # LoRA: the model rows' (with batched CFG: both branches'); two forwards: the uncond's
+    lora: LoraRows | None = None
+    negative_lora: LoraRows | None = None
 
 
 @dataclass(frozen=True)
@@ -128,8 +138,10 @@ class DenoiseLoop:
         embed: Embed,
         buckets: tuple[int, ...] = (),
         batched_cfg: bool = True,
+        loras: LoraPool | None = None,
     ) -> None:
         self.adapter = adapter
+        self.loras = loras  # the stage's LoRA pool (None: it serves no adapter)
         self.device = device
         self.embed = embed
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
@@ -158,8 +170,8 @@ class DenoiseLoop:
             p = r.params
             low_noise = self.adapter.low_noise_scale(p)  # (two experts: the second's scale)
             base = p.seed if p.seed is not None else random.randrange(2**31)
-            guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
-            schedule, source = self._schedule(r, settings, size)
+            steps, guidance = self._defaults(r, settings)
+            schedule, source = self._schedule(r, steps, settings, size)
             image = settings.image(r, size)
             owner = None  # (a text of its own: Qwen2.5-VL reads the upload with the prompt)
             if image is not None and self.adapter.text_reads_image:
@@ -182,13 +194,21 @@ class DenoiseLoop:
             text = cat_rows(text, self._embed(list(negatives), read))
         return rows, text
 
+    def _defaults(self, request: StageRequest, settings: Settings) -> tuple[int, float]:
+        """A request's steps and guidance: its own, else its LoRA adapters', else the stage's."""
+        p, steps, guidance = request.params, None, None
+        if self.loras is not None and p.loras:
+            steps, guidance = self.loras.defaults(p.loras)
+        steps = p.num_inference_steps or steps or settings.steps
+        guidance = _or(p.guidance_scale, _or(guidance, settings.guidance))
+        return steps, guidance
+
     def _schedule(
-        self, request: StageRequest, settings: Settings, size: tuple[int, int]
+        self, request: StageRequest, steps: int, settings: Settings, size: tuple[int, int]
     ) -> tuple[rs.Schedule, Source | None]:
-        """A request's schedule, and its upload where it is an edit that starts from it (it
-        runs its strength's last steps)."""
-        p = request.params
-        steps, start = p.num_inference_steps or settings.steps, 0
+        """A request's schedule of `steps`, and its upload where it is an edit that starts from
+        it (it runs its strength's last steps)."""
+        p, start = request.params, 0
         source = settings.source(request, size)
         if source is not None:
             source.strength = DEFAULT_STRENGTH if p.strength is None else p.strength
@@ -293,6 +313,16 @@ class DenoiseLoop:
         )
         if conditioning is not None:
             self._plan_conditioning(plan, conditioning, device)
+        return self._plan_loras(plan, device)
+
+    def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
+        """The model rows' LoRA adapters: the unconditional branch takes its row's."""
+        if (pool := self.loras) is None:
+            return plan
+        uncond = [plan.group[j].lora for j in plan.cfg]
+        both = bool(plan.cfg) and self.batched_cfg
+        plan.lora = pool.rows([r.lora for r in plan.group] + (uncond if both else []), device)
+        plan.negative_lora = pool.rows(uncond, device) if plan.cfg and not both else None
         return plan
 
     def _plan_conditioning(
@@ -319,15 +349,20 @@ class DenoiseLoop:
         cfg_states = [states[j] for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
-            out = self._forward(inputs, states + cfg_states, plan.texts, None, plan.conditioning)
+            both = states + cfg_states
+            out = self._forward(inputs, both, plan.texts, None, plan.conditioning, plan.lora)
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            cond = self._forward(scaled, states, plan.texts, plan.embedded, plan.conditioning)
+            cond = self._forward(
+                scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora
+            )
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             negative = plan.negative_conditioning
-            uncond = self._forward(uncond_rows, cfg_states, plan.negatives, None, negative)
+            uncond = self._forward(
+                uncond_rows, cfg_states, plan.negatives, None, negative, plan.negative_lora
+            )
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, scale)
@@ -355,10 +390,11 @@ class DenoiseLoop:
         text: Text,
         guidance: torch.Tensor | None = None,
         conditioning: Conditioning | None = None,
+        lora: LoraRows | None = None,
     ) -> Any:
         """One denoiser call (each model row at its row's timestep; `guidance`: each row's
         scale, for a guidance embedding; `conditioning`: each model row's own, where rows carry
-        one), padded to the compiled bucket of its model rows."""
+        one; `lora`: each model row's adapters), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -370,10 +406,14 @@ class DenoiseLoop:
             states = states + [states[-1]] * pad
             guidance = None if guidance is None else pad_tensor(guidance, pad)
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
+            lora = None if lora is None else (pad_tensor(lora[0], pad), pad_tensor(lora[1], pad))
         at = [float(s.timestep) for s in states] if self.host_times else None
-        if conditioning is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[:rows]
-        return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
+        with nullcontext() if self.loras is None else self.loras.context.rows(lora):
+            if conditioning is not None:
+                return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[
+                    :rows
+                ]
+            return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
 
 
 def _or(value: float | None, default: float) -> float:
