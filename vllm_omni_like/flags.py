@@ -10,11 +10,10 @@ import argparse
 import os
 from dataclasses import MISSING, fields
 
+from vllm_omni_like.compile_choices import COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES
 from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
     CHANNELS_LAST_MODES,
-    COMPILE_MODES,
-    CUDA_GRAPH_COMPILE_MODES,
     LOAD_FORMATS,
     EngineConfig,
     Limits,
@@ -27,11 +26,13 @@ from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import (
     add_batching_args,
     add_parallel_args,
+    add_graph_args,
     add_precision_args,
     stage_flag,
 )
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 STAGE_FLAGS = (
     "load_format",
     "dtype",
@@ -64,6 +65,8 @@ STAGE_FLAGS = (
     "decode_overlap",
     "quantization",
     "regional_compile",
+    "cuda_graphs",
+    "compile_cache",
     "max_side",
     "max_pixels",
     "max_frames",
@@ -167,6 +170,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     stage_flag(g, "compile_mode", COMPILE_MODE_HELP, choices=COMPILE_CHOICES)
     add_precision_args(g)
+    add_graph_args(g)
     stage_flag(
         g,
         "attention",
@@ -285,6 +289,9 @@ def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
     found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
     if "warmup_sizes" in found:
         found["warmup_sizes"] = tuple(found["warmup_sizes"])
+    if "compile_cache" not in found and (storage := getattr(args, "storage_dir", None)):
+        if not os.environ.get(INDUCTOR_CACHE_ENV):  # (a host's own cache dir stays its own)
+            found["compile_cache"] = os.path.join(storage, "compile-cache")
     return found
 
 

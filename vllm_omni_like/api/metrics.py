@@ -60,6 +60,23 @@ class _EngineCollector:
             "GPU memory a replica's worker holds (its CUDA caching allocator)",
             labels=per_replica,
         )
+        start = GaugeMetricFamily(
+            f"{PREFIX}_replica_start_seconds",
+            "Seconds a replica's last start took: load, compile (or the compile cache) and "
+            "warm-up",
+            labels=per_replica,
+        )
+        restart = GaugeMetricFamily(
+            f"{PREFIX}_replica_restart_seconds",
+            "Seconds a replica's last restart took, from its worker's death to ready again",
+            labels=per_replica,
+        )
+        cache = GaugeMetricFamily(
+            f"{PREFIX}_replica_compile_cache_graphs",
+            "Compiled graphs a replica's last start loaded from the compile cache (hit) or "
+            "compiled anew (miss)",
+            labels=[*per_replica, "result"],
+        )
         family = GaugeMetricFamily(
             f"{PREFIX}_stage_family",
             "1 for the model family (adapter) of a diffusion stage and the denoising loop each "
@@ -78,7 +95,15 @@ class _EngineCollector:
                 labels = [*key, str(r.index), r.device]
                 replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
                 gpu_memory.add_metric(labels, r.gpu_memory)
+                if r.start is not None:
+                    start.add_metric(labels, r.start.seconds)
+                    if r.start.cache_dir:
+                        cache.add_metric([*labels, "hit"], r.start.cache_hits)
+                        cache.add_metric([*labels, "miss"], r.start.cache_misses)
+                if r.restart_seconds is not None:
+                    restart.add_metric(labels, r.restart_seconds)
         yield from (waiting, running, alive, replica_up, gpu_memory, family)
+        yield from (start, restart, cache)
 
 
 class Metrics:

@@ -54,6 +54,7 @@ DIFFUSION_ONLY = (
     "cfg_parallel",
     "sequence_parallel",
     "quantization",
+    "cuda_graphs",
 )  # overrides of every stage that only
 # diffusion stages take (an LLM stage in front keeps its own)
 

@@ -34,6 +34,7 @@ from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import quantize
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.runtime import (
@@ -344,7 +345,8 @@ def _own_loop(
     """Our own loop, its model rows padded to the buckets (each bucket of images with
     guidance and without)."""
     row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
-    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg)
+    graphs = GraphRunner(backend_for(config, device), config.name)
+    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, graphs)
 
 
 def _guidance(

@@ -42,6 +42,7 @@ from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
 from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -128,12 +129,15 @@ class DenoiseLoop:
         embed: Embed,
         buckets: tuple[int, ...] = (),
         batched_cfg: bool = True,
+        graphs: GraphRunner | None = None,
     ) -> None:
         self.adapter = adapter
         self.device = device
         self.embed = embed
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
+        # each bucket's forward replayed from a CUDA graph (graphs.py); none: run as it is
+        self.graphs = graphs or GraphRunner()
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
         experts = adapter.experts()
         self.host_times = len(experts) > 1
@@ -371,9 +375,17 @@ class DenoiseLoop:
             guidance = None if guidance is None else pad_tensor(guidance, pad)
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
-        if conditioning is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[:rows]
-        return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
+        inputs = {"latents": latents, "times": times, "text": text}
+        inputs |= {"guidance": guidance, "conditioning": conditioning}
+        call = lambda given: self._denoise(given, at)  # noqa: E731
+        return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
+
+    def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
+        latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
+        if inputs["conditioning"] is not None:
+            return self.adapter.predict_conditioned(latents, times, text, inputs["conditioning"], at)
+        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:
