@@ -25,8 +25,8 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import (
     add_batching_args,
-    add_parallel_args,
     add_graph_args,
+    add_parallel_args,
     add_precision_args,
     stage_flag,
 )
@@ -289,9 +289,9 @@ def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
     found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
     if "warmup_sizes" in found:
         found["warmup_sizes"] = tuple(found["warmup_sizes"])
-    if "compile_cache" not in found and (storage := getattr(args, "storage_dir", None)):
-        if not os.environ.get(INDUCTOR_CACHE_ENV):  # (a host's own cache dir stays its own)
-            found["compile_cache"] = os.path.join(storage, "compile-cache")
+    storage = getattr(args, "storage_dir", None)  # (serve's; a host's own cache dir stays)
+    if "compile_cache" not in found and storage and not os.environ.get(INDUCTOR_CACHE_ENV):
+        found["compile_cache"] = os.path.join(storage, "compile-cache")
     return found
 
 

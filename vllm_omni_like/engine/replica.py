@@ -14,8 +14,8 @@ that moment (`stall`): it takes no work, and `/health` does not call it ready.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_omni_like.engine.request_state import RequestState

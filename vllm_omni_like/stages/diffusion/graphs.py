@@ -207,7 +207,8 @@ def _rebuild(value: Any, name: str, buffers: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return buffers[name]
     if isinstance(value, dict):
-        return {k: _rebuild(v, f"{name}.{k}" if name else str(k), buffers) for k, v in value.items()}
+        named = {k: (v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
+        return {k: _rebuild(v, path, buffers) for k, (v, path) in named.items()}
     return value
 
 

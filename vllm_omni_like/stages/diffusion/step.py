@@ -375,7 +375,7 @@ class DenoiseLoop:
             guidance = None if guidance is None else pad_tensor(guidance, pad)
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
-        inputs = {"latents": latents, "times": times, "text": text}
+        inputs: Inputs = {"latents": latents, "times": times, "text": text}
         inputs |= {"guidance": guidance, "conditioning": conditioning}
         call = lambda given: self._denoise(given, at)  # noqa: E731
         return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
@@ -383,8 +383,8 @@ class DenoiseLoop:
     def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
         """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
         latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
-        if inputs["conditioning"] is not None:
-            return self.adapter.predict_conditioned(latents, times, text, inputs["conditioning"], at)
+        if (conditioning := inputs["conditioning"]) is not None:
+            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
         return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
