@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
 from vllm_omni_like.compile_choices import COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES
 from vllm_omni_like.config import (
@@ -289,10 +289,26 @@ def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
     found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
     if "warmup_sizes" in found:
         found["warmup_sizes"] = tuple(found["warmup_sizes"])
-    storage = getattr(args, "storage_dir", None)  # (serve's; a host's own cache dir stays)
-    if "compile_cache" not in found and storage and not os.environ.get(INDUCTOR_CACHE_ENV):
-        found["compile_cache"] = os.path.join(storage, "compile-cache")
     return found
+
+
+def with_compile_cache(
+    pipelines: tuple[PipelineConfig, ...], storage_dir: str
+) -> tuple[PipelineConfig, ...]:
+    """serve's stages that name no compile cache keep theirs under the storage dir, unless the
+    host set TORCHINDUCTOR_CACHE_DIR (its own cache dir stays its own)."""
+    if os.environ.get(INDUCTOR_CACHE_ENV):
+        return pipelines
+    where = os.path.join(storage_dir, "compile-cache")
+    return tuple(
+        replace(
+            p,
+            stages=tuple(
+                s if s.compile_cache else replace(s, compile_cache=where) for s in p.stages
+            ),
+        )
+        for p in pipelines
+    )
 
 
 def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:
