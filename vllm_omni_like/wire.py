@@ -124,6 +124,7 @@ class StartReport:
     cache_hits: int = 0  # compiled graphs loaded from it (inductor's FX graph cache)
     cache_misses: int = 0  # compiled anew (and saved to it)
     graphs: tuple[str, ...] = ()  # the buckets whose forward replays a CUDA graph
+    graph_bytes: int = 0  # what their memory pool holds
 
 
 @dataclass

@@ -38,7 +38,7 @@ def _image(eng, pipeline: str, rid: str) -> np.ndarray:
     request = req(rid, "a red circle", pipeline=pipeline, steps=2, seed=5)
     out = asyncio.run(final(eng, request))
     assert out.ok, out.error
-    return out.images[0].pixels
+    return out.result.images[0].pixels
 
 
 @pytest.mark.drill

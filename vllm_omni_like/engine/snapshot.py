@@ -44,6 +44,7 @@ class ReplicaView:
                     "misses": self.start.cache_misses,
                 }
                 body["cuda_graphs"] = list(self.start.graphs)
+                body["cuda_graph_bytes"] = self.start.graph_bytes
         if self.restart_seconds is not None:
             body["restart_seconds"] = round(self.restart_seconds, 3)
         return body

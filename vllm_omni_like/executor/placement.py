@@ -84,9 +84,12 @@ def share_compile_cache(directory: str = "") -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-def start_report(compiled: bool, seconds: float, graphs: tuple[str, ...]) -> StartReport:
+def start_report(
+    compiled: bool, seconds: float, graphs: tuple[tuple[str, ...], int]
+) -> StartReport:
     """A worker's start: how long it took and, compiled, what its compile cache held (graphs
-    loaded from it, graphs compiled anew: torch's counters of this process)."""
+    loaded from it, graphs compiled anew: torch's counters of this process) and its CUDA
+    graphs (their buckets, their pool's bytes)."""
     if not compiled:
         return StartReport(seconds)
     from torch._dynamo.utils import counters  # (only a compiled stage has torch)
@@ -94,7 +97,7 @@ def start_report(compiled: bool, seconds: float, graphs: tuple[str, ...]) -> Sta
     inductor = counters["inductor"]
     hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
     where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
-    return StartReport(seconds, where, hits, misses, graphs)
+    return StartReport(seconds, where, hits, misses, *graphs)
 
 
 def limit_memory(device: str, fraction: float | None) -> None:

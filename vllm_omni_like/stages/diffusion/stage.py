@@ -169,8 +169,9 @@ class DiffusionStage(Stage):
     def precision(self) -> str | None:
         return self.runtime.precision
 
-    def cuda_graphs(self) -> tuple[str, ...]:
-        return self.runtime.denoise.graphs.labels()
+    def cuda_graphs(self) -> tuple[tuple[str, ...], int]:
+        graphs = self.runtime.denoise.graphs
+        return graphs.labels(), graphs.memory()
 
     def stepped_modes(self) -> tuple[Mode, ...]:
         return tuple(sorted(self.runtime.own)) if self.runtime.cfg_ranks is None else ()
