@@ -73,13 +73,15 @@ class CudaGraphs:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             run()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the finisher thread's decode on its own stream is no part of it
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-        ):
-            output = run()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream(self.device)
+        try:  # thread_local: the finisher thread's decode on its own stream is no part of it
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
+                output = run()
+        finally:  # (a capture that fails to end leaves its stream current: not this thread's)
+            torch.cuda.set_stream(current)
+        current.wait_stream(self.stream)
         self.held += torch.cuda.memory_reserved(self.device) - before
         return graph, output
 
