@@ -151,14 +151,15 @@ def part_c1(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
 
 
 def part_c32(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
-    flags = [*serve_flags(args, args.model, graphs, 32), "--batch-policy", "refill"]
+    flags = [*serve_flags(args, args.model, graphs, args.clients), "--batch-policy", "refill"]
     server = Server(flags, args.log, 1800)
+    n = args.clients
     try:
-        asyncio.run(closed_loop(server.url, args, 32, 32, 0))  # (a round: every bucket warm)
-        _, seconds, _ = asyncio.run(closed_loop(server.url, args, 32, 32 * 8, 0))
+        asyncio.run(closed_loop(server.url, args, n, n, 0))  # (a round: every bucket warm)
+        _, seconds, _ = asyncio.run(closed_loop(server.url, args, n, n * 8, 0))
     finally:
         server.stop()
-    return {f"c32_img_s_{'graphs' if graphs else 'no_graphs'}": round(32 * 8 / seconds, 3)}
+    return {f"c32_img_s_{'graphs' if graphs else 'no_graphs'}": round(n * 8 / seconds, 3)}
 
 
 def part_transformer(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -195,6 +196,7 @@ def main() -> int:
     ap.add_argument("--guidance", type=float, default=7.5)
     ap.add_argument("--runs", type=int, default=10, help="reference and transformer requests")
     ap.add_argument("--requests", type=int, default=50, help="c1's requests")
+    ap.add_argument("--clients", type=int, default=32, help="c32's (a CPU smoke: fewer)")
     ap.add_argument("--flags", default="", help="more serve flags (quoted)")
     ap.add_argument("--output-format", default="png")
     ap.add_argument("--log", default="graphs.log")
