@@ -92,7 +92,8 @@ _SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not
 COMPILE_CHOICES = COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES
 COMPILE_MODE_HELP = (
     "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of their "
-    "own, are refused: they crash the worker at its first request)"
+    "own, are refused: they crash the worker at its first request; --cuda-graphs captures the "
+    "stage's own)"
 )
 LOAD_FORMAT_HELP = "auto: the weights on disk; dummy: random weights"
 DTYPE_HELP = "auto: fp16 on CUDA (bf16 with --quantization fp8), fp32 on the CPU"
