@@ -11,12 +11,14 @@ on some drivers and in containers; vLLM turns the second off for the same reason
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 from vllm_omni_like.config import StageConfig, cache_dir
 from vllm_omni_like.wire import StartReport
 
+logger = logging.getLogger("vllm_omni_like.worker")
 NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
 
 
@@ -97,6 +99,13 @@ def start_report(
     inductor = counters["inductor"]
     hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
     where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    logger.info(
+        "started in %.1fs: %d compiled graphs loaded from the compile cache %s, %d compiled",
+        seconds,
+        hits,
+        where,
+        misses,
+    )
     return StartReport(seconds, where, hits, misses, *graphs)
 
 
