@@ -86,3 +86,36 @@ def test_a_forward_that_syncs_falls_back_to_running_with_a_warning(caplog):
             torch.testing.assert_close(out, latents * 6.0)
     assert runner.labels() == () and "the CUDA graph of the forward 2x3 failed" in caplog.text
     torch.testing.assert_close(latents @ latents.T, torch.full((2, 2), 3.0, device=device))
+
+
+def test_buckets_share_one_pool_and_replay_in_any_order():
+    """Two buckets' graphs in one memory pool, replayed alternately with new values: each
+    output is its own inputs' (a replay of one bucket never overwrites another's output)."""
+    device = torch.device("cuda")
+    weight = torch.randn(64, 64, device=device)
+    runner = GraphRunner(CudaGraphs(device))
+
+    def forward(inputs):
+        hidden = torch.relu(inputs["latents"] @ weight) * inputs["times"][:, None]
+        return hidden @ weight.T + inputs["text"]["embeds"].sum(1)
+
+    def inputs(rows: int, seed: int) -> dict:
+        g = torch.Generator(device=device).manual_seed(seed)
+        latents = torch.randn(rows, 64, device=device, generator=g)
+        times = torch.rand(rows, device=device, generator=g)
+        embeds = torch.randn(rows, 3, 64, device=device, generator=g)
+        return {"latents": latents, "times": times, "text": {"embeds": embeds}}
+
+    with runner.warm_up():
+        for rows in (2, 8):
+            for seed in (0, 1):
+                runner.forward(inputs(rows, seed), forward)
+    assert runner.labels() == ("2x64", "8x64")
+    outs = [
+        (rows, seed, runner.forward(inputs(rows, seed), forward))
+        for seed in range(2, 6)
+        for rows in (2, 8)
+    ]
+    for rows, seed, out in outs:
+        torch.testing.assert_close(out, forward(inputs(rows, seed)))
+    assert runner.replays == 2 + len(outs)

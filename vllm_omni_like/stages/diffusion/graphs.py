@@ -69,6 +69,8 @@ class CudaGraphs:
     def capture(
         self, run: Callable[[], torch.Tensor], buffers: dict[str, torch.Tensor]
     ) -> tuple[Graph, torch.Tensor]:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # (as the capture's start does: what stays reserved is its pool)
         before = torch.cuda.memory_reserved(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -82,7 +84,7 @@ class CudaGraphs:
         finally:  # (a capture that fails to end leaves its stream current: not this thread's)
             torch.cuda.set_stream(current)
         current.wait_stream(self.stream)
-        self.held += torch.cuda.memory_reserved(self.device) - before
+        self.held += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph, output
 
     def memory(self) -> int:
