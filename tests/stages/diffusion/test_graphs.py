@@ -215,3 +215,54 @@ def test_which_stages_capture_graphs():
     assert backend_for(StageConfig(name="d", kind="diffusion"), cuda) is None  # not compiled
     with pytest.raises(ConfigError, match="--cuda-graphs on needs CUDA, not cpu"):
         backend_for(config(cuda_graphs="on"), cpu)
+
+
+def _named(inputs):
+    """A forward over every kind of input a family hands the step: named text tensors (float
+    embeddings, a bool mask, integer lengths) and a guidance embedding's scales."""
+    text = inputs["text"]
+    masked = (text["embeds"] * text["mask"][..., None]).sum(1)
+    per_row = masked * text["lengths"][:, None] + inputs["guidance"][:, None]
+    return inputs["latents"] * inputs["times"][:, None] + per_row
+
+
+def _named_inputs(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    text = {
+        "embeds": torch.randn(3, 5, 4, generator=g),
+        "mask": torch.rand(3, 5, generator=g) > 0.5,
+        "lengths": torch.randint(1, 5, (3,), generator=g),
+    }
+    guidance = torch.rand(3, generator=g)
+    return {
+        "latents": torch.randn(3, 4, generator=g),
+        "times": torch.rand(3, generator=g),
+        "text": text,
+        "guidance": guidance,
+        "conditioning": None,
+    }
+
+
+def test_named_text_masks_lengths_and_guidance_are_copied_in_each_replay(monkeypatch):
+    """Every kind of input - a dict of text tensors (a bool mask, integer lengths), a guidance
+    embedding's scales - is copied into its buffer at each replay: with the poisoning double
+    each replay equals the forward itself, and leaving any one out is seen."""
+    double = PoisoningGraphs()
+    runner = GraphRunner(double)
+    with runner.warm_up():
+        runner.forward(_named_inputs(0), _named)
+        runner.forward(_named_inputs(1), _named)
+    assert double.captures == 1
+    for seed in range(2, 5):
+        torch.testing.assert_close(
+            runner.forward(_named_inputs(seed), _named), _named(_named_inputs(seed))
+        )
+    copy_in = GraphRunner._copy_in
+    for skipped in ("latents", "times", "text.embeds", "text.mask", "text.lengths", "guidance"):
+
+        def leaky(self, buffers, flat, skipped=skipped):
+            copy_in(self, buffers, {k: v for k, v in flat.items() if k != skipped})
+
+        monkeypatch.setattr(GraphRunner, "_copy_in", leaky)
+        got = runner.forward(_named_inputs(9), _named)
+        assert not torch.allclose(got, _named(_named_inputs(9)), equal_nan=False), skipped
