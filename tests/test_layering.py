@@ -27,6 +27,7 @@ BOTTOM = {
     "inputs",
     "outputs",
     "config",
+    "compile_choices",
     "errors",
     "params",
     "stage_options",

@@ -8,6 +8,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni_like.compile_choices import (
+    COMPILE_MODES,
+    CUDA_GRAPHS_MODES,
+    REGIONAL_COMPILE_MODES,
+    check_compile,
+)
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.loras import LoraSpec, check_loras
 from vllm_omni_like.stage_options import parse_options
@@ -27,15 +33,9 @@ BATCH_LEVELS = ("step", "request")
 ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 LOAD_FORMATS = ("auto", "dummy")  # the weights on disk, or random ones of the same architecture
 # the denoisers' linear layers: in the weights' dtype, or FP8 matmuls (stages/diffusion/fp8.py)
 QUANTIZATIONS = ("none", "fp8")
-REGIONAL_COMPILE_MODES = ("auto", "on", "off")  # auto: on with --quantization fp8
-# torch.compile's modes that capture CUDA graphs of their own: refused at start-up (measured on an
-# H100 with reduce-overhead: the stage warmed up, then every request crashed its worker with
-# "operation failed due to a previous error during capture"; max-autotune captures them too)
-CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,11 @@ class StageConfig:
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
     # by all of them) instead of the whole denoiser: "auto" does so with quantization fp8
     regional_compile: str = "auto"
+    # with compile: each bucket's denoiser forward a CUDA graph (compile_choices.py)
+    cuda_graphs: str = "auto"
+    # with compile: where compiled graphs persist across starts and restarts ("": the cache
+    # dir's inductor/, or TORCHINDUCTOR_CACHE_DIR; `serve`: <storage dir>/compile-cache)
+    compile_cache: str = ""
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
@@ -259,12 +264,7 @@ class StageConfig:
     def _check_choices(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"stage {self.name!r}: load_format must be auto or dummy")
-        if self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
-            raise ConfigError(
-                f"stage {self.name!r}: --compile-mode {self.compile_mode} is refused: "
-                "torch.compile's own CUDA graphs crash the worker at its first request after the "
-                "warm-up; use default or max-autotune-no-cudagraphs"
-            )
+        check_compile(self)
         for key, value, allowed in (
             ("compile_mode", self.compile_mode, COMPILE_MODES),
             ("attention", self.attention, ATTENTION_BACKENDS),
@@ -273,6 +273,7 @@ class StageConfig:
             ("batch_level", self.batch_level, BATCH_LEVELS),
             ("quantization", self.quantization, QUANTIZATIONS),
             ("regional_compile", self.regional_compile, REGIONAL_COMPILE_MODES),
+            ("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS_MODES),
         ):
             if value not in allowed:
                 raise ConfigError(

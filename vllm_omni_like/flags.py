@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
+from vllm_omni_like.compile_choices import COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES
 from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
     CHANNELS_LAST_MODES,
-    COMPILE_MODES,
-    CUDA_GRAPH_COMPILE_MODES,
     LOAD_FORMATS,
     EngineConfig,
     Limits,
@@ -26,6 +25,7 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import (
     add_batching_args,
+    add_graph_args,
     add_lora_args,
     add_parallel_args,
     add_precision_args,
@@ -33,6 +33,7 @@ from vllm_omni_like.stage_flags import (
 )
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 STAGE_FLAGS = (
     "load_format",
     "dtype",
@@ -69,6 +70,8 @@ STAGE_FLAGS = (
     "lora_dir",
     "max_loras",
     "max_lora_rank",
+    "cuda_graphs",
+    "compile_cache",
     "max_side",
     "max_pixels",
     "max_frames",
@@ -94,7 +97,8 @@ _SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not
 COMPILE_CHOICES = COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES
 COMPILE_MODE_HELP = (
     "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of their "
-    "own, are refused: they crash the worker at its first request)"
+    "own, are refused: they crash the worker at its first request; --cuda-graphs captures the "
+    "stage's own)"
 )
 LOAD_FORMAT_HELP = "auto: the weights on disk; dummy: random weights"
 DTYPE_HELP = "auto: fp16 on CUDA (bf16 with --quantization fp8), fp32 on the CPU"
@@ -173,6 +177,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     stage_flag(g, "compile_mode", COMPILE_MODE_HELP, choices=COMPILE_CHOICES)
     add_precision_args(g)
+    add_graph_args(g)
     stage_flag(
         g,
         "attention",
@@ -293,6 +298,25 @@ def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
         if name in found:
             found[name] = tuple(found[name])
     return found
+
+
+def with_compile_cache(
+    pipelines: tuple[PipelineConfig, ...], storage_dir: str
+) -> tuple[PipelineConfig, ...]:
+    """serve's stages that name no compile cache keep theirs under the storage dir, unless the
+    host set TORCHINDUCTOR_CACHE_DIR (its own cache dir stays its own)."""
+    if os.environ.get(INDUCTOR_CACHE_ENV):
+        return pipelines
+    where = os.path.join(storage_dir, "compile-cache")
+    return tuple(
+        replace(
+            p,
+            stages=tuple(
+                s if s.compile_cache else replace(s, compile_cache=where) for s in p.stages
+            ),
+        )
+        for p in pipelines
+    )
 
 
 def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:

@@ -7,14 +7,8 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from vllm_omni_like.config import (
-    BATCH_LEVELS,
-    BATCH_POLICIES,
-    QUANTIZATIONS,
-    REGIONAL_COMPILE_MODES,
-    ROUTINGS,
-    StageConfig,
-)
+from vllm_omni_like.compile_choices import CUDA_GRAPHS_MODES, REGIONAL_COMPILE_MODES
+from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -26,7 +20,7 @@ def on_off(value: bool) -> str:
 def stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
     """A flag that overrides every stage's field `name`; its help shows the field's default."""
     default = _STAGE[name]
-    shown = on_off(default) if isinstance(default, bool) else default
+    shown = kw.pop("shown", on_off(default) if isinstance(default, bool) else default)
     g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
 
 
@@ -186,4 +180,29 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
         "the device pool's rank: lower ranks are padded to it, higher ones refused",
         type=int,
         metavar="R",
+    )
+
+
+def add_graph_args(g: Any) -> None:
+    """CUDA graphs of the compiled forward, and the cache that makes a start or restart short
+    (the speed group `g`)."""
+    stage_flag(
+        g,
+        "cuda_graphs",
+        "with --compile: each compiled bucket's denoiser forward captured once as a CUDA graph "
+        "after its warm-up and replayed every step over static buffers (rows joining and "
+        "leaving are copied in; all buckets share one memory pool; a capture that fails falls "
+        "back to the compiled forward with a warning; /health lists each replica's graphs); "
+        "auto: on CUDA, for a replica of one rank",
+        choices=CUDA_GRAPHS_MODES,
+    )
+    stage_flag(
+        g,
+        "compile_cache",
+        "with --compile: the directory compiled graphs and kernels persist in (torch "
+        "inductor's FX graph and AOTAutograd caches), so a later start, or a replica restarted "
+        "after its worker died, loads them instead of compiling",
+        metavar="DIR",
+        shown="serve: <--storage-dir>/compile-cache unless TORCHINDUCTOR_CACHE_DIR is set; "
+        "generate: that variable, else ~/.cache/vllm_omni_like/inductor",
     )

@@ -34,6 +34,7 @@ from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import lora_pool, quantize
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.lora_pool import LoraPool
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
@@ -348,7 +349,8 @@ def _own_loop(
     """Our own loop, its model rows padded to the buckets (each bucket of images with
     guidance and without), each row with its LoRA adapters where the stage has a pool."""
     row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
-    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras)
+    graphs = GraphRunner(backend_for(config, device), config.name)
+    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras, graphs)
 
 
 def _guidance(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.stages.diffusion.loop_rows import LoopRow, Plan
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -26,7 +27,7 @@ from vllm_omni_like.stages.diffusion.row_tensors import (
     take,
     take_named,
 )
-from vllm_omni_like.stages.diffusion.step import DenoiseLoop, LoopRow, Plan
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.wire import StageRequest
 
 

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,8 +44,10 @@ from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
-from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
-from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows, Selection
+from vllm_omni_like.stages.diffusion.edit_rows import Source
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
+from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -61,74 +61,6 @@ from vllm_omni_like.stages.diffusion.row_tensors import (
 )
 from vllm_omni_like.wire import StageRequest
 
-# texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros);
-# the images the texts are read with, one a text, where the family's text reads them (else None)
-Embed = Callable[[list[str | None], list[Any] | None], Text]
-# a text row's: its text, and the request whose image it is read with (None: none)
-TextKey = tuple[str | None, str | None]
-
-
-@dataclass
-class LoopRow:
-    request: StageRequest
-    seed: int
-    guidance: float
-    state: rs.Row
-    text: int  # its prompt's row of the batch's embeddings
-    negative: int | None  # its negative prompt's (a row with guidance), else None
-    guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
-    # an edit row's upload until its latents are made (`noise`), else None
-    source: Source | None = None
-    anchor: Anchor | None = None  # an inpainting row's: what each step puts back
-    # the image a row is conditioned on (an instruction edit's upload, an image-to-video
-    # request's first frame) until its conditioning is made (`conditions`), else None
-    image: Any | None = None
-    lora: Selection = ()  # its LoRA adapters' (pool slot, scale), held while in the set
-
-    @property
-    def cfg(self) -> bool:
-        return self.negative is not None
-
-
-@dataclass
-class Plan:
-    """A step's reusables for one set of active rows (made again when the set changes)."""
-
-    active: list[int]
-    group: list[LoopRow]
-    index: torch.Tensor | None  # the active rows among the batch's (None: all)
-    cfg: list[int]  # the positions among them with guidance
-    cfg_index: torch.Tensor | None  # those on the device (None: all, or none)
-    texts: Text  # the model rows' text (with batched CFG: both branches')
-    negatives: Text | None  # two forwards: the unconditional branch's
-    scale: float | torch.Tensor  # one guidance scale, or a column of them (1: no guidance)
-    embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
-    # two experts: each guided row's (scale, the low-noise expert's), where one differs
-    by_expert: list[tuple[float, float]] | None = None
-    anchor: Anchor | None = None  # inpainting rows': what each step puts back (others: none)
-    # rows from an image: the model rows' own conditioning (with batched CFG: both branches');
-    # two forwards: the unconditional branch's; the rows' own (what a step puts back)
-    conditioning: Conditioning | None = None
-    negative_conditioning: Conditioning | None = None
-    put_back: Conditioning | None = None
-    # LoRA: the model rows' (with batched CFG: both branches'); two forwards: the uncond's
-    lora: LoraRows | None = None
-    negative_lora: LoraRows | None = None
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a request leaves unsaid: the stage's defaults."""
-
-    steps: int
-    guidance: float
-    rows_per_request: Callable[[StageRequest], int]
-    prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
-    # an edit's upload (and mask) at the batch's (width, height); None: a row from noise
-    source: Callable[[StageRequest, tuple[int, int]], Source | None] = lambda r, s: None
-    # the image a request's rows are conditioned on at the batch's (width, height); None: none
-    image: Callable[[StageRequest, tuple[int, int]], Any | None] = lambda r, s: None
-
 
 class DenoiseLoop:
     def __init__(
@@ -139,6 +71,7 @@ class DenoiseLoop:
         buckets: tuple[int, ...] = (),
         batched_cfg: bool = True,
         loras: LoraPool | None = None,
+        graphs: GraphRunner | None = None,
     ) -> None:
         self.adapter = adapter
         self.loras = loras  # the stage's LoRA pool (None: it serves no adapter)
@@ -146,6 +79,8 @@ class DenoiseLoop:
         self.embed = embed
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
+        # each bucket's forward replayed from a CUDA graph (graphs.py); none: run as it is
+        self.graphs = graphs or GraphRunner()
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
         experts = adapter.experts()
         self.host_times = len(experts) > 1
@@ -408,12 +343,18 @@ class DenoiseLoop:
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
             lora = None if lora is None else (pad_tensor(lora[0], pad), pad_tensor(lora[1], pad))
         at = [float(s.timestep) for s in states] if self.host_times else None
+        inputs: Inputs = {"latents": latents, "times": times, "text": text}
+        inputs |= {"guidance": guidance, "conditioning": conditioning}
+        call = lambda given: self._denoise(given, at)  # noqa: E731
         with nullcontext() if self.loras is None else self.loras.context.rows(lora):
-            if conditioning is not None:
-                return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[
-                    :rows
-                ]
-            return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
+            return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
+
+    def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
+        latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
+        if (conditioning := inputs["conditioning"]) is not None:
+            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:
