@@ -215,6 +215,10 @@ def test_which_stages_capture_graphs():
     assert backend_for(StageConfig(name="d", kind="diffusion"), cuda) is None  # not compiled
     with pytest.raises(ConfigError, match="--cuda-graphs on needs CUDA, not cpu"):
         backend_for(config(cuda_graphs="on"), cpu)
+    # LoRA: a graph would replay the adapters' rows it captured (each forward sets them anew)
+    assert backend_for(config(lora_dir="/tmp"), cuda) is None
+    with pytest.raises(ConfigError, match="--cuda-graphs on with LoRA adapters"):
+        backend_for(config(lora_dir="/tmp", cuda_graphs="on"), cuda)
 
 
 def _named(inputs):
