@@ -104,6 +104,7 @@ def test_registration_by_flag_and_by_yaml(tmp_path):
             {"max_lora_rank": 0},
             "stage 'd': LoRA adapters: max_loras and max_lora_rank must be >= 1",
         ),
+        ({"lora_dir": ""}, "stage 'd': LoRA adapters: lora_dir is empty"),
     ],
 )
 def test_what_a_stage_cannot_take_is_refused_at_start_up(kw, message):

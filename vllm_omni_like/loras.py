@@ -143,6 +143,8 @@ def check_loras(
     where = f"stage {stage!r}: LoRA adapters"
     if max_loras < 1 or max_rank < 1:
         raise ConfigError(f"{where}: max_loras and max_lora_rank must be >= 1")
+    if directory is not None and not directory.strip():  # ("" would be the server's cwd)
+        raise ConfigError(f"{where}: lora_dir is empty")
     if not specs and directory is None:
         return specs
     if kind != "diffusion" or leads:

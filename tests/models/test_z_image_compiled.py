@@ -113,12 +113,13 @@ def test_zeroed_keys_attention_is_diffusers_masked_attention(transformer):
 
 def test_rows_that_fill_their_bucket_run_without_a_mask_where_the_warm_up_ran_so():
     shapes = UnmaskedShapes()
-    assert shapes.allows([64, 64], 64)  # (warming up: any, and kept)
-    assert not shapes.allows([32, 64], 64)  # padded: a mask
+    assert shapes.allows("caption", [64, 64], 64)  # (warming up: any, and kept)
+    assert not shapes.allows("caption", [32, 64], 64)  # padded: a mask
     shapes.frozen = True
-    assert shapes.allows([64, 64], 64)  # the warm-up ran it so
-    assert not shapes.allows([64], 64)  # one row of 64 did not: masked, no new graph
-    assert (1, 64) not in shapes.seen
+    assert shapes.allows("caption", [64, 64], 64)  # the warm-up ran it so
+    assert not shapes.allows("caption", [64], 64)  # one row of 64 did not: masked, no new graph
+    assert not shapes.allows("joint", [64, 64], 64)  # nor a joint sequence of that length
+    assert ("caption", 1, 64) not in shapes.seen
 
 
 def test_a_caption_that_fills_its_bucket_takes_diffusers_unmasked_attention(

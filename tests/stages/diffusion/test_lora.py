@@ -194,6 +194,65 @@ def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(st
         os.remove(broken)
 
 
+def test_a_malformed_adapter_is_its_requests_400_and_the_worker_stays(stage, files):
+    """Metadata that is not JSON (or a converter's own error) is the request's 400, not an
+    exception out of the worker's validation (which would kill the worker)."""
+    unet = _pipe().unet
+    bad = write_peft(
+        f"{files['dir']}/bad.safetensors",
+        low_rank(unet, 6, 2),
+        meta={"lora_adapter_metadata": "{not json"},
+    )
+    try:
+        with pytest.raises(InvalidRequestError, match=r"'bad': unreadable \(JSONDecodeError") as e:
+            stage.validate(_req("x", (LoraRef("bad"),)))
+        assert e.value.code == "lora_unusable"
+    finally:
+        import os
+
+        os.remove(bad)
+    assert _run(stage, [_req("y", A)])["y"].shape[0] == 1  # (the stage serves on)
+
+
+def test_more_adapters_than_the_pool_holds_is_a_400_not_a_retry(stage):
+    small = stage.runtime.denoise.loras
+    assert small is not None
+    max_loras, small.max_loras = small.max_loras, 1
+    try:
+        with pytest.raises(InvalidRequestError, match=r"pool holds 1 \(--max-loras\)"):
+            stage.validate(_req("x", (LoraRef("a"), LoraRef("b"))))
+    finally:
+        small.max_loras = max_loras
+
+
+def test_a_join_that_fails_after_taking_its_slots_lets_them_go(stage, monkeypatch):
+    from vllm_omni_like.stages.diffusion import rows as rows_module
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    real = rows_module.cat_rows
+    calls = []
+
+    def out_of_memory(*args):
+        calls.append(1)
+        raise torch.OutOfMemoryError("injected at the join")
+
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    running = OwnLoopSet(stage.runtime)
+    running.join([_req("x", A)], control)  # (x holds a's slot while it runs)
+    held = dict(pool.pins)
+    monkeypatch.setattr(rows_module, "cat_rows", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):  # (a group joining a running set: concatenated)
+        running.join([_req("y", B)], control)
+    monkeypatch.setattr(rows_module, "cat_rows", real)
+    assert calls and dict(pool.pins) == held  # y's slot for b let go; x's kept
+    running.set.let_go()
+    running.drained()
+    assert not pool.pins
+
+
 def test_a_registered_adapter_the_base_cannot_take_refuses_the_start(tmp_path):
     unet = _pipe().unet
     bad = low_rank(unet, 1, 4, ends=("time_embedding.linear_1",))

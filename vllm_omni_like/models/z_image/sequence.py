@@ -36,13 +36,14 @@ class UnmaskedShapes:
     (`freeze`), and on a stage never frozen (uncompiled), any."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[int, int]] = set()
+        self.seen: set[tuple[str, int, int]] = set()
         self.frozen = False
 
-    def allows(self, lengths: list[int], length: int) -> bool:
+    def allows(self, kind: str, lengths: list[int], length: int) -> bool:
+        """`kind`: the sequence ("caption", "joint": a joint length may equal a caption's)."""
         if any(n != length for n in lengths):
             return False
-        key = (len(lengths), length)
+        key = (kind, len(lengths), length)
         if not self.frozen:
             self.seen.add(key)
         return key in self.seen
@@ -94,7 +95,11 @@ def pad_sequences_to_buckets(transformer: Any) -> UnmaskedShapes:
             return out
         padded, freqs, _, lengths, noise = out
         length = text_bucket(max(lengths), CAPTION_BUCKETS)
-        mask = None if shapes.allows(lengths, length) else key_mask(lengths, length, padded.device)
+        mask = (
+            None
+            if shapes.allows("caption", lengths, length)
+            else key_mask(lengths, length, padded.device)
+        )
         return pad_to(padded, length), pad_to(freqs, length), mask, lengths, noise
 
     def build_unified_sequence(
@@ -113,7 +118,8 @@ def pad_sequences_to_buckets(transformer: Any) -> UnmaskedShapes:
             return unified, freqs, mask, noise
         length = max(x_lengths) + text_bucket(max(cap_lengths), CAPTION_BUCKETS)
         lengths = [a + b for a, b in zip(x_lengths, cap_lengths, strict=True)]
-        mask = None if shapes.allows(lengths, length) else key_mask(lengths, length, unified.device)
+        joint = shapes.allows("joint", lengths, length)
+        mask = None if joint else key_mask(lengths, length, unified.device)
         return pad_to(unified, length), pad_to(freqs, length), mask, noise
 
     transformer._prepare_sequence = prepare_sequence

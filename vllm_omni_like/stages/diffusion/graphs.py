@@ -61,6 +61,8 @@ class CudaGraphs:
     run there (lazy initialisations: cuBLAS's workspace)."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # ("cuda" names the current one; its tensors say "cuda:N")
+            device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)

@@ -75,7 +75,14 @@ class LoraPool:
             self.host.move_to_end(key)
             return self.host[key]
         pipe_class, prefix = self.reader
-        weights = read_adapter(spec, pipe_class, prefix, self.targets, self.known, self.max_rank)
+        try:
+            weights = read_adapter(
+                spec, pipe_class, prefix, self.targets, self.known, self.max_rank
+            )
+        except LoraError:
+            raise
+        except Exception as exc:  # (a malformed file: its metadata, alphas, a converter's error)
+            raise LoraError(f"LoRA {name!r}: unreadable ({type(exc).__name__}: {exc})") from None
         self.host[key] = weights
         while len(self.host) > HOST_KEPT * self.max_loras:
             self.host.popitem(last=False)
@@ -93,6 +100,12 @@ class LoraPool:
         """A request's adapters, each read and checked: its 400 where one cannot be used."""
         if len(refs) > PER_ROW:
             raise InvalidRequestError(f"at most {PER_ROW} LoRA adapters a request", param="lora")
+        if len({ref.name for ref in refs}) > self.max_loras:  # (never servable: not a 503)
+            raise InvalidRequestError(
+                f"{len(refs)} LoRA adapters in one request but the pool holds {self.max_loras} "
+                "(--max-loras)",
+                param="lora",
+            )
         for ref in refs:
             self.usable(ref.name, stage)
 
@@ -160,7 +173,11 @@ class LoraPool:
                     code="lora_pool_full",
                 )
             slot = self.slots.pop(idle)
-        self._write(slot, weights)
+        try:
+            self._write(slot, weights)
+        except BaseException:
+            self.free.append(slot)  # (cleared by the next write into it)
+            raise
         self.slots[name] = slot
         return slot
 

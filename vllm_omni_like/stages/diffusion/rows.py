@@ -80,18 +80,23 @@ class DenoiseSet:
         the step boundary, each holding its LoRA adapters' pool slots (written there now if
         not resident) until it leaves; nothing joins where one cannot."""
         self._hold(rows)
-        if self.text is not None and self.latents is not None:
-            base = _text_rows(self.text)
-            for row in rows:  # its text rows follow the set's
-                row.text += base
-                row.negative = None if row.negative is None else row.negative + base
-            self.text = cat_rows(self.text, text)
-            self.latents = torch.cat([self.latents, latents.to(self.latents.dtype)])
-            assert (self.conditioning is None) == (conditioning is None)  # (one family's)
-            if self.conditioning is not None and conditioning is not None:
-                self.conditioning = cat_named(self.conditioning, conditioning)
-        else:
-            self.text, self.latents, self.conditioning = text, latents, conditioning
+        try:  # (the device may run out of memory here: the rows let their slots go then)
+            if self.text is not None and self.latents is not None:
+                base = _text_rows(self.text)
+                joined = cat_rows(self.text, text)
+                stacked = torch.cat([self.latents, latents.to(self.latents.dtype)])
+                assert (self.conditioning is None) == (conditioning is None)  # (one family's)
+                if self.conditioning is not None and conditioning is not None:
+                    self.conditioning = cat_named(self.conditioning, conditioning)
+                self.text, self.latents = joined, stacked
+                for row in rows:  # its text rows follow the set's
+                    row.text += base
+                    row.negative = None if row.negative is None else row.negative + base
+            else:
+                self.text, self.latents, self.conditioning = text, latents, conditioning
+        except BaseException:
+            self.let_go(rows)
+            raise
         self.rows += rows
         self._plan = None
 
