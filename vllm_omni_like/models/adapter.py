@@ -26,6 +26,7 @@ import torch
 
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models import image_latents
+from vllm_omni_like.models.block_stack import BlockStack
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
 from vllm_omni_like.models.row_conditions import RowConditions
@@ -294,6 +295,10 @@ class Adapter(RowConditions):
     def compile_targets(self) -> list[tuple[Any, str]]:
         """(owner, attribute) of each module to compile: the denoisers by default."""
         return [(self.pipe, expert.name) for expert in self.experts()]
+
+    def block_stack(self) -> BlockStack:
+        """Its denoiser's blocks as the step cache sees them (models/block_stack.py)."""
+        raise ConfigError(f"--cache first-block does not run the {self.family.name} family")
 
     def high_precision_layers(self) -> tuple[str, ...]:
         """With --quantization fp8, the linear layers of a denoiser (fnmatch patterns over its

@@ -34,6 +34,7 @@ from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import quantize
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.runtime import (
@@ -342,9 +343,22 @@ def _own_loop(
     buckets: tuple[int, ...],
 ) -> DenoiseLoop:
     """Our own loop, its model rows padded to the buckets (each bucket of images with
-    guidance and without)."""
+    guidance and without); with `--cache first-block`, its rows' step cache around the
+    denoiser's blocks (compiled, where they are, before)."""
     row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
-    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg)
+    loop = DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg)
+    if config.cache == "first-block":
+        stack = adapter.block_stack()  # (a family that has none refuses here: ConfigError)
+        loop.cache = FirstBlockCache(stack, row_buckets, config.cache_decision == "lagged")
+        loop.cache_threshold = config.cache_threshold
+        logger.info(
+            "stage %s: First-Block Cache over %d blocks, threshold %g, decision %s",
+            config.name,
+            loop.cache.depth,
+            config.cache_threshold,
+            config.cache_decision,
+        )
+    return loop
 
 
 def _guidance(

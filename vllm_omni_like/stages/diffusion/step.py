@@ -26,6 +26,7 @@ What differs between families is the adapter's (models/adapter.py): `encode_text
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, Slot
 from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
@@ -77,6 +79,7 @@ class LoopRow:
     # the image a row is conditioned on (an instruction edit's upload, an image-to-video
     # request's first frame) until its conditioning is made (`conditions`), else None
     image: Any | None = None
+    cache: RowCache | None = None  # its step cache (a stage with --cache), else None
 
     @property
     def cfg(self) -> bool:
@@ -140,6 +143,9 @@ class DenoiseLoop:
         self.boundary = experts[0].boundary  # (two experts: the low-noise one's below it)
         # a guidance embedding (FLUX.1): each row's scale goes into its one forward, no CFG
         self.distilled = adapter.guidance is Guidance.DISTILLED
+        # --cache first-block (block_cache.py; installed by the load), and its rows' threshold
+        self.cache: FirstBlockCache | None = None
+        self.cache_threshold = 0.0
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(
@@ -174,6 +180,7 @@ class DenoiseLoop:
                 own = None if source is None else dataclasses.replace(source)  # (a row's)
                 row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, own)
                 row.image = image
+                row.cache = self._row_cache(p.cache_threshold, negative is not None)
                 rows.append(row)
         text = self._embed(list(prompts), read)
         if negatives:
@@ -181,6 +188,12 @@ class DenoiseLoop:
                 row.negative = None if row.negative is None else row.negative + len(prompts)
             text = cat_rows(text, self._embed(list(negatives), read))
         return rows, text
+
+    def _row_cache(self, threshold: float | None, cfg: bool) -> RowCache | None:
+        """A new row's cache (empty) at its request's threshold, or the stage's."""
+        if self.cache is None:
+            return None
+        return RowCache(self.cache_threshold if threshold is None else threshold, 1 + cfg)
 
     def _schedule(
         self, request: StageRequest, settings: Settings, size: tuple[int, int]
@@ -317,17 +330,21 @@ class DenoiseLoop:
         cfg, index = plan.cfg, plan.cfg_index
         uncond_rows = scaled if index is None else scaled[index]
         cfg_states = [states[j] for j in cfg]
+        slots = [(r.cache, 0) for r in plan.group]  # (each model row's cache and branch)
+        cfg_slots = [(plan.group[j].cache, 1) for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
-            out = self._forward(inputs, states + cfg_states, plan.texts, None, plan.conditioning)
+            texts, conditioning = plan.texts, plan.conditioning
+            out = self._forward(inputs, states + cfg_states, texts, None, conditioning, slots + cfg_slots)
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            cond = self._forward(scaled, states, plan.texts, plan.embedded, plan.conditioning)
+            embedded, conditioning = plan.embedded, plan.conditioning
+            cond = self._forward(scaled, states, plan.texts, embedded, conditioning, slots)
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             negative = plan.negative_conditioning
-            uncond = self._forward(uncond_rows, cfg_states, plan.negatives, None, negative)
+            uncond = self._forward(uncond_rows, cfg_states, plan.negatives, None, negative, cfg_slots)
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, scale)
@@ -355,10 +372,12 @@ class DenoiseLoop:
         text: Text,
         guidance: torch.Tensor | None = None,
         conditioning: Conditioning | None = None,
+        slots: list[tuple[RowCache | None, int]] | None = None,
     ) -> Any:
         """One denoiser call (each model row at its row's timestep; `guidance`: each row's
         scale, for a guidance embedding; `conditioning`: each model row's own, where rows carry
-        one), padded to the compiled bucket of its model rows."""
+        one; `slots`: each model row's step cache and branch), padded to the compiled bucket
+        of its model rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -371,9 +390,19 @@ class DenoiseLoop:
             guidance = None if guidance is None else pad_tensor(guidance, pad)
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
         at = [float(s.timestep) for s in states] if self.host_times else None
-        if conditioning is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)[:rows]
-        return self.adapter.predict(latents, times, text, at=at, guidance=guidance)[:rows]
+        with self._cached(slots, pad):
+            if conditioning is not None:
+                out = self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+            else:
+                out = self.adapter.predict(latents, times, text, at=at, guidance=guidance)
+        return out[:rows]
+
+    def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
+        """The step cache's forward over these model rows (and `pad` rows of padding)."""
+        if self.cache is None or slots is None:
+            return contextlib.nullcontext()
+        rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
+        return self.cache.forward(rows + [None] * pad)
 
 
 def _or(value: float | None, default: float) -> float:
