@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.stage_options import parse_options
 from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, check_speed
+from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"

@@ -272,11 +272,13 @@ class FirstBlockCache:
 class CachedBlock(torch.nn.Module):
     """A block of the stack, called through its cache."""
 
+    cache: FirstBlockCache
+
     def __init__(self, block: Any, position: int, cache: FirstBlockCache) -> None:
         super().__init__()
         self.block = block
         self.position = position
-        object.__setattr__(self, "cache", cache)  # (not a submodule)
+        self.__dict__["cache"] = cache  # (not a submodule: no state of the model's)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.cache.call(self.block, self.position, args, kwargs)

@@ -124,7 +124,7 @@ class DenoiseSet:
         except BaseException:
             for r, (index, history, cache) in zip(plan.group, saved, strict=True):
                 r.state.index, r.state.history = index, history
-                if r.cache is not None:  # (its step cache as it was)
+                if r.cache is not None and cache is not None:  # (its step cache as it was)
                     r.cache.restore(cache)
             raise
         if plan.index is None:

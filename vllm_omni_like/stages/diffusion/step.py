@@ -335,7 +335,9 @@ class DenoiseLoop:
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
             texts, conditioning = plan.texts, plan.conditioning
-            out = self._forward(inputs, states + cfg_states, texts, None, conditioning, slots + cfg_slots)
+            out = self._forward(
+                inputs, states + cfg_states, texts, None, conditioning, slots + cfg_slots
+            )
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
             embedded, conditioning = plan.embedded, plan.conditioning
@@ -344,7 +346,9 @@ class DenoiseLoop:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             negative = plan.negative_conditioning
-            uncond = self._forward(uncond_rows, cfg_states, plan.negatives, None, negative, cfg_slots)
+            uncond = self._forward(
+                uncond_rows, cfg_states, plan.negatives, None, negative, cfg_slots
+            )
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, scale)
