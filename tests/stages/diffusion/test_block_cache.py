@@ -36,15 +36,9 @@ NEVER, ALWAYS = 0.0, 1e9  # (a peer that always computes, one that reuses whenev
 
 
 def _stage(model: str, **config) -> DiffusionStage:
+    config.setdefault("options", {"default_size": 64})  # (a real model's: slow on the CPU)
     stage = DiffusionStage(
-        StageConfig(
-            name="diffusion",
-            kind="diffusion",
-            model=model,
-            dtype="float32",
-            options={"default_size": 64},  # (a real model's native sizes: slow on the CPU)
-            **config,
-        )
+        StageConfig(name="diffusion", kind="diffusion", model=model, dtype="float32", **config)
     )
     stage.load("cpu")
     return stage
@@ -241,5 +235,35 @@ def test_a_request_threshold_on_a_stage_without_a_cache_is_a_400():
             stage.validate(_request(stage, "a", 1, 0.1))
         assert caught.value.info.param == "cache"
         stage.validate(_request(stage, "b", 1, None))  # (no cache asked: fine)
+    finally:
+        stage.close()
+
+
+def test_a_compiled_cached_set_runs_its_sub_batches_on_the_warm_ups_graphs(capfd):
+    """Compiled block by block (the eager backend: real dynamo guards), buckets 1 and 4: rows
+    that always compute, always reuse or decide step by step - sub-batches of 1 to 3 rows,
+    padded to a bucket - compile nothing after the warm-up."""
+    from torch._dynamo.utils import counters
+
+    stage = _stage(
+        tiny_flux_path(),
+        cache="first-block",
+        compile=True,
+        max_batch_size=4,
+        batch_buckets=(1, 4),
+        options={"compile_backend": "eager", "default_size": 64},
+    )
+    try:
+        assert type(stage.runtime.pipe.transformer).__name__ != "OptimizedModule"  # (blocks)
+        graphs = counters["stats"]["unique_graphs"]
+        run = _Run(stage)
+        run.join(_request(stage, "a", 1, NEVER), _request(stage, "b", 2, ALWAYS))
+        run.step()
+        run.join(_request(stage, "c", 3, 0.5), _request(stage, "d", 4, ALWAYS))
+        run.until_done()
+        assert not any(run.decisions["b"][1:]) and all(run.decisions["a"])
+        assert stage.runtime.denoise.cache.saved > 0
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+        assert "Recompiling" not in capfd.readouterr().err
     finally:
         stage.close()
