@@ -204,8 +204,10 @@ def test_a_step_that_raises_puts_every_rows_cache_back(flux):
     with torch.inference_mode(), pytest.raises(RuntimeError, match="step fault"):
         run.set.step({"a", "b"}, fail)
     after = [r.cache.save() for r in run.set.rows]
-    for (ref, rest, compute, _), (ref2, rest2, compute2, _) in zip(before, after, strict=True):
-        assert ref is ref2 and compute == compute2
+    for (ref, rest, compute, _, steps), (ref2, rest2, compute2, _, steps2) in zip(
+        before, after, strict=True
+    ):
+        assert ref is ref2 and compute == compute2 and steps == steps2 == 1
         assert rest.keys() == rest2.keys() and all(rest[k] is rest2[k] for k in rest)
 
 

@@ -22,7 +22,7 @@ peers' decisions but through the sub-batch's size (a matmul's rounding).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,13 +48,14 @@ class RowCache:
     reference: torch.Tensor | None = None
     rest: dict[int, torch.Tensor] = field(default_factory=dict)
     compute: bool = True
+    steps: int = 0  # the steps it decided (its conditional branch's forwards)
     change: tuple[torch.Tensor, int, Any] | None = None  # (host values, its position, event)
 
     def save(self) -> tuple[Any, ...]:
-        return self.reference, dict(self.rest), self.compute, self.change
+        return self.reference, dict(self.rest), self.compute, self.change, self.steps
 
     def restore(self, saved: tuple[Any, ...]) -> None:
-        self.reference, self.rest, self.compute, self.change = saved
+        self.reference, self.rest, self.compute, self.change, self.steps = saved
 
     def lagged_change(self) -> float | None:
         """The change the row's step before measured (waiting for it only if the host ran
@@ -99,6 +100,9 @@ class FirstBlockCache:
         self.active: _Pass | None = None
         self.evaluations = 0  # block evaluations a model row would have run, uncached
         self.saved = 0  # those skipped
+        # a benchmark's fixed decisions (random weights make the residual's test arbitrary):
+        # whether a row that could reuse computes, given the row (None: its threshold decides)
+        self.forced: Callable[[RowCache], bool] | None = None
         position = 0
         for blocks in stack.lists:
             for i in range(len(blocks)):
@@ -108,6 +112,20 @@ class FirstBlockCache:
     @property
     def saved_share(self) -> float:
         return self.saved / self.evaluations if self.evaluations else 0.0
+
+    @contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        """The stack's own blocks back in their lists meanwhile (a benchmark's other cache)."""
+        wrapped = [list(blocks) for blocks in self.stack.lists]
+        for blocks in self.stack.lists:
+            for i in range(len(blocks)):
+                blocks[i] = blocks[i].block
+        try:
+            yield
+        finally:
+            for blocks, kept in zip(self.stack.lists, wrapped, strict=True):
+                for i, block in enumerate(kept):
+                    blocks[i] = block
 
     @contextmanager
     def forward(self, slots: list[Slot | None]) -> Iterator[None]:
@@ -182,6 +200,9 @@ class FirstBlockCache:
             change = changes.get(i)
             ready = len(row.rest) == row.branches and row.reference is not None
             row.compute = not (ready and change is not None and change < row.threshold)
+            if ready and self.forced is not None:
+                row.compute = self.forced(row)
+            row.steps += 1
             if row.compute:
                 row.reference = residual[i]
         for i, slot in enumerate(run.slots):
