@@ -11,7 +11,9 @@ so the benchmark fixes which steps each row skips (`FirstBlockCache.forced`): st
 computes its first step and then every other step, rows alternating in phase, so about half of
 the rows compute at each step (`skipped_share` reports the share of block evaluations skipped).
 - b1: one request, cached against uncached (the wrappers out of the blocks), the denoise phase
-  (the loop, to the device's end) and end to end (with the decode): `speedup_b1`.
+  (the loop, to the device's end) and end to end (with the decode): `speedup_b1`; each also
+  with `--cache-decision lagged` (`lagged`: the same decisions, the change read without
+  waiting for the device: what the sync decision's one read a step costs).
 - batched: N requests in one set of our loop (what a step-level running set of N runs each
   step: the computing half as a sub-batch padded to a bucket), cached against uncached:
   `speedup_batched` {cN: {denoise, e2e}}.
@@ -116,12 +118,20 @@ def ours(stage: DiffusionStage, batch, repeats: int) -> dict[str, Any]:
     cache.forced, cache.evaluations, cache.saved = Staggered(), 0, 0
     cached = best(stage, batch, repeats)
     skipped = cache.saved_share
-    cache.forced = None
+    cache.lagged = True  # the same decisions, the change read without a wait
+    try:
+        lagged = best(stage, batch, repeats)
+    finally:
+        cache.forced, cache.lagged = None, False
     return {
         "skipped_share": round(skipped, 4),
         "denoise": round(plain[0] / cached[0], 3),
         "e2e": round(plain[1] / cached[1], 3),
-        "seconds": {"uncached": plain, "cached": cached},
+        "lagged": {
+            "denoise": round(plain[0] / lagged[0], 3),
+            "e2e": round(plain[1] / lagged[1], 3),
+        },
+        "seconds": {"uncached": plain, "cached": cached, "lagged": lagged},
     }
 
 
@@ -216,10 +226,13 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=None, help="(default: each model's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     shapes = TINY if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
+    if args.steps is not None:
+        shapes = {name: {**shape, "steps": args.steps} for name, shape in shapes.items()}
     results = {name: bench(name, shape, args) for name, shape in shapes.items()}
     device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0).split()[-1].lower()
     out = args.out or f"bench/results/caching-{device}.json"
