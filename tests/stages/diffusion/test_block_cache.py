@@ -225,8 +225,17 @@ def test_a_lagged_decision_never_fires_at_zero_and_waits_a_step_to_reuse(flux):
     assert reusing.decisions["a"][:2] == [True, True] and not any(reusing.decisions["a"][2:])
 
 
-def test_the_unet_family_is_refused_at_load_naming_the_flag():
-    with pytest.raises(ConfigError, match="--cache first-block does not run the stable-diffusion"):
+def test_the_unet_family_is_refused_at_start_up_naming_the_flag():
+    """Before anything loads: where the engine builds its stage pools, and at the load."""
+    from vllm_omni_like.models.limits import describe_stage
+
+    config = StageConfig(
+        name="diffusion", kind="diffusion", model="tiny-image", cache="first-block"
+    )
+    wanted = r"--cache first-block runs the transformer families \(.*flux.*\), not stable-diff"
+    with pytest.raises(ConfigError, match=wanted):
+        describe_stage(config)
+    with pytest.raises(ConfigError, match=wanted):
         _stage("tiny-image", cache="first-block")
 
 

@@ -15,6 +15,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import Adapter, adapter_for
 from vllm_omni_like.models.family import Family, Loop
+from vllm_omni_like.models.limits import check_step_cache
 from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
@@ -189,6 +190,7 @@ def _load_pipeline(
 
     _check_text_encoder(config, path)
     family = family_of(path)
+    check_step_cache(config.name, family, config.cache)  # (refused before anything loads)
     if config.quantization == "fp8":  # refused before anything loads
         check_quantization(config.name, family, config.quantization)
         quantize.check_fp8(device, dtype)
