@@ -203,8 +203,8 @@ class FirstBlockCache:
             if ready and self.forced is not None:
                 row.compute = self.forced(row)
             row.steps += 1
-            if row.compute:
-                row.reference = residual[i]
+            if row.compute:  # (a copy: a view would hold the whole batch's tensor alive)
+                row.reference = residual[i].clone()
         for i, slot in enumerate(run.slots):
             if slot is not None:
                 (run.computing if slot[0].compute else run.reusing).append(i)
@@ -256,8 +256,8 @@ class FirstBlockCache:
     def _keep(self, run: _Pass, rows: list[int], residual: torch.Tensor) -> None:
         for j, i in enumerate(rows):
             slot = run.slots[i]
-            if slot is not None:
-                slot[0].rest[slot[1]] = residual[j]
+            if slot is not None:  # (a copy, as the reference)
+                slot[0].rest[slot[1]] = residual[j].clone()
 
     def _gather(self, run: _Pass, named: dict[str, Any], carried: bool) -> dict[str, Any]:
         """A block's arguments for the computing rows: the per-row ones (gathered once a
