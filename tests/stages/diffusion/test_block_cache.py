@@ -11,7 +11,7 @@ import torch
 
 from tests.models.tiny_mmdit import tiny_flux_path, tiny_sd3_path
 from tests.models.tiny_qwen import tiny_qwen_image_path
-from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
+from tests.models.tiny_wan22 import tiny_wan21_i2v_path, tiny_wan22_ti2v_path
 from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError, InvalidRequestError
@@ -30,6 +30,7 @@ MODELS = {
     "z-image": tiny_z_image_path,
     "wan": lambda: "tiny-video",
     "wan-ti2v": tiny_wan22_ti2v_path,
+    "wan-i2v": tiny_wan21_i2v_path,  # (rows from an image: their own conditioning)
 }
 THRESHOLDS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)
 NEVER, ALWAYS = 0.0, 1e9  # (a peer that always computes, one that reuses whenever it can)
@@ -56,6 +57,10 @@ def _request(stage, rid: str, seed: int, threshold: float | None, **params) -> S
         params.setdefault("num_frames", FRAMES)
     mode = "text2video" if stage.runtime.is_video else "text2img"
     p = GenerationParams(seed=seed, num_inference_steps=STEPS, cache_threshold=threshold, **params)
+    if stage.runtime.family.needs_image:  # (image to video only)
+        from tests.models.test_family_contract import EDIT_IMAGE
+
+        return StageRequest(rid, "a red circle", p, mode="image2video", images=[EDIT_IMAGE])
     return StageRequest(rid, "a red circle", p, mode=mode)
 
 
@@ -71,10 +76,9 @@ class _Run:
         rt = self.rt
         frames = FRAMES if rt.is_video else 1
         with torch.inference_mode():
-            rows, embeds = rt.denoise.rows(list(requests), rt.settings())
-            shape = rt.adapter.latent_shape(
-                len(rows), rt.defaults.width, rt.defaults.height, frames
-            )
+            size = (rt.defaults.width, rt.defaults.height)
+            rows, embeds = rt.denoise.rows(list(requests), rt.settings(), size)
+            shape = rt.adapter.latent_shape(len(rows), *size, frames)
             latents = rt.denoise.noise(rows, shape, rt.adapter.latent_dtype(text_dtype(embeds)))
             latents, conditioning = rt.denoise.conditions(rows, latents)
         self.set.join(rows, embeds, latents, conditioning)
