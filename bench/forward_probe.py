@@ -99,9 +99,12 @@ def waits(fn: Callable[[], Any]) -> dict[str, int]:
     return dict(found)
 
 
-def top_kernels(fn: Callable[[], Any]) -> tuple[float, list[tuple[str, float]]]:
+def top_kernels(
+    fn: Callable[[], Any], top: int = TOP, trace: str = ""
+) -> tuple[float, list[tuple[str, float]]]:
     """One call of `fn` under the profiler: the sum of its kernels' device time (ms; off CUDA,
-    its operators' own CPU time) and the `TOP` largest, by name."""
+    its operators' own CPU time) and the `top` largest, by name (the whole profile written as
+    a Chrome trace to `trace` where given)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,6 +113,8 @@ def top_kernels(fn: Callable[[], Any]) -> tuple[float, list[tuple[str, float]]]:
     with profile(activities=activities) as prof:
         fn()
         sync()
+    if trace:
+        prof.export_chrome_trace(trace)
     rows = []
     for event in prof.key_averages():
         if cuda and event.device_type == DeviceType.CUDA:
@@ -117,13 +122,14 @@ def top_kernels(fn: Callable[[], Any]) -> tuple[float, list[tuple[str, float]]]:
         elif not cuda and event.self_cpu_time_total > 0:
             rows.append((event.key, event.self_cpu_time_total / 1000))
     rows.sort(key=lambda r: -r[1])
-    return round(sum(ms for _, ms in rows), 2), [(k[:90], round(ms, 3)) for k, ms in rows[:TOP]]
+    return round(sum(ms for _, ms in rows), 2), [(k[:90], round(ms, 3)) for k, ms in rows[:top]]
 
 
-def probe(fn: Callable[[], Any], runs: int) -> dict[str, Any]:
+def probe(fn: Callable[[], Any], args: argparse.Namespace, side: str) -> dict[str, Any]:
+    trace = os.path.join(args.trace_dir, f"forward-{side}.json") if args.trace_dir else ""
     with torch.inference_mode():
-        times, launch = launch_and_device_ms(fn, runs)
-        kernel_ms, top = top_kernels(fn)
+        times, launch = launch_and_device_ms(fn, args.runs)
+        kernel_ms, top = top_kernels(fn, args.top, trace)
         found = waits(fn)
     return {
         "forward_ms": round(statistics.median(times), 2),
@@ -158,7 +164,7 @@ def reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         pipe.transformer.fuse_qkv_projections()
     options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
     model = torch.compile(pipe.transformer, **options)
-    return probe(lambda: model(*got["args"], **got["kwargs"]), args.runs)
+    return probe(lambda: model(*got["args"], **got["kwargs"]), args, "reference")
 
 
 def server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +186,7 @@ def server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     t = torch.full((1,), 500.0, device=device)
     scale = torch.full((1,), float(s["guidance"]), device=device)
     guidance = scale if adapter.guidance is Guidance.DISTILLED else None
-    out = probe(lambda: adapter.predict(latents, t, text, [500.0], guidance), args.runs)
+    out = probe(lambda: adapter.predict(latents, t, text, [500.0], guidance), args, "server")
     out["tuned"] = tuned
     return out
 
@@ -194,7 +200,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--compile-mode", default="default")
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--top", type=int, default=TOP, help="kernels kept per side")
+    ap.add_argument("--trace-dir", default="", help="write each side's profile (Chrome trace)")
     args = ap.parse_args()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     s = dict(SETTINGS.get(args.model, {"steps": 4, "guidance": 3.5, "size": 64}))
     path = arch_path(args.model) if args.model in ARCH_OPTIONS else args.model
     if family_of(path).needs_image:

@@ -30,6 +30,7 @@ import io
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -254,7 +255,8 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     flags += ["--compile", "--compile-mode", args.compile_mode, "--batch-buckets", "1"]
     flags += ["--warmup-size", side]
     timeline = tempfile.mkdtemp(prefix="models-timeline-")  # each step on the device
-    env = {**os.environ, TRACE_DIR: timeline, TRACE_BATCHES: ""}  # (no profiled batch)
+    traced = str(args.trace_batch or "")  # (by default no profiled batch)
+    env = {**os.environ, TRACE_DIR: timeline, TRACE_BATCHES: traced}
     server = Server(flags, args.log, 1800, env=env)
     since = float("inf")
     # one client for all (a client's creation alone takes ~50 ms: its TLS context)
@@ -281,6 +283,8 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
             got[seed] = pixels(r)
             since = min(since, time.monotonic())  # (the timed requests' sets begin after)
         after = histograms(server.url)
+        if args.trace_batch:  # one more, not timed: the batch the server profiles, if counted right
+            client.post(f"{server.url}/v1/images/generations", json={**body, "seed": 0})
     finally:
         client.close()
         server.stop()
@@ -295,6 +299,9 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     steps = step_timeline(timeline, s["steps"], since)
     result["server_host_ms"] = host_spans(timeline, spans[1:])
     keep_timeline(timeline, os.path.join(args.out_dir, f"models-{device_name()}-timeline.jsonl"))
+    for name in os.listdir(timeline):  # the profiled batch's Chrome trace (`--trace-batch`)
+        if name.endswith(".json.gz"):
+            shutil.copy(os.path.join(timeline, name), os.path.join(args.out_dir, name))
     if 1 in steps["step_ms_by_rows"]:
         result["server_step_ms"] = steps["step_ms_by_rows"][1]
     result["server_lead_ms"], result["server_join_ms"] = steps["lead_ms"], steps["join_ms"]
@@ -391,6 +398,9 @@ def main() -> int:
     ap.add_argument("--state", default="/tmp/models-reference.npz")
     ap.add_argument("--log", default="models.log")
     ap.add_argument("--out-dir", default="bench/results")
+    # the server profiles its N-th batch, the warm-up's counted (Z-Image's warm-up is 7 batches:
+    # with --runs 3, 12 is one more request after the timed ones); its trace lands in --out-dir
+    ap.add_argument("--trace-batch", type=int, default=0)
     args = ap.parse_args()
     base = SETTINGS.get(args.model, {"steps": 4, "guidance": 3.5, "size": 64})
     given = {"steps": args.steps, "guidance": args.guidance, "size": args.size}

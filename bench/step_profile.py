@@ -18,12 +18,13 @@ from typing import Any
 
 
 def read_timeline(directory: str) -> list[dict[str, Any]]:
-    """Every set of the rank-0 timelines in `directory` (stages/trace.py), as written."""
+    """Every set of the rank-0 timelines in `directory` (stages/trace.py), as written, but for
+    those that ran under the profiler."""
     sets: list[dict[str, Any]] = []
     for name in os.listdir(directory):
         if name.endswith("-rank0-timeline.jsonl"):
             with open(os.path.join(directory, name)) as f:
-                sets += map(json.loads, f)
+                sets += (line for line in map(json.loads, f) if not line.get("traced"))
     return sets
 
 

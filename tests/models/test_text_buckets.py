@@ -11,6 +11,7 @@ from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_z_image import tiny_z_image_path
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, bucket_prompts, text_bucket
+from vllm_omni_like.models.z_image.sequence import CAPTION_BUCKETS
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 
 
@@ -38,14 +39,40 @@ def test_a_bucket_past_the_encoders_truncation_is_left_out():
     assert [text_bucket(count(p)) for p in bucket_prompts(count)] == [64, 128, 256]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", [tiny_z_image_path, tiny_qwen_image_path], ids=["z", "qwen"])
-def test_the_families_prompts_land_in_each_of_their_buckets(path):
-    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model=path()))
+def _loaded(path: str):
+    stage = DiffusionStage(StageConfig(name="diffusion", kind="diffusion", model=path))
     stage.load("cpu")
-    device = torch.device("cpu")
+    return stage.runtime.adapter
+
+
+@pytest.mark.slow
+def test_qwen_images_prompts_land_in_each_of_its_buckets():
+    adapter, device = _loaded(tiny_qwen_image_path()), torch.device("cpu")
     with torch.inference_mode():
-        adapter = stage.runtime.adapter
         prompts = adapter.warm_up_prompts(device)
         padded = [adapter.encode_text([p], device, 0)["embeds"].shape[1] for p in prompts]
     assert padded == list(TEXT_BUCKETS)
+
+
+@pytest.mark.slow
+def test_z_images_prompts_give_each_bucket_a_full_and_a_padded_shape():
+    """Z-Image pads a caption to 32s itself: per bucket a prompt that fills it (no mask), and
+    one padded in it (a shorter prompt, or for 64, whose every caption fills it, rows beside
+    the smallest bucket's); the smallest bucket can only be full."""
+    adapter, device = _loaded(tiny_z_image_path()), torch.device("cpu")
+    with torch.inference_mode():
+        groups = adapter.warm_up_prompts(device)
+        tokens = {p: int(adapter.encode_text([p], device, 0)["lengths"][0]) for p in _flat(groups)}
+    full = [g for g in groups if isinstance(g, str) and -(-tokens[g] // 32) * 32 in CAPTION_BUCKETS]
+    buckets = [text_bucket(tokens[g], CAPTION_BUCKETS) for g in full]
+    assert buckets == list(CAPTION_BUCKETS[CAPTION_BUCKETS.index(buckets[0]) :])
+    padded = [g for g in groups if g not in full]
+    assert len(padded) == len(buckets) - 1  # (every bucket past the smallest)
+    for g in padded:
+        rows = [tokens[p] for p in ((g,) if isinstance(g, str) else g)]
+        bucket = text_bucket(max(rows), CAPTION_BUCKETS)
+        assert bucket > buckets[0] and min(-(-n // 32) * 32 for n in rows) < bucket
+
+
+def _flat(groups) -> list[str]:
+    return [p for g in groups for p in ((g,) if isinstance(g, str) else g)]

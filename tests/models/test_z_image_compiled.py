@@ -13,7 +13,9 @@ import torch
 from tests.models.tiny_z_image import tiny_z_image_path
 from tests.stages.diffusion.test_compiled import _compiled_stage, _control
 from vllm_omni_like.config import StageConfig
+from vllm_omni_like.models.z_image import sequence
 from vllm_omni_like.models.z_image.sequence import (
+    UnmaskedShapes,
     ZeroedKeysProcessor,
     pad_sequences_to_buckets,
     use_zeroed_keys,
@@ -106,6 +108,45 @@ def test_zeroed_keys_attention_is_diffusers_masked_attention(transformer):
         got = transformer(frames, t, captions, return_dict=False)[0]
         assert not use_zeroed_keys(transformer)  # (not diffusers' processor any more: kept)
     for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_rows_that_fill_their_bucket_run_without_a_mask_where_the_warm_up_ran_so():
+    shapes = UnmaskedShapes()
+    assert shapes.allows([64, 64], 64)  # (warming up: any, and kept)
+    assert not shapes.allows([32, 64], 64)  # padded: a mask
+    shapes.frozen = True
+    assert shapes.allows([64, 64], 64)  # the warm-up ran it so
+    assert not shapes.allows([64], 64)  # one row of 64 did not: masked, no new graph
+    assert (1, 64) not in shapes.seen
+
+
+def test_a_caption_that_fills_its_bucket_takes_diffusers_unmasked_attention(
+    transformer, monkeypatch
+):
+    """Lengths in tokens as the transformer pads them (to 32s): a caption of 5 fills bucket 32
+    and one of 37 bucket 64 (no mask: the zeroed-keys path never runs); 5 beside 37 pads the
+    first to 64 (masked); each row's result is its own alone either way."""
+    masked: list[int] = []
+    real = sequence.zeroed_keys_attention
+
+    def spy(q, k, v, keep):
+        masked.append(int((~keep).sum()))
+        return real(q, k, v, keep)
+
+    monkeypatch.setattr(sequence, "zeroed_keys_attention", spy)
+    pad_sequences_to_buckets(transformer)
+    assert use_zeroed_keys(transformer)
+    frames, t, captions = _inputs(transformer, (5, 37))
+    with torch.inference_mode():
+        alone = [
+            transformer([f], t[:1], [c], return_dict=False)[0][0]
+            for f, c in zip(frames, captions, strict=True)
+        ]
+        assert masked == []
+        both = transformer(frames, t, captions, return_dict=False)[0]
+    assert masked and all(n == 32 for n in masked)  # the first row's 32 padded keys
+    for a, b in zip(both, alone, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 

@@ -84,9 +84,8 @@ class Adapter(RowConditions):
         self.pipe = pipe
         if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
-        self.own_scheduler: Any = getattr(
-            pipe, "scheduler", None
-        )  # the model's, before a stage swaps it
+        # the model's own scheduler, before a stage swaps it
+        self.own_scheduler: Any = getattr(pipe, "scheduler", None)
         self._schedulers: dict[str, Any] = {}
 
     # ---- the denoiser and its conditioning -----------------------------------------------
@@ -266,10 +265,14 @@ class Adapter(RowConditions):
         """Pipelines sharing this one's models for the `image_conditions` it takes."""
         return {}
 
-    def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
+    def warm_up_prompts(self, device: torch.device) -> tuple[str | tuple[str, ...], ...]:
         """The prompts a compiled stage warms its own loop up with: one for each text shape its
-        denoiser sees (one, unless the family pads prompts to text buckets)."""
+        denoiser sees (one, unless the family pads prompts to text buckets); a tuple: prompts
+        the rows of one batch take in turn (rows of two lengths: a shape of their own)."""
         return ("warm-up",)
+
+    def warmed_up(self) -> None:
+        """A compiled stage's warm-up ended: every shape a request may run has been run."""
 
     def warm_up_modes(self) -> tuple[Mode, ...]:
         """The modes of `edit_pipelines` whose call a compiled stage warms up too, beside its

@@ -56,7 +56,7 @@ class Schedule:
             for name in ("timesteps", "sigmas", "alphas_cumprod"):
                 value = getattr(noiser, name, None)
                 if isinstance(value, torch.Tensor):
-                    setattr(noiser, name, value.to(device))
+                    setattr(noiser, name, to_device(value, device))
             self._on_device[key] = noiser
         return self._on_device[key]
 
@@ -66,9 +66,10 @@ class Schedule:
         return len(self.timesteps)
 
     def timesteps_on(self, device: torch.device) -> torch.Tensor:
-        """The timesteps on `device`, copied there once."""
+        """The timesteps on `device`, copied there once (from pinned memory: a copy from
+        pageable memory waits for the device - a request's first step would)."""
         if device not in self._on_device:
-            self._on_device[device] = self.timesteps.to(device)
+            self._on_device[device] = to_device(self.timesteps, device)
         timesteps: torch.Tensor = self._on_device[device]
         return timesteps
 

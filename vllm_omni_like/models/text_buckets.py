@@ -9,6 +9,7 @@ bucket, is what costs; a larger step between buckets costs less than a recompile
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,37 +18,41 @@ TEXT_BUCKETS = (64, 128, 256, 512)  # tokens a text is padded to (the smallest t
 WORD = "red"  # what a warm-up prompt repeats
 
 
-def text_bucket(tokens: int) -> int:
+def text_bucket(tokens: int, buckets: tuple[int, ...] = TEXT_BUCKETS) -> int:
     """The bucket `tokens` tokens are padded to (themselves past the last one)."""
-    return next((b for b in TEXT_BUCKETS if b >= tokens), tokens)
+    return next((b for b in buckets if b >= tokens), tokens)
 
 
-def bucket_prompts(count: Callable[[str], int], tries: int = 16) -> tuple[str, ...]:
+def bucket_prompts(
+    count: Callable[[str], int], buckets: tuple[int, ...] = TEXT_BUCKETS
+) -> tuple[str, ...]:
     """One prompt for each bucket, its token count (`count`: the family's encoder's, template
-    included) within the bucket and above the one before, made of `WORD` repeated. The count of
-    k words is affine in k (measured at 1 and 2), so the first guess lands near the bucket's
-    middle; each guess is checked and moved by the words it missed by. A bucket no prompt
-    reaches (an encoder that truncates before it) is left out."""
+    included) within the bucket and above the one before; a bucket no prompt reaches (an
+    encoder that truncates before it) is left out."""
+    count = functools.cache(count)  # (each range measures one and two words again)
+    bounds = zip((0, *buckets), buckets, strict=False)
+    return tuple(p for low, high in bounds if (p := prompt_within(count, low, high)) is not None)
+
+
+def prompt_within(count: Callable[[str], int], low: int, high: int, tries: int = 16) -> str | None:
+    """A prompt of `WORD` repeated whose token count is in (`low`, `high`], or None where none
+    is. The count of k words is affine in k (measured at 1 and 2), so the first guess lands near
+    the range's middle; each guess is checked and moved by the words it missed by."""
 
     def prompt(words: int) -> str:
         return " ".join([WORD] * words)
 
     one = count(prompt(1))
     per = max(count(prompt(2)) - one, 1)
-    prompts: list[str] = []
-    below = 0
-    for bucket in TEXT_BUCKETS:
-        target = (below + bucket + 1) // 2
-        words = max(1, 1 + round((target - one) / per))
-        for _ in range(tries):
-            tokens = count(prompt(words))
-            if below < tokens <= bucket:
-                prompts.append(prompt(words))
-                break
-            step = round((target - tokens) / per) or (1 if tokens <= below else -1)
-            words = max(1, words + step)
-        below = bucket
-    return tuple(prompts)
+    target = (low + high + 1) // 2
+    words = max(1, 1 + round((target - one) / per))
+    for _ in range(tries):
+        tokens = count(prompt(words))
+        if low < tokens <= high:
+            return prompt(words)
+        step = round((target - tokens) / per) or (1 if tokens <= low else -1)
+        words = max(1, words + step)
+    return None
 
 
 def pad_tokens(text: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:

@@ -109,6 +109,8 @@ class BatchTracer:
         }
         if any(r is not None for r in rows):
             line["rows"] = rows
+        if self.count in self.batches:  # (its steps ran under the profiler: not figures)
+            line["traced"] = True
         if first is not None:
             now = self._alloc_counts()
             line["alloc"] = {k: now[k] - self._alloc.get(k, 0) for k in now}

@@ -11,6 +11,7 @@ back negated, as the pipeline negates it. Guidance above 0: `cond + scale x (con
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,9 +20,11 @@ from vllm_omni_like.models.adapter import Guidance, vae_decoder_target
 from vllm_omni_like.models.block_stack import BlockStack
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
-from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
+from vllm_omni_like.models.text_buckets import pad_tokens, prompt_within, text_bucket
 from vllm_omni_like.models.z_image import FAMILY
 from vllm_omni_like.models.z_image.sequence import (
+    CAPTION_BUCKETS,
+    CAPTION_MULTIPLE,
     block_targets,
     key_mask,
     pad_sequences_to_buckets,
@@ -46,7 +49,7 @@ class ZImageAdapter(ShiftedVAE):
             prompt=[t or "" for t in texts], device=device, max_sequence_length=MAX_TEXT_TOKENS
         )
         lengths = [int(r.shape[0]) for r in rows]  # (the tokenizer's counts: on the host)
-        bucket = text_bucket(max(lengths))
+        bucket = text_bucket(max(lengths), CAPTION_BUCKETS)
         embeds = torch.stack(
             [torch.cat([r, r.new_zeros((bucket - r.shape[0], r.shape[1]))]) for r in rows]
         )
@@ -54,9 +57,30 @@ class ZImageAdapter(ShiftedVAE):
         text = {"embeds": embeds, "mask": mask, "lengths": torch.tensor(lengths)}
         return pad_tokens(text, bucket)
 
-    def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
-        """One a text bucket (its tokens counted by the pipeline's own encoding)."""
-        return bucket_prompts(lambda p: int(self.encode_text([p], device, 0)["lengths"][0]))
+    def warm_up_prompts(self, device: torch.device) -> tuple[str | tuple[str, ...], ...]:
+        """Each caption bucket's two shapes (tokens counted by the pipeline's own encoding):
+        rows whose captions fill it (no mask), and a padded one (a mask): a prompt shorter than
+        the bucket where one is, else (every caption of 33-64 tokens fills 64) rows of the
+        bucket's prompt beside rows of the smallest bucket's."""
+        count = functools.cache(lambda p: int(self.encode_text([p], device, 0)["lengths"][0]))
+        groups: list[str | tuple[str, ...]] = []
+        smallest = None
+        for low, high in zip((0, *CAPTION_BUCKETS), CAPTION_BUCKETS, strict=False):
+            full = prompt_within(count, max(low, high - CAPTION_MULTIPLE), high)
+            if full is None:  # (past the encoder's truncation, or within its template)
+                continue
+            groups.append(full)
+            smallest = smallest or full
+            short = prompt_within(count, low, high - CAPTION_MULTIPLE)
+            if short is not None:
+                groups.append(short)
+            elif full != smallest:
+                groups.append((full, smallest))
+        return tuple(groups)
+
+    def warmed_up(self) -> None:
+        """A compiled stage's warm-up ran every shape: unmasked forwards only where it ran them."""
+        pad_sequences_to_buckets(self.pipe.transformer).frozen = True
 
     def text_kwargs(
         self, prompts: list[str], negatives: list[str], tokenizer: Any

@@ -6,9 +6,13 @@ batch to its longest row with a mask only where the rows' lengths differ: every 
 length is a new shape, and a compiled transformer recompiled at run time for each one (the
 CPU's eager backend: a graph per prompt length, tests/models/test_z_image_compiled.py). Here
 the captions and the joint sequence [image, caption] are padded further, to the caption's
-text bucket (models/text_buckets.py), always with a mask: the layers see one shape per
-(bucket, rows) and compute what they computed at the rows' own lengths (the padding is masked). The
-attention leaves the mask out of the kernel (`ZeroedKeysProcessor`, models/zeroed_keys.py).
+text bucket (`CAPTION_BUCKETS`, the model's own multiples of 32 up to 64: a short prompt is as
+long as the model makes it), with a mask: the layers see one shape per (bucket, rows) and compute
+what they computed at the rows' own lengths (the padding is masked). The attention leaves the mask
+out of the kernel (`ZeroedKeysProcessor`, models/zeroed_keys.py). Where every row's caption fills
+its bucket there is no padding and no mask (`UnmaskedShapes`): the forward is the model's own,
+kernel for kernel (an H100's masked forward of one row was 2% slower: the log-sum-exp's
+correction, the zeroed keys' copies).
 """
 
 from __future__ import annotations
@@ -20,6 +24,28 @@ from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnP
 
 from vllm_omni_like.models.text_buckets import text_bucket, zero_pad
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
+
+CAPTION_MULTIPLE = 32  # the transformer pads each caption to a multiple of it (`SEQ_MULTI_OF`)
+CAPTION_BUCKETS = (32, 64, 128, 256, 512)  # a caption's padded length: the smallest that holds it
+
+
+class UnmaskedShapes:
+    """The forwards that run without a mask: every row's caption fills its bucket, at a (rows,
+    length) a compiled stage's warm-up ran so (a mask or none is a graph of its own: a shape the
+    warm-up left masked stays masked, so no request compiles); until the warm-up ends
+    (`freeze`), and on a stage never frozen (uncompiled), any."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.frozen = False
+
+    def allows(self, lengths: list[int], length: int) -> bool:
+        if any(n != length for n in lengths):
+            return False
+        key = (len(lengths), length)
+        if not self.frozen:
+            self.seen.add(key)
+        return key in self.seen
 
 
 def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -51,11 +77,14 @@ def key_mask(lengths: list[int], length: int, device: torch.device) -> torch.Ten
     return mask
 
 
-def pad_sequences_to_buckets(transformer: Any) -> None:
+def pad_sequences_to_buckets(transformer: Any) -> UnmaskedShapes:
     """Wrap the transformer's two paddings (its caption sequences, its joint sequence) so both
-    reach the caption's text bucket with a mask; once per transformer."""
-    if getattr(transformer, "_text_buckets", False):
-        return
+    reach the caption's text bucket, with a mask where one is padded; once per transformer.
+    Returns which shapes run without a mask."""
+    kept = getattr(transformer, "_unmasked_shapes", None)
+    if isinstance(kept, UnmaskedShapes):
+        return kept
+    shapes = UnmaskedShapes()
     prepare, unify = transformer._prepare_sequence, transformer._build_unified_sequence
 
     def prepare_sequence(feats: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -64,8 +93,8 @@ def pad_sequences_to_buckets(transformer: Any) -> None:
         if pad_token is not transformer.cap_pad_token:  # the image's: all rows one length
             return out
         padded, freqs, _, lengths, noise = out
-        length = text_bucket(max(lengths))
-        mask = key_mask(lengths, length, padded.device)
+        length = text_bucket(max(lengths), CAPTION_BUCKETS)
+        mask = None if shapes.allows(lengths, length) else key_mask(lengths, length, padded.device)
         return pad_to(padded, length), pad_to(freqs, length), mask, lengths, noise
 
     def build_unified_sequence(
@@ -82,14 +111,15 @@ def pad_sequences_to_buckets(transformer: Any) -> None:
         unified, freqs, mask, noise = unify(*args)
         if noise is not None:  # (omni mode: images as conditions; not served)
             return unified, freqs, mask, noise
-        length = max(x_lengths) + text_bucket(max(cap_lengths))
+        length = max(x_lengths) + text_bucket(max(cap_lengths), CAPTION_BUCKETS)
         lengths = [a + b for a, b in zip(x_lengths, cap_lengths, strict=True)]
-        mask = key_mask(lengths, length, unified.device)
+        mask = None if shapes.allows(lengths, length) else key_mask(lengths, length, unified.device)
         return pad_to(unified, length), pad_to(freqs, length), mask, noise
 
     transformer._prepare_sequence = prepare_sequence
     transformer._build_unified_sequence = build_unified_sequence
-    transformer._text_buckets = True
+    transformer._unmasked_shapes = shapes
+    return shapes
 
 
 class ZeroedKeysProcessor(ZSingleStreamAttnProcessor):  # type: ignore[misc]  # untyped

@@ -32,15 +32,16 @@ class OwnLoop:
 
     def warm_up(self, rows: int, width: int, height: int) -> int:
         """A batch of `rows` for each of the adapter's warm-up prompts (one a text shape its
-        denoiser sees), without guidance and with it; returns how many ran. A family that only
-        starts from an image starts from a blank upload of the size (an upload of another
-        aspect may fit to another sequence length: a shape of its own)."""
+        denoiser sees; a group's prompts taken by the rows in turn), without guidance and with
+        it; returns how many ran. A family that only starts from an image starts from a blank
+        upload of the size (an upload of another aspect may fit to another sequence length: a
+        shape of its own)."""
         rt = self.runtime
         frames = rt.defaults.frames if rt.is_video else None
         mode = rt.family.modes[0]
         images = [np.zeros((height, width, 3), np.uint8)] if rt.family.needs_image else []
-        scales = self._warm_up_guidance()
-        for guidance in scales:
+        ran = 0
+        for guidance in self._warm_up_guidance():
             params = GenerationParams(
                 width=width,
                 height=height,
@@ -49,12 +50,15 @@ class OwnLoop:
                 num_frames=frames,
                 guidance_scale=guidance,
             )
-            for prompt in self._warm_up_prompts:
+            batches = {_rows_of(group, rows): None for group in self._warm_up_prompts}
+            for texts in batches:  # (a group wider than the batch: as its first prompt alone)
                 batch = [
-                    StageRequest(f"warm-up-{i}", prompt, params, mode, images) for i in range(rows)
+                    StageRequest(f"warm-up-{i}", t, params, mode, images)
+                    for i, t in enumerate(texts)
                 ]
                 self.begin(batch, StageControl(FaultInjector((), rt.name))).finish(batch)
-        return len(self._warm_up_prompts) * len(scales)
+                ran += 1
+        return ran
 
     def _warm_up_guidance(self) -> tuple[float | None, ...]:
         """The scales each bucket is warmed up at: one without guidance (one model row an image)
@@ -70,7 +74,7 @@ class OwnLoop:
         return (plain, max(rt.defaults.guidance, plain + 1.0))
 
     @functools.cached_property
-    def _warm_up_prompts(self) -> tuple[str, ...]:
+    def _warm_up_prompts(self) -> tuple[str | tuple[str, ...], ...]:
         with torch.inference_mode():  # (the adapter counts tokens with its text encoder)
             return self.runtime.adapter.warm_up_prompts(self.runtime.device)
 
@@ -92,3 +96,9 @@ class OwnLoop:
         rows = rowset.set.rows
         assert rowset.set.latents is not None
         return rowset.set.latents, [r.seed for r in rows], rowset.frames
+
+
+def _rows_of(group: str | tuple[str, ...], rows: int) -> tuple[str, ...]:
+    """The prompts of a warm-up batch of `rows`: the group's, in turn."""
+    texts = (group,) if isinstance(group, str) else group
+    return tuple(texts[i % len(texts)] for i in range(rows))

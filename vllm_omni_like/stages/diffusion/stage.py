@@ -50,9 +50,10 @@ class DiffusionStage(Stage):
             return
         if self.ranks.rank > 0 and self.config.leads:
             self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
-            return
-        self._warm_up()
-        self.end_branches(cfg_parallel.WARM_UP)
+        else:
+            self._warm_up()
+            self.end_branches(cfg_parallel.WARM_UP)
+        runtime.adapter.warmed_up()
 
     def serve_branches(self, batch_id: int) -> None:
         """A rank > 0: serve rank 0's calls of batch `batch_id` (its CFG branches, or its
