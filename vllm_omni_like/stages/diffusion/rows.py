@@ -4,9 +4,9 @@ Groups of rows join at a step boundary, every row steps with its own schedule, a
 leaves when its rows have ended (or it was aborted).
 
 A step is computed, then its step-point faults fire, then it is committed: a step that raises
-leaves the set as it was before it (each row's schedule position and multistep history are put
-back), so the worker can bisect it (`step(only=...)` steps a subset). What a row computes
-depends on its own inputs only, so a request's latents are the same whether it ran alone or
+leaves the set as it was before it (each row's schedule position, multistep history and step
+cache are put back), so the worker can bisect it (`step(only=...)` steps a subset). What a row
+computes depends on its own inputs only, so a request's latents are the same whether it ran alone or
 joined a busy set at step k (tests/stages/diffusion/test_running_set.py).
 """
 

@@ -19,6 +19,10 @@ model rows' (both CFG branches alike), and each step puts back what it fixes (TI
 frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its prompt's with
 its request's upload.
 
+With `--cache first-block` each row carries its own step cache (`LoopRow.cache`, empty when it
+joins) and each forward hands the cache its model rows' (row, branch): the rows then decide
+whether to run the denoiser's blocks after the first (block_cache.py).
+
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
 `latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
 (models/row_conditions.py) `condition`, `predict_conditioned`, `put_back`.
