@@ -1,9 +1,12 @@
 """The step cache's speed on one GPU (#58): First-Block Cache a row at a time in our own loop,
 at batch 1 and batched, against no caching and against diffusers' own FirstBlockCacheConfig.
 
-    python bench/caching.py                                   # FLUX.1-dev and Wan2.2-TI2V-5B
-    python bench/caching.py --models flux.1-dev --concurrency 4,16 --compile
-    python bench/caching.py --tiny --device cpu               # a CPU smoke run of the bench
+    # one H100, a call each (10 minutes at most); each call merges its parts into the file
+    python bench/caching.py --models flux.1-dev --concurrency 4            # b1, c4, diffusers
+    python bench/caching.py --models flux.1-dev --concurrency 16 --parts batched
+    python bench/caching.py --models wan2.2-ti2v-5b --concurrency 4
+    python bench/caching.py --models wan2.2-ti2v-5b --concurrency 16 --parts batched
+    python bench/caching.py --tiny --device cpu --concurrency 2 --steps 4  # a CPU smoke
 
 One diffusion stage a model in this process (the shipped architecture, `--load-format dummy`:
 random weights) with `--cache first-block`. Random weights make the residual's test arbitrary,
@@ -11,9 +14,10 @@ so the benchmark fixes which steps each row skips (`FirstBlockCache.forced`): st
 computes its first step and then every other step, rows alternating in phase, so about half of
 the rows compute at each step (`skipped_share` reports the share of block evaluations skipped).
 - b1: one request, cached against uncached (the wrappers out of the blocks), the denoise phase
-  (the loop, to the device's end) and end to end (with the decode): `speedup_b1`; each also
-  with `--cache-decision lagged` (`lagged`: the same decisions, the change read without
-  waiting for the device: what the sync decision's one read a step costs).
+  (the loop, to the device's end) and end to end (with the decode): `speedup_b1`; also with
+  `--cache-decision lagged` (`lagged`: the same decisions, the change read without waiting
+  for the device: what the sync decision's one read a step costs). Each measurement follows
+  one untimed run of two steps; `--repeats` timed runs (default 1), the fastest kept.
 - batched: N requests in one set of our loop (what a step-level running set of N runs each
   step: the computing half as a sub-batch padded to a bucket), cached against uncached:
   `speedup_batched` {cN: {denoise, e2e}}.
@@ -28,6 +32,7 @@ Writes bench/results/caching-<device>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -104,35 +109,48 @@ def requests(shape: dict[str, Any], n: int, video: bool) -> list[StageRequest]:
 
 
 def best(stage, batch, repeats: int) -> tuple[float, float]:
-    """The fastest of `repeats` timed runs, after one untimed (allocator, kernels, caches)."""
-    timed(stage, batch)
+    """The fastest of `repeats` timed runs."""
     runs = [timed(stage, batch) for _ in range(repeats)]
     return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
-def ours(stage: DiffusionStage, batch, repeats: int) -> dict[str, Any]:
-    """Cached (the staggered schedule) against uncached, the same batch."""
+def warm(stage, batch) -> None:
+    """One untimed run of two steps (the allocator's pools, the kernels' first launches)."""
+    short = [
+        dataclasses.replace(r, params=dataclasses.replace(r.params, num_inference_steps=2))
+        for r in batch
+    ]
+    timed(stage, short)
+
+
+def ours(stage: DiffusionStage, batch, repeats: int, lagged: bool) -> dict[str, Any]:
+    """Cached (the staggered schedule) against uncached, the same batch (`lagged`: also with
+    the decision read a step late: the same skips, no wait for the device)."""
     cache = stage.runtime.denoise.cache
+    warm(stage, batch)
     with cache.unwrapped():
         plain = best(stage, batch, repeats)
     cache.forced, cache.evaluations, cache.saved = Staggered(), 0, 0
-    cached = best(stage, batch, repeats)
-    skipped = cache.saved_share
-    cache.lagged = True  # the same decisions, the change read without a wait
     try:
-        lagged = best(stage, batch, repeats)
+        cached = best(stage, batch, repeats)
+        skipped = cache.saved_share
+        cache.lagged = True
+        late = best(stage, batch, repeats) if lagged else None
     finally:
         cache.forced, cache.lagged = None, False
-    return {
+    figures: dict[str, Any] = {
         "skipped_share": round(skipped, 4),
         "denoise": round(plain[0] / cached[0], 3),
         "e2e": round(plain[1] / cached[1], 3),
-        "lagged": {
-            "denoise": round(plain[0] / lagged[0], 3),
-            "e2e": round(plain[1] / lagged[1], 3),
-        },
-        "seconds": {"uncached": plain, "cached": cached, "lagged": lagged},
+        "seconds": {"uncached": plain, "cached": cached},
     }
+    if late is not None:
+        figures["lagged"] = {
+            "denoise": round(plain[0] / late[0], 3),
+            "e2e": round(plain[1] / late[1], 3),
+        }
+        figures["seconds"]["lagged"] = late
+    return figures
 
 
 def diffusers_fbc(stage: DiffusionStage, batch: list[StageRequest], repeats: int) -> dict:
@@ -198,23 +216,44 @@ def bench(name: str, shape: dict[str, Any], args) -> dict[str, Any]:
     )
     stage.load(args.device)
     video = stage.runtime.is_video
-    b1 = ours(stage, requests(shape, 1, video), args.repeats)
-    batched = {
-        f"c{n}": ours(stage, requests(shape, n, video), args.repeats) for n in args.concurrency
-    }
-    result = {
-        "shape": shape,
-        "skipped_share": b1["skipped_share"],
-        "speedup_b1": b1,
-        "speedup_batched": batched,
-        "diffusers_fbcache_speedup_b1": diffusers_fbc(
-            stage, requests(shape, 1, video), args.repeats
-        ),
-        "tiny_block_evals_saved_at_accuracy": tiny_saved(stage.runtime.device.type),
-    }
+    one = requests(shape, 1, video)
+    result: dict[str, Any] = {"shape": shape}
+    if "b1" in args.parts:
+        result["speedup_b1"] = ours(stage, one, args.repeats, lagged=True)
+        result["skipped_share"] = result["speedup_b1"]["skipped_share"]
+    if "batched" in args.parts:
+        result["speedup_batched"] = {
+            f"c{n}": ours(stage, requests(shape, n, video), args.repeats, lagged=False)
+            for n in args.concurrency
+        }
+    if "diffusers" in args.parts:
+        result["diffusers_fbcache_speedup_b1"] = diffusers_fbc(stage, one, args.repeats)
+    result["tiny_block_evals_saved_at_accuracy"] = tiny_saved(stage.runtime.device.type)
     stage.close()
     print(json.dumps({name: result}), flush=True)
     return result
+
+
+def device_tag(device: str) -> str:
+    """cpu, or the GPU's model (h100, h200, ...)."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name(0).lower().split()
+    return next((w for w in words if w[:1] in "ahlb" and w[1:2].isdigit()), "cuda")
+
+
+def merged(out: str, device: str, compile_: bool, results: dict[str, Any]) -> dict[str, Any]:
+    """The results file with these parts merged in (calls of one device add up)."""
+    found: dict[str, Any] = {"device": device, "compile": compile_, "models": {}}
+    if os.path.exists(out):
+        with open(out) as f:
+            found = json.load(f)
+    for name, parts in results.items():
+        found["models"].setdefault(name, {}).update(parts)
+        speeds = found["models"][name].get("speedup_batched")
+        if speeds is not None and "speedup_batched" in parts:
+            speeds.update(parts["speedup_batched"])
+    return found
 
 
 def main() -> None:
@@ -222,7 +261,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tiny", action="store_true", help="the tiny-video model (a CPU smoke)")
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="b1,batched,diffusers")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true")
@@ -233,11 +273,13 @@ def main() -> None:
     shapes = TINY if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
     if args.steps is not None:
         shapes = {name: {**shape, "steps": args.steps} for name, shape in shapes.items()}
+    args.parts = set(args.parts.split(","))
     results = {name: bench(name, shape, args) for name, shape in shapes.items()}
-    device = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0).split()[-1].lower()
+    device = device_tag(args.device)
     out = args.out or f"bench/results/caching-{device}.json"
+    found = merged(out, device, args.compile, results)
     with open(out, "w") as f:
-        json.dump({"device": device, "compile": args.compile, "models": results}, f, indent=1)
+        json.dump(found, f, indent=1)
     print(json.dumps({"out": out}))
 
 

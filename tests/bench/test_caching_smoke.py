@@ -34,5 +34,6 @@ def test_the_caching_bench_writes_the_issues_keys(tmp_path):
     assert 0.2 < result["skipped_share"] < 0.5  # (about half the rest, the first step's aside)
     assert set(result["speedup_batched"]) == {"c2"}
     for figure in (result["speedup_b1"], result["speedup_batched"]["c2"]):
-        assert figure["denoise"] > 0 and figure["e2e"] > 0 and figure["lagged"]["e2e"] > 0
+        assert figure["denoise"] > 0 and figure["e2e"] > 0
+    assert result["speedup_b1"]["lagged"]["e2e"] > 0  # (the sync read's cost, at batch 1)
     assert result["diffusers_fbcache_speedup_b1"]["e2e"] > 0
