@@ -1,5 +1,6 @@
 import pytest
 
+from vllm_omni_like import flags
 from vllm_omni_like.config import FAULTS_ENV, FaultRule, StageConfig, faults_from_env, parse_faults
 from vllm_omni_like.errors import ConfigError, OmniError
 from vllm_omni_like.stage_options import DiffusionOptions, NullOptions
@@ -203,3 +204,51 @@ def test_the_cli_refuses_fp8_for_a_unet_model_in_one_line(tmp_path, capsys):
     assert err.startswith("error: stage 'diffusion': --quantization fp8 runs the transformer")
     assert "not stable-diffusion: serve it with --quantization none" in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_cuda_graphs_on_is_refused_where_it_cannot_capture():
+    """`--cuda-graphs on` captures compiled buckets on one device: without --compile, or on a
+    replica of several ranks, it is a start-up error naming the flag (auto stays quiet)."""
+    with pytest.raises(ConfigError) as info:
+        StageConfig(name="d", kind="diffusion", cuda_graphs="on")
+    assert str(info.value) == (
+        "stage 'd': --cuda-graphs on captures the compiled buckets' forwards: it needs --compile"
+    )
+    with pytest.raises(ConfigError) as info:
+        StageConfig(
+            name="d",
+            kind="diffusion",
+            compile=True,
+            cuda_graphs="on",
+            sequence_parallel=2,
+            device="cpu",
+        )
+    assert str(info.value) == (
+        "stage 'd': --cuda-graphs on is not built for a replica of several ranks "
+        "(--cfg-parallel, --sequence-parallel): leave it auto or off"
+    )
+    with pytest.raises(ConfigError, match="cuda_graphs must be one of auto, on, off, not 'yes'"):
+        StageConfig(name="d", kind="diffusion", cuda_graphs="yes")
+    StageConfig(name="d", kind="diffusion", compile=True, cuda_graphs="on")
+    StageConfig(name="d", kind="diffusion", cfg_parallel=True, compile=True)  # (auto)
+
+
+def test_serve_keeps_its_compile_cache_under_the_storage_dir(monkeypatch):
+    """serve's default compile cache is <--storage-dir>/compile-cache, unless the host set
+    TORCHINDUCTOR_CACHE_DIR (bench scripts do) or --compile-cache names one; generate has no
+    storage dir: the worker's default (that variable, else the cache dir's)."""
+    from vllm_omni_like.cli import _pipelines, build_parser
+
+    def caches(argv: list[str]) -> list[str]:
+        args = build_parser().parse_args(argv)
+        pipelines = _pipelines(args)
+        if args.command == "serve":
+            pipelines = flags.with_compile_cache(pipelines, args.storage_dir)
+        return [s.compile_cache for p in pipelines for s in p.stages]
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert caches(["serve", "null-omni", "--storage-dir", "/s"]) == ["/s/compile-cache"] * 2
+    assert caches(["serve", "null-image", "--compile-cache", "/fast/cc"]) == ["/fast/cc"]
+    assert caches(["generate", "null-image", "--input", "x", "--output-dir", "o"]) == [""]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/host/cache")
+    assert caches(["serve", "null-image", "--storage-dir", "/s"]) == [""]

@@ -22,7 +22,18 @@ ORDER = [
     "models",
     "parallel",
 ]
-BOTTOM = {"wire", "inputs", "outputs", "config", "errors", "params", "stage_options", "cost"}
+BOTTOM = {
+    "wire",
+    "inputs",
+    "outputs",
+    "config",
+    "compile_choices",
+    "errors",
+    "params",
+    "stage_options",
+    "cost",
+    "loras",
+}
 
 
 def _layer(module: str) -> str | None:

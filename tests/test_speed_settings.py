@@ -35,6 +35,11 @@ def _config(**kw) -> StageConfig:
             {"cache": "first-block", "compile": True, "regional_compile": "off"},
             "not with --regional-compile off",
         ),
+        (
+            {"cache": "first-block", "compile": True, "cuda_graphs": "on"},
+            "not with --cuda-graphs on",
+        ),
+        ({"cache": "first-block", "lora_dir": "/tmp"}, "nor with LoRA adapters yet"),
     ],
 )
 def test_a_step_cache_it_cannot_run_is_refused_naming_the_flag(kw, message):

@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vllm_omni_like.engine import AsyncOmni
 
     settings = flags.server_settings(args)
-    engine = AsyncOmni(flags.engine_config(args, _pipelines(args)))
+    pipelines = flags.with_compile_cache(_pipelines(args), settings.storage_dir)
+    engine = AsyncOmni(flags.engine_config(args, pipelines))
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:

@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni_like.compile_choices import (
+    COMPILE_MODES,
+    CUDA_GRAPHS_MODES,
+    REGIONAL_COMPILE_MODES,
+    check_compile,
+)
 from vllm_omni_like.errors import ConfigError
+from vllm_omni_like.loras import LoraSpec, check_loras
 from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, check_speed
 from vllm_omni_like.stage_options import parse_options
 
@@ -16,17 +23,8 @@ FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
 CACHE_ENV = "VLLM_OMNI_LIKE_CACHE"
 
 # template, tokenize, constraint, detokenize: one row of an LLM stage's batch (the others run on)
-FAULT_POINTS = (
-    "load",
-    "execute",
-    "step",
-    "output",
-    "store",
-    "template",
-    "tokenize",
-    "constraint",
-    "detokenize",  # an LLM stage's rows
-)
+FAULT_POINTS: tuple[str, ...] = ("load", "execute", "step", "output", "store")
+FAULT_POINTS += ("template", "tokenize", "constraint", "detokenize")  # an LLM stage's rows
 FAULT_KINDS = ("raise", "invalid", "oom", "exit", "hang", "slow", "enospc")
 # point=store fails the API's file writes: stage= names the store, kind= is enospc or raise
 STORES = ("files", "videos")
@@ -36,15 +34,9 @@ BATCH_LEVELS = ("step", "request")
 ROUTINGS = ("cost", "count")  # engine/routing.py
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 LOAD_FORMATS = ("auto", "dummy")  # the weights on disk, or random ones of the same architecture
 # the denoisers' linear layers: in the weights' dtype, or FP8 matmuls (stages/diffusion/fp8.py)
 QUANTIZATIONS = ("none", "fp8")
-REGIONAL_COMPILE_MODES = ("auto", "on", "off")  # auto: on with --quantization fp8
-# torch.compile's modes that capture CUDA graphs of their own: refused at start-up (measured on an
-# H100 with reduce-overhead: the stage warmed up, then every request crashed its worker with
-# "operation failed due to a previous error during capture"; max-autotune captures them too)
-CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -198,9 +190,19 @@ class StageConfig:
     cache: str = "none"
     cache_threshold: float = DEFAULT_THRESHOLD
     cache_decision: str = "sync"
+    # with compile: each bucket's denoiser forward a CUDA graph (compile_choices.py)
+    cuda_graphs: str = "auto"
+    # with compile: where compiled graphs persist across starts and restarts ("": the cache
+    # dir's inductor/, or TORCHINDUCTOR_CACHE_DIR; `serve`: <storage dir>/compile-cache)
+    compile_cache: str = ""
     # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
     # the next batch denoises
     decode_overlap: bool = True
+    # LoRA adapters (loras.py): registered, and `lora_dir`'s at run time; a pool of `max_loras`
+    loras: tuple[LoraSpec, ...] = ()
+    lora_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
     # what a request may ask of the model; None: the model's own (models/limits.py)
     max_side: int | None = None
     max_pixels: int | None = None
@@ -250,6 +252,8 @@ class StageConfig:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         self._check_choices()
         self._check_batching()
+        loras = (self.loras, self.lora_dir, self.max_loras, self.max_lora_rank)
+        object.__setattr__(self, "loras", check_loras(self.name, self.kind, self.leads, *loras))
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -265,12 +269,7 @@ class StageConfig:
     def _check_choices(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"stage {self.name!r}: load_format must be auto or dummy")
-        if self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
-            raise ConfigError(
-                f"stage {self.name!r}: --compile-mode {self.compile_mode} is refused: "
-                "torch.compile's own CUDA graphs crash the worker at its first request after the "
-                "warm-up; use default or max-autotune-no-cudagraphs"
-            )
+        check_compile(self)
         for key, value, allowed in (
             ("compile_mode", self.compile_mode, COMPILE_MODES),
             ("attention", self.attention, ATTENTION_BACKENDS),
@@ -279,6 +278,7 @@ class StageConfig:
             ("batch_level", self.batch_level, BATCH_LEVELS),
             ("quantization", self.quantization, QUANTIZATIONS),
             ("regional_compile", self.regional_compile, REGIONAL_COMPILE_MODES),
+            ("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS_MODES),
         ):
             if value not in allowed:
                 raise ConfigError(

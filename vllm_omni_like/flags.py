@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
+from vllm_omni_like.compile_choices import COMPILE_MODES, CUDA_GRAPH_COMPILE_MODES
 from vllm_omni_like.config import (
     ATTENTION_BACKENDS,
     CHANNELS_LAST_MODES,
-    COMPILE_MODES,
-    CUDA_GRAPH_COMPILE_MODES,
     LOAD_FORMATS,
     EngineConfig,
     Limits,
@@ -26,12 +25,15 @@ from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS
 from vllm_omni_like.stage_flags import (
     add_batching_args,
+    add_graph_args,
+    add_lora_args,
     add_parallel_args,
     add_precision_args,
     stage_flag,
 )
 
 API_KEY_ENV = "VLLM_OMNI_LIKE_API_KEY"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 STAGE_FLAGS = (
     "load_format",
     "dtype",
@@ -67,6 +69,12 @@ STAGE_FLAGS = (
     "cache",
     "cache_threshold",
     "cache_decision",
+    "loras",
+    "lora_dir",
+    "max_loras",
+    "max_lora_rank",
+    "cuda_graphs",
+    "compile_cache",
     "max_side",
     "max_pixels",
     "max_frames",
@@ -92,7 +100,8 @@ _SERVER = {f.name: f.default for f in fields(ServerSettings) if f.default is not
 COMPILE_CHOICES = COMPILE_MODES + CUDA_GRAPH_COMPILE_MODES
 COMPILE_MODE_HELP = (
     "torch.compile's mode (reduce-overhead and max-autotune, which capture CUDA graphs of their "
-    "own, are refused: they crash the worker at its first request)"
+    "own, are refused: they crash the worker at its first request; --cuda-graphs captures the "
+    "stage's own)"
 )
 LOAD_FORMAT_HELP = "auto: the weights on disk; dummy: random weights"
 DTYPE_HELP = "auto: fp16 on CUDA (bf16 with --quantization fp8), fp32 on the CPU"
@@ -159,6 +168,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
     )
     add_batching_args(parser)
+    add_lora_args(parser)
     g = parser.add_argument_group("speed (diffusion stages)")
     stage_flag(
         g,
@@ -170,6 +180,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     stage_flag(g, "compile_mode", COMPILE_MODE_HELP, choices=COMPILE_CHOICES)
     add_precision_args(g)
+    add_graph_args(g)
     stage_flag(
         g,
         "attention",
@@ -286,9 +297,29 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, object]:
     found = {k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k, None) is not None}
-    if "warmup_sizes" in found:
-        found["warmup_sizes"] = tuple(found["warmup_sizes"])
+    for name in ("warmup_sizes", "loras"):  # (repeatable flags)
+        if name in found:
+            found[name] = tuple(found[name])
     return found
+
+
+def with_compile_cache(
+    pipelines: tuple[PipelineConfig, ...], storage_dir: str
+) -> tuple[PipelineConfig, ...]:
+    """serve's stages that name no compile cache keep theirs under the storage dir, unless the
+    host set TORCHINDUCTOR_CACHE_DIR (its own cache dir stays its own)."""
+    if os.environ.get(INDUCTOR_CACHE_ENV):
+        return pipelines
+    where = os.path.join(storage_dir, "compile-cache")
+    return tuple(
+        replace(
+            p,
+            stages=tuple(
+                s if s.compile_cache else replace(s, compile_cache=where) for s in p.stages
+            ),
+        )
+        for p in pipelines
+    )
 
 
 def engine_config(args: argparse.Namespace, pipelines: tuple[PipelineConfig, ...]) -> EngineConfig:

@@ -18,6 +18,14 @@ class GuideSpec:
 
 
 @dataclass(frozen=True)
+class LoraRef:
+    """A LoRA adapter a request asks for, by name (vllm_omni_like/loras.py), at its scale."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """What a request asks of every stage; each stage reads the fields it understands."""
 
@@ -37,6 +45,8 @@ class GenerationParams:
     scheduler: str | None = None  # models/schedulers.py's names; None: the model's own
     # step cache (a stage with --cache): this request's threshold (None: the stage's; 0: off)
     cache_threshold: float | None = None
+    # LoRA adapters of the diffusion stage, each at its scale (one batch mixes any of them)
+    loras: tuple[LoraRef, ...] = ()
     # LLM stage (each row of a batch its own: stages/llm/token_rules.py)
     max_new_tokens: int | None = None
     temperature: float = 0.0

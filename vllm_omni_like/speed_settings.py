@@ -50,6 +50,12 @@ def _check_cache(config: Any, where: str, diffusion: bool) -> None:
             "run the pipeline's call, not our loop's rows; a sequence's shares would each "
             "measure a change of their own)"
         )
+    if config.cuda_graphs == "on" or config.loras or config.lora_dir:
+        raise ConfigError(
+            f"{where}: not with --cuda-graphs on (a replayed graph runs every block of every "
+            "row: a row's decision runs between them) nor with LoRA adapters yet (a sub-batch "
+            "would need its rows' adapters gathered with them)"
+        )
     if config.compile and config.regional_compile == "off":
         raise ConfigError(
             f"{where} compiles the denoiser block by block (each row's decision runs between "

@@ -7,14 +7,8 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from vllm_omni_like.config import (
-    BATCH_LEVELS,
-    BATCH_POLICIES,
-    QUANTIZATIONS,
-    REGIONAL_COMPILE_MODES,
-    ROUTINGS,
-    StageConfig,
-)
+from vllm_omni_like.compile_choices import CUDA_GRAPHS_MODES, REGIONAL_COMPILE_MODES
+from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
 from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
@@ -27,7 +21,7 @@ def on_off(value: bool) -> str:
 def stage_flag(g: Any, name: str, text: str, **kw: Any) -> None:
     """A flag that overrides every stage's field `name`; its help shows the field's default."""
     default = _STAGE[name]
-    shown = on_off(default) if isinstance(default, bool) else default
+    shown = kw.pop("shown", on_off(default) if isinstance(default, bool) else default)
     g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default: {shown})", **kw)
 
 
@@ -181,4 +175,65 @@ def add_cache_args(g: Any) -> None:
         "sync: each row decides from this step's first block (one device-to-host read a "
         "step); lagged: from its step before's, so the host never waits for the device",
         choices=CACHE_DECISIONS,
+    )
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters of the diffusion stages (stages/diffusion/lora_pool.py)."""
+    g = parser.add_argument_group("LoRA adapters (diffusion stages, our own loop)")
+    g.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter (a .safetensors file: diffusers/peft, or kohya-style for SD1.5, "
+        "SDXL and FLUX.1) a request picks by NAME (`lora` field, or model BASE:NAME), read and "
+        "checked at start-up; repeatable; replaces a YAML stage's `loras:` (default: none)",
+    )
+    stage_flag(
+        g,
+        "lora_dir",
+        "a directory whose NAME.safetensors files requests may pick by NAME at run time (read "
+        "when first asked for; no name leaves the directory)",
+        metavar="DIR",
+    )
+    stage_flag(
+        g,
+        "max_loras",
+        "adapters held on the device at once (least recently used evicted, never one a "
+        "running request uses)",
+        type=int,
+        metavar="N",
+    )
+    stage_flag(
+        g,
+        "max_lora_rank",
+        "the device pool's rank: lower ranks are padded to it, higher ones refused",
+        type=int,
+        metavar="R",
+    )
+
+
+def add_graph_args(g: Any) -> None:
+    """CUDA graphs of the compiled forward, and the cache that makes a start or restart short
+    (the speed group `g`)."""
+    stage_flag(
+        g,
+        "cuda_graphs",
+        "with --compile: each compiled bucket's denoiser forward captured once as a CUDA graph "
+        "after its warm-up and replayed every step over static buffers (rows joining and "
+        "leaving are copied in; all buckets share one memory pool; a capture that fails falls "
+        "back to the compiled forward with a warning; /health lists each replica's graphs); "
+        "auto: on CUDA, for a replica of one rank",
+        choices=CUDA_GRAPHS_MODES,
+    )
+    stage_flag(
+        g,
+        "compile_cache",
+        "with --compile: the directory compiled graphs and kernels persist in (torch "
+        "inductor's FX graph and AOTAutograd caches), so a later start, or a replica restarted "
+        "after its worker died, loads them instead of compiling",
+        metavar="DIR",
+        shown="serve: <--storage-dir>/compile-cache unless TORCHINDUCTOR_CACHE_DIR is set; "
+        "generate: that variable, else ~/.cache/vllm_omni_like/inductor",
     )

@@ -114,6 +114,19 @@ class Shutdown:
 # ---- worker -> parent ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StartReport:
+    """What a worker's start took and found (a compiled stage's: its compile cache, its CUDA
+    graphs); /health and /metrics show rank 0's per replica."""
+
+    seconds: float  # the load, compile and warm-up
+    cache_dir: str = ""  # where compiled graphs persist ("": not compiled)
+    cache_hits: int = 0  # compiled graphs loaded from it (inductor's FX graph cache)
+    cache_misses: int = 0  # compiled anew (and saved to it)
+    graphs: tuple[str, ...] = ()  # the buckets whose forward replays a CUDA graph
+    graph_bytes: int = 0  # what their memory pool holds
+
+
 @dataclass
 class WorkerReady:
     rank: int
@@ -124,6 +137,7 @@ class WorkerReady:
     # the modes whose rows join and leave its running set at step boundaries (Stage.stepper)
     stepped: tuple[Mode, ...] = ()
     precision: str | None = None  # what its model computes in (Stage.precision): fp8, bf16...
+    start: StartReport | None = None
 
 
 @dataclass

@@ -42,6 +42,7 @@ def test_health_models_version(null_server):
         (replica,) = replicas
         pids = replica.pop("pids")
         assert len(pids) == 1 and psutil.pid_exists(pids[0])  # its live worker process
+        assert replica.pop("start_seconds") > 0  # (its load; a compiled one's cache, graphs)
         assert replica == {"index": 0, "device": "auto", "state": "ready", "gpu_memory_bytes": 0}
         assert http.get("/version").json() == {"version": __version__}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -51,3 +52,40 @@ def test_running_counts_a_batch_still_decoding_beside_the_next():
         seen, outs = asyncio.run(run())
         assert seen and all(o.ok for o in outs)
         wait_for(lambda: orch.snapshot.stages[0].running == 0, 5, "none running after")
+
+
+def test_each_replica_says_what_its_start_and_its_restart_took():
+    """A worker reports its start (seconds; a compiled one its compile cache and CUDA graphs);
+    a replica restarted after its worker died says the seconds from the death to ready, in
+    /health and /metrics (api/metrics.py)."""
+    from vllm_omni_like.api.metrics import Metrics
+
+    with engine("null-image", max_restarts=1) as e:
+        orch = e.orchestrator
+        (view,) = orch.snapshot.stages[0].replicas
+        assert view.start is not None and view.start.seconds > 0 and view.restart_seconds is None
+        health = view.health()
+        assert health["start_seconds"] == round(view.start.seconds, 3)
+        assert "restart_seconds" not in health and "compile_cache" not in health  # not compiled
+        killed_at = time.monotonic()
+        kill_worker(e, "null-image", 0)
+        wait_for(lambda: orch.snapshot.stages[0].replicas[0].restart_seconds, 10, "a restart")
+        took = time.monotonic() - killed_at
+        (view,) = orch.snapshot.stages[0].replicas
+        assert 0 < view.restart_seconds <= took and view.start.seconds < view.restart_seconds
+        assert e.health()[0]["replicas"][0]["restart_seconds"] == round(view.restart_seconds, 3)
+        metrics = Metrics(e).render().decode()
+        labels = '{device="auto",pipeline="null-image",replica="0",stage="diffusion"}'
+        assert f"vllm_omni_like_replica_restart_seconds{labels} {view.restart_seconds}" in metrics
+        assert f"vllm_omni_like_replica_start_seconds{labels} {view.start.seconds}" in metrics
+
+
+def test_a_compiled_replica_s_health_names_its_compile_cache_and_graphs():
+    from vllm_omni_like.engine.snapshot import ReplicaView
+    from vllm_omni_like.wire import StartReport
+
+    start = StartReport(12.3456, "/s/compile-cache", 7, 0, ("2x4x64x64", "4x4x64x64"), 2**20)
+    body = ReplicaView(0, "cuda:0", "ready", 0, (11,), start, 4.5).health()
+    assert body["start_seconds"] == 12.346 and body["restart_seconds"] == 4.5
+    assert body["compile_cache"] == {"dir": "/s/compile-cache", "hits": 7, "misses": 0}
+    assert body["cuda_graphs"] == ["2x4x64x64", "4x4x64x64"] and body["cuda_graph_bytes"] == 2**20

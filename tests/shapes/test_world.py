@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -58,6 +59,22 @@ def test_checker_reads_ground_truth_renders():
     pairs = []
     for _ in range(400):
         scene = world.sample_scene(rng, None)
+        pairs.append((_expected(scene), world.render(scene)))
+    accuracy = checker.accuracy(pairs)
+    assert all(v >= 0.99 for v in accuracy.values()), accuracy
+
+
+def test_checker_reads_the_adapters_colour_and_shape_too():
+    """The example adapters' pink and diamond (training/train_lora.py), among the base's."""
+    rng = random.Random(5)
+    pairs = []
+    for i in range(400):
+        scene = world.sample_scene(rng, None)
+        if i % 2:
+            colour = "pink" if scene.background != "pink" else scene.colour
+            scene = dataclasses.replace(scene, colour=colour)
+        if i % 3 == 0:
+            scene = dataclasses.replace(scene, shape="diamond")
         pairs.append((_expected(scene), world.render(scene)))
     accuracy = checker.accuracy(pairs)
     assert all(v >= 0.99 for v in accuracy.values()), accuracy

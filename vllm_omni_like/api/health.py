@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from vllm_omni_like import __version__
 from vllm_omni_like.errors import NotFoundError
 from vllm_omni_like.media import MEDIA_TYPES
+from vllm_omni_like.protocol.loras import served_adapters, split_model
 
 router = APIRouter()
 STARTED_AT = int(time.time())
@@ -53,22 +54,38 @@ def _model(engine, name: str) -> dict:
     }
 
 
+def _adapter(engine, name: str, adapter: str) -> dict:
+    """A LoRA adapter of a served model, as the model `base:adapter` (its base's fields)."""
+    return {**_model(engine, name), "id": f"{name}:{adapter}", "parent": name, "lora": adapter}
+
+
+def _models(engine) -> list[dict]:
+    """Each served model, then each of its LoRA adapters (protocol/loras.py)."""
+    found = []
+    for name in engine.pipeline_names:
+        found.append(_model(engine, name))
+        found += [_adapter(engine, name, a) for a in served_adapters(engine, name)]
+    return found
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    engine = request.app.state.server.engine
-    return {"object": "list", "data": [_model(engine, n) for n in engine.pipeline_names]}
+    return {"object": "list", "data": _models(request.app.state.server.engine)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str) -> dict:
     engine = request.app.state.server.engine
-    if model_id not in engine.pipeline_names:
-        raise NotFoundError(
-            f"model {model_id!r} is not served here; served: {', '.join(engine.pipeline_names)}",
-            param="model",
-            code="model_not_found",
-        )
-    return _model(engine, model_id)
+    if model_id in engine.pipeline_names:
+        return _model(engine, model_id)
+    base, adapter = split_model(engine, model_id)
+    if base in engine.pipeline_names and adapter in served_adapters(engine, str(base)):
+        return _adapter(engine, str(base), str(adapter))
+    raise NotFoundError(
+        f"model {model_id!r} is not served here; served: {', '.join(engine.pipeline_names)}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 @router.get("/version")

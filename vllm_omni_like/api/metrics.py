@@ -78,7 +78,40 @@ class _EngineCollector:
                 labels = [*key, str(r.index), r.device]
                 replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
                 gpu_memory.add_metric(labels, r.gpu_memory)
-        yield from (waiting, running, alive, replica_up, gpu_memory, family)
+        yield from (waiting, running, alive, replica_up, gpu_memory, family, *_starts(self.engine))
+
+
+def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
+    """What each replica's last start and restart took, and what its compile cache held."""
+    labels = ["pipeline", "stage", "replica", "device"]
+    start = GaugeMetricFamily(
+        f"{PREFIX}_replica_start_seconds",
+        "Seconds a replica's last start took in its worker: load, compile (or the compile "
+        "cache) and warm-up",
+        labels=labels,
+    )
+    restart = GaugeMetricFamily(
+        f"{PREFIX}_replica_restart_seconds",
+        "Seconds a replica's last restart took, from its worker's death to ready again",
+        labels=labels,
+    )
+    cache = GaugeMetricFamily(
+        f"{PREFIX}_replica_compile_cache_graphs",
+        "Compiled graphs a replica's last start loaded from the compile cache (hit) or "
+        "compiled anew (miss)",
+        labels=[*labels, "result"],
+    )
+    for stage in engine.orchestrator.snapshot.stages:
+        for r in stage.replicas:
+            key = [stage.pipeline, stage.name, str(r.index), r.device]
+            if r.start is not None:
+                start.add_metric(key, r.start.seconds)
+                if r.start.cache_dir:
+                    cache.add_metric([*key, "hit"], r.start.cache_hits)
+                    cache.add_metric([*key, "miss"], r.start.cache_misses)
+            if r.restart_seconds is not None:
+                restart.add_metric(key, r.restart_seconds)
+    return start, restart, cache
 
 
 class Metrics:

@@ -14,6 +14,7 @@ that moment (`stall`): it takes no work, and `/health` does not call it ready.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
 from vllm_omni_like.executor.join_policy import GroupLoad, JoinPolicy
-from vllm_omni_like.wire import Progress
+from vllm_omni_like.wire import Progress, StartReport
 
 
 @dataclass
@@ -94,6 +95,9 @@ class Replica:
     restart_error: str | None = None  # why the last restart failed (until one succeeds)
     device: str = "auto"  # where its workers run, as the host names it
     gpu_memory: int = 0  # bytes its worker's CUDA allocator held when it last said
+    start: StartReport | None = None  # what its last start took and found (its worker said)
+    died_at: float = 0.0  # when its last death was seen, until its restart is ready (0: none)
+    restart_seconds: float | None = None  # its last restart: from the death to ready again
     # groups the engine counted in the running set that the worker held back (a bug: see held)
     misjudged: list[int] = field(default_factory=list)
 
@@ -134,6 +138,9 @@ class Replica:
     def attach(self, executor: Executor, now: float) -> None:
         """Its (new) executor, loaded and running."""
         self.executor, self.started_at, self.gpu_memory = executor, now, executor.gpu_memory
+        self.start = executor.start_report
+        if self.died_at:  # a restart: back to ready this long after the death
+            self.restart_seconds, self.died_at = now - self.died_at, 0.0
 
     @property
     def stepping(self) -> list[InFlight]:
@@ -238,6 +245,7 @@ class Replica:
 
     def lost(self) -> None:
         """Its executor died: nothing is in flight any more."""
+        self.died_at = self.died_at or time.monotonic()  # (a failed restart: the first death)
         self.inflight.clear()
         self.credits = self.max_credits
 

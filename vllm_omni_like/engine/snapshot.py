@@ -15,6 +15,7 @@ from vllm_omni_like.errors import ErrorInfo
 from vllm_omni_like.models.limits import StageFamily
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.speed_settings import describe_cache
+from vllm_omni_like.wire import StartReport
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,30 @@ class ReplicaView:
     state: str  # starting | ready | stalled | restarting | dead
     gpu_memory: int  # bytes its worker's CUDA allocator held when it last said (0: none)
     pids: tuple[int, ...] = ()  # its worker processes while live
+    start: StartReport | None = None  # what its last start took and found
+    restart_seconds: float | None = None  # its last restart, from the death to ready
 
     def health(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "index": self.index,
             "device": self.device,
             "state": self.state,
             "gpu_memory_bytes": self.gpu_memory,
             "pids": list(self.pids),
         }
+        if self.start is not None:
+            body["start_seconds"] = round(self.start.seconds, 3)
+            if self.start.cache_dir:  # (compiled)
+                body["compile_cache"] = {
+                    "dir": self.start.cache_dir,
+                    "hits": self.start.cache_hits,
+                    "misses": self.start.cache_misses,
+                }
+                body["cuda_graphs"] = list(self.start.graphs)
+                body["cuda_graph_bytes"] = self.start.graph_bytes
+        if self.restart_seconds is not None:
+            body["restart_seconds"] = round(self.restart_seconds, 3)
+        return body
 
 
 @dataclass(frozen=True)
@@ -136,4 +152,12 @@ def _replica_view(pool: StagePool, replica: Replica) -> ReplicaView:
     else:
         state = "dead" if pool.started else "starting"
     pids = tuple(replica.workers.pids) if replica.live else ()
-    return ReplicaView(replica.index, replica.device, state, replica.gpu_memory, pids)
+    return ReplicaView(
+        replica.index,
+        replica.device,
+        state,
+        replica.gpu_memory,
+        pids,
+        replica.start,
+        replica.restart_seconds,
+    )

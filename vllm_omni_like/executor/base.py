@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, ReplicaDied
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, ReplicaDied, StartReport
 
 FailureCallback = Callable[[ReplicaDied], None]
 MessageSink = Callable[[FromWorker], None]
@@ -24,6 +24,7 @@ class Executor(ABC):
     visible_devices: str | None = None  # its workers' CUDA_VISIBLE_DEVICES
     stepped: tuple[Mode, ...] = ()  # modes whose rows join its running set (WorkerReady)
     precision: str | None = None  # what its model computes in (WorkerReady): fp8, bf16...
+    start_report: StartReport | None = None  # its rank 0's start (WorkerReady)
 
     @abstractmethod
     def start(self) -> None:

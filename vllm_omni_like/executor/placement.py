@@ -11,11 +11,14 @@ on some drivers and in containers; vLLM turns the second off for the same reason
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 from vllm_omni_like.config import StageConfig, cache_dir
+from vllm_omni_like.wire import StartReport
 
+logger = logging.getLogger("vllm_omni_like.worker")
 NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}
 
 
@@ -62,13 +65,48 @@ def pin(device: str, peers: tuple[str, ...] = ()) -> str:
     return "cuda:0"
 
 
-def share_compile_cache() -> None:
-    """Compiled kernels and graphs persist in one cache under the server's cache dir, shared by
-    every replica and every restart, so a restarted compiled replica loads instead of compiling
-    (`TORCHINDUCTOR_CACHE_DIR`, unless the host set its own)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
+def share_compile_cache(directory: str = "") -> str:
+    """Compiled kernels and graphs persist in one cache directory, shared by every replica and
+    every restart, so a restarted compiled replica loads instead of compiling (inductor's FX
+    graph cache and AOTAutograd's, Triton's kernels under it): `directory` (--compile-cache),
+    else TORCHINDUCTOR_CACHE_DIR where the host set it, else under the server's cache dir.
+    Returns the directory."""
+    if directory:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
+    else:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    if "torch" in sys.modules:  # (a forked worker: torch read its settings before these)
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = True
+        torch._functorch.config.enable_autograd_cache = True
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def start_report(
+    compiled: bool, seconds: float, graphs: tuple[tuple[str, ...], int]
+) -> StartReport:
+    """A worker's start: how long it took and, compiled, what its compile cache held (graphs
+    loaded from it, graphs compiled anew: torch's counters of this process) and its CUDA
+    graphs (their buckets, their pool's bytes)."""
+    if not compiled:
+        return StartReport(seconds)
+    from torch._dynamo.utils import counters  # (only a compiled stage has torch)
+
+    inductor = counters["inductor"]
+    hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    logger.info(
+        "started in %.1fs: %d compiled graphs loaded from the compile cache %s, %d compiled",
+        seconds,
+        hits,
+        where,
+        misses,
+    )
+    return StartReport(seconds, where, hits, misses, *graphs)
 
 
 def limit_memory(device: str, fraction: float | None) -> None:

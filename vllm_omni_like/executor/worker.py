@@ -109,6 +109,7 @@ class _Worker:
 
     # 1) load ------------------------------------------------------------------------------------
     def load(self) -> bool:
+        started = time.monotonic()
         try:
             self.control.faults.fire_load()
             placement.limit_memory(self.device, self.config.gpu_memory_fraction)
@@ -131,8 +132,12 @@ class _Worker:
             JoinPolicy.of(self.config),
         )
         memory, precision = gpu_memory_in_use(), self.stage.precision()
+        took = time.monotonic() - started
+        start = placement.start_report(self.config.compile, took, self.stage.cuda_graphs())
         self.send(
-            WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped, precision)
+            WorkerReady(
+                self.rank, os.getpid(), self.device, visible, memory, stepped, precision, start
+            )
         )
         return True
 
@@ -386,7 +391,7 @@ def run_worker(
     """A worker's life once its device is pinned: load, then serve batches until `Shutdown`
     (a process of its own, or a Ray actor's thread); exits the process on a fatal error."""
     if config.compile:
-        placement.share_compile_cache()
+        placement.share_compile_cache(config.compile_cache)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
     )

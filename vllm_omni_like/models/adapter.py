@@ -26,9 +26,9 @@ import torch
 
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models import image_latents
-from vllm_omni_like.models.block_stack import BlockStack
+from vllm_omni_like.models.block_stack import StackedBlocks
 from vllm_omni_like.models.family import Family
-from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION
+from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION, LORA_LAYERS
 from vllm_omni_like.models.row_conditions import RowConditions
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
@@ -72,7 +72,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter(RowConditions):
+class Adapter(RowConditions, StackedBlocks):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
@@ -299,14 +299,14 @@ class Adapter(RowConditions):
         """(owner, attribute) of each module to compile: the denoisers by default."""
         return [(self.pipe, expert.name) for expert in self.experts()]
 
-    def block_stack(self) -> BlockStack:
-        """Its denoiser's blocks as the step cache sees them (models/block_stack.py)."""
-        raise ConfigError(f"--cache first-block does not run the {self.family.name} family")
-
     def high_precision_layers(self) -> tuple[str, ...]:
         """With --quantization fp8, the linear layers of a denoiser (fnmatch patterns over its
         module names) that keep the weights' dtype (models/precision.py)."""
         return DEFAULT_HIGH_PRECISION
+
+    def lora_layers(self) -> tuple[str, ...]:
+        """The linear layers of a denoiser a LoRA adapter may target (models/precision.py)."""
+        return LORA_LAYERS
 
     # ---- classifier-free guidance --------------------------------------------------------------
     def batched_cfg(self) -> BatchedCFG | None:

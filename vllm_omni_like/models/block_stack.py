@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni_like.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class BlockStack:
@@ -42,3 +44,13 @@ def joint_stack(*lists: Any, per_row: tuple[str, ...] = ("temb",)) -> BlockStack
         returns=("encoder_hidden_states", "hidden_states"),
         per_row=per_row,
     )
+
+
+class StackedBlocks:
+    """The adapter's part for the step cache: its denoiser's blocks (none by default)."""
+
+    family: Any  # (the adapter's Family)
+
+    def block_stack(self) -> BlockStack:
+        """Its denoiser's blocks as the step cache sees them (a family without: refused)."""
+        raise ConfigError(f"--cache first-block does not run the {self.family.name} family")

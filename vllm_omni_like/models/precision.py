@@ -44,3 +44,16 @@ def check_quantization(stage: str, family: Family, quantization: str) -> None:
             f"({', '.join(fp8_families())}), not {family.name}: serve it with "
             "--quantization none"
         )
+
+
+# The linear layers a LoRA adapter may target (fnmatch over a denoiser's module names, the
+# names diffusers gives them): attention's projections and the MLPs (feed-forward networks).
+# Anything else an adapter names (a modulation, an embedding, a LoCon convolution) is refused
+# by name when the adapter is read (stages/diffusion/lora_files.py).
+LORA_LAYERS: tuple[str, ...] = (
+    *("*.to_q", "*.to_k", "*.to_v", "*.to_out.0"),
+    *("*.add_q_proj", "*.add_k_proj", "*.add_v_proj", "*.to_add_out"),
+    *("*.ff.net.0.proj", "*.ff.net.2", "*.ff_context.net.0.proj", "*.ff_context.net.2"),
+    *("*.ffn.net.0.proj", "*.ffn.net.2", "*_mlp.net.0.proj", "*_mlp.net.2"),
+    *("*.proj_mlp", "single_transformer_blocks.*.proj_out", "*.feed_forward.w?"),
+)

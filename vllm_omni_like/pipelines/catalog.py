@@ -54,6 +54,11 @@ DIFFUSION_ONLY = (
     "cfg_parallel",
     "sequence_parallel",
     "quantization",
+    "loras",
+    "lora_dir",
+    "max_loras",
+    "max_lora_rank",
+    "cuda_graphs",
 )  # overrides of every stage that only
 # diffusion stages take (an LLM stage in front keeps its own)
 

@@ -16,7 +16,8 @@ from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput, StageOutput
 from vllm_omni_like.params import GenerationParams, GuideSpec
 from vllm_omni_like.protocol.json_schema import check_schema
-from vllm_omni_like.protocol.schemas import _Strict
+from vllm_omni_like.protocol.loras import lora_refs, split_model
+from vllm_omni_like.protocol.schemas import LoraItem, _Strict
 
 MAX_CHOICES = 8
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
@@ -78,6 +79,7 @@ class ChatRequest(_Strict):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
+    lora: list[LoraItem] | None = None  # with images: the diffusion stage's LoRA adapters
     # refused with a 400 `unsupported` when set (a model without tool calling)
     tools: Any = None
     tool_choice: Any = None
@@ -205,7 +207,13 @@ def chat_requests(
 ) -> list[OmniRequest]:
     """One engine request per choice (they share a batch in the LLM stage)."""
     _refuse_unsupported(body)
-    pipeline = chat_pipeline(engine, body.model)
+    named, adapter = split_model(engine, body.model)
+    pipeline = chat_pipeline(engine, named)
+    loras = lora_refs(engine, pipeline, body.lora, adapter)
+    if loras and not body.wants_image:
+        raise InvalidRequestError(
+            "LoRA adapters run on a chat's images: ask for them (modalities)", param="lora"
+        )
     turns = _turns(body)
     base = body.seed if body.seed is not None else random.randrange(2**31 - MAX_CHOICES)
     params = GenerationParams(
@@ -222,6 +230,7 @@ def chat_requests(
         stream_text=body.stream,
         guide=guide_of(body.response_format),
         messages=turns,
+        loras=loras,
     )
     last = None if body.wants_image else 0
     prompt = next((t for r, t in reversed(turns) if r == "user"), turns[-1][1])

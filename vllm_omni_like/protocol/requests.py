@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any
 
 from vllm_omni_like.config import Limits
@@ -12,6 +13,7 @@ from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.outputs import OmniRequestOutput
 from vllm_omni_like.protocol.admission import edit_params, image_params, video_params
+from vllm_omni_like.protocol.loras import lora_refs, split_model
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
 
 
@@ -48,7 +50,8 @@ def image_request(
     client_id: str | None = None,
     stores_output: bool = False,
 ) -> OmniRequest:
-    pipeline = pick_pipeline(engine, body.model, "image")
+    named, adapter = split_model(engine, body.model)
+    pipeline = pick_pipeline(engine, named, "image")
     model = engine.model_limits(pipeline)
     if images:
         params = edit_params(body, limits, model, pipeline, images[0].shape[1::-1])
@@ -60,6 +63,7 @@ def image_request(
         )
     else:
         params = image_params(body, limits, model, pipeline)
+    params = replace(params, loras=lora_refs(engine, pipeline, body.lora, adapter))
     return OmniRequest(
         request_id,
         body.prompt,
@@ -82,13 +86,15 @@ def video_request(
     images: list[Any] | None = None,
     timeout: float | None = None,
 ) -> OmniRequest:
-    pipeline = pick_pipeline(engine, body.model, "video")
+    named, adapter = split_model(engine, body.model)
+    pipeline = pick_pipeline(engine, named, "video")
     upload = images[0].shape[1::-1] if images else None  # (width, height)
+    params = video_params(body, limits, engine.model_limits(pipeline), pipeline, upload)
     return OmniRequest(
         request_id,
         body.prompt,
         pipeline,
-        video_params(body, limits, engine.model_limits(pipeline), pipeline, upload),
+        replace(params, loras=lora_refs(engine, pipeline, body.lora, adapter)),
         images=images or [],
         timeout=timeout,
         stores_output=True,  # the video job writes the file; it counts the request

@@ -19,6 +19,13 @@ class CacheRequest(_Strict):
     threshold: float = Field(ge=0.0, le=10.0)  # 0: this request's rows never reuse
 
 
+class LoraItem(_Strict):
+    """A LoRA adapter a request picks (`/v1/models` lists them as `base:adapter`)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    scale: float = Field(default=1.0, ge=-8.0, le=8.0)
+
+
 class _Sampling(_Strict):
     """The extensions every generation route takes (sent through the SDK's `extra_body`)."""
 
@@ -28,6 +35,7 @@ class _Sampling(_Strict):
     seed: int | None = Field(default=None, ge=0, lt=2**31)
     scheduler: str | None = None  # a name the model's family runs (`/v1/models` lists them)
     cache: CacheRequest | None = None
+    lora: list[LoraItem] | None = None  # LoRA adapters, each at its scale (protocol/loras.py)
     user: str | None = None
     quality: Any = None
     style: Any = None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_omni_like.shapes.world import COLOURS, POSITIONS, SHAPES
+from vllm_omni_like.shapes.world import PAINTS, POSITIONS, SHAPES
 
-_NAMES = list(COLOURS)
-_PALETTE = np.array([COLOURS[c] for c in _NAMES], np.float32)
+_NAMES = list(PAINTS)  # (the base's colours and the adapters')
+_PALETTE = np.array([PAINTS[c] for c in _NAMES], np.float32)
 
 
 def nearest_colour(rgb: np.ndarray) -> str:
@@ -18,7 +18,7 @@ def _foreground(image: np.ndarray) -> tuple[str, np.ndarray]:
     img = image.astype(np.float32)
     border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
     background = nearest_colour(np.median(border, axis=0))
-    distance = np.sqrt(((img - np.array(COLOURS[background], np.float32)) ** 2).sum(axis=-1))
+    distance = np.sqrt(((img - np.array(PAINTS[background], np.float32)) ** 2).sum(axis=-1))
     return background, distance > 60
 
 
@@ -40,8 +40,17 @@ def read_image(image: np.ndarray) -> dict[str, str | None]:
     found["position"] = POSITIONS[row * 3 + col]
     box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
     fill = mask.sum() / box
-    found["shape"] = "square" if fill > 0.94 else "circle" if fill > 0.7 else "triangle"
+    found["shape"] = "square" if fill > 0.94 else "circle" if fill > 0.7 else _pointed(mask)
     return found
+
+
+def _pointed(mask: np.ndarray) -> str:
+    """A half-filled box: a triangle widens to its base, a diamond narrows again (its lowest
+    fifth far narrower than its widest row)."""
+    ys = np.nonzero(mask.any(axis=1))[0]
+    widths = mask[ys.min() : ys.max() + 1].sum(axis=1)
+    low = widths[-max(1, len(widths) // 5) :].mean()
+    return "diamond" if low < 0.6 * widths.max() else "triangle"
 
 
 def score(expected: dict[str, str], read: dict[str, str | None]) -> dict[str, bool]:

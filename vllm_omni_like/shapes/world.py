@@ -20,6 +20,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (25, 25, 25),
 }
 SHAPES = ("circle", "square", "triangle")
+# words the tokenizer has that the base model never saw drawn: a colour and a shape only the
+# example LoRA adapters draw (training/train_lora.py); the checker reads them too
+ADAPTER_COLOURS: dict[str, tuple[int, int, int]] = {"pink": (250, 130, 200)}
+ADAPTER_SHAPES = ("diamond",)
+PAINTS = {**COLOURS, **ADAPTER_COLOURS}  # every colour a render may take
 POSITIONS = (
     "top left",
     "top",
@@ -206,6 +211,8 @@ def _mask(shape: str, cx: float, cy: float, r: float, n: int) -> np.ndarray:
         inside = (x - cx) ** 2 + (y - cy) ** 2 <= r**2
     elif shape == "square":
         inside = (np.abs(x - cx) <= r * 0.89) & (np.abs(y - cy) <= r * 0.89)
+    elif shape == "diamond":  # (a square on its corner, inside the frame at a corner)
+        inside = np.abs(x - cx) + np.abs(y - cy) <= r * 1.05
     else:  # an upward triangle
         top, bottom = cy - r, cy + r * 0.8
         half = (y - top) / (bottom - top) * r * 1.1
@@ -217,8 +224,8 @@ def render_at(
     shape: str, colour: str, background: str, cx: float, cy: float, r: float, n: int
 ) -> np.ndarray:
     cover = _mask(shape, cx, cy, r, n)[..., None]
-    fg = np.array(COLOURS[colour], np.float32)
-    bg = np.array(COLOURS[background], np.float32)
+    fg = np.array(PAINTS[colour], np.float32)
+    bg = np.array(PAINTS[background], np.float32)
     return (bg * (1 - cover) + fg * cover).round().astype(np.uint8)
 
 

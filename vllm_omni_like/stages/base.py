@@ -246,6 +246,11 @@ class Stage(ABC):
         engine at start, `/health` says it); None: no model."""
         return None
 
+    def cuda_graphs(self) -> tuple[tuple[str, ...], int]:
+        """The buckets whose forward replays a CUDA graph, once loaded, and the bytes their
+        memory pool holds (`/health`)."""
+        return (), 0
+
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         """The whole batch at once: `begin`, then `finish` of the requests still live. Only
         tests call it; the worker runs the two apart (isolation.py), `finish` beside the next

@@ -34,9 +34,11 @@ from vllm_omni_like.parallel.sequence_parallel import (
 from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
-from vllm_omni_like.stages.diffusion import quantize
+from vllm_omni_like.stages.diffusion import lora_pool, quantize
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.runtime import (
     CfgRanks,
@@ -80,9 +82,9 @@ def load_runtime(
     limits = model_limits.diffusion_limits(config)
     # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
-    precision, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
-    # 5. our own loop; sequence parallelism: rank 0's forwards run on every rank
-    denoise = _own_loop(config, adapter, device, text, buckets)
+    precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
+    # 5. our own loop (its LoRA pool); sequence parallelism: rank 0's forwards on every rank
+    denoise = _own_loop(config, adapter, device, text, buckets, loras)
     seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
     cfg, cfg_ranks = _guidance(config, ranks, link, tracer, pipe, adapter, family.modes[0] in own)
@@ -298,13 +300,15 @@ def _denoisers(
     adapter: Adapter,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[str, tuple[int, ...]]:
+) -> tuple[str, LoraPool | None, tuple[int, ...]]:
     """The denoisers as they will run, in this order: FP8 matmuls (other maths; made from the
-    fused 16-bit weights), the sequence-parallel split, both compiled in; returns the precision
-    the stage runs and the batch buckets compiled."""
+    fused 16-bit weights), the LoRA layers around them, the sequence-parallel split, all
+    compiled in; returns the precision the stage runs, its LoRA pool and the batch buckets
+    compiled."""
     precision = _quantize(config, adapter, device, dtype)
+    loras = lora_pool.build(config, adapter, dtype)
     _split_sequence(config, ranks, link, adapter)
-    return precision, _compile(config, options, adapter)
+    return precision, loras, _compile(config, options, adapter)
 
 
 def _quantize(
@@ -343,12 +347,15 @@ def _own_loop(
     device: torch.device,
     text: PromptEncoder,
     buckets: tuple[int, ...],
+    loras: LoraPool | None,
 ) -> DenoiseLoop:
     """Our own loop, its model rows padded to the buckets (each bucket of images with
-    guidance and without); with `--cache first-block`, its rows' step cache around the
-    denoiser's blocks (compiled, where they are, before)."""
+    guidance and without), each row with its LoRA adapters where the stage has a pool; with
+    `--cache first-block`, its rows' step cache around the denoiser's blocks (compiled, where
+    they are, before)."""
     row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
-    loop = DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg)
+    graphs = GraphRunner(backend_for(config, device), config.name)
+    loop = DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras, graphs)
     if config.cache == "first-block":
         stack = adapter.block_stack()  # (a family that has none refuses here: ConfigError)
         loop.cache = FirstBlockCache(stack, row_buckets, config.cache_decision == "lagged")

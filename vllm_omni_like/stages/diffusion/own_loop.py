@@ -91,6 +91,8 @@ class OwnLoop:
         except BaseException as failure:
             rowset.drained(failure)
             raise
+        finally:
+            rowset.set.let_go()  # (its rows' LoRA slots: the set is not kept)
         rowset.drained()  # the loop ends when its steps do; the timeline is written
         control.saw_model_batch(self.runtime.probe.max_seen)
         rows = rowset.set.rows

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.stages.diffusion.loop_rows import LoopRow, Plan
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -26,7 +27,7 @@ from vllm_omni_like.stages.diffusion.row_tensors import (
     take,
     take_named,
 )
-from vllm_omni_like.stages.diffusion.step import DenoiseLoop, LoopRow, Plan
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.wire import StageRequest
 
 
@@ -76,7 +77,9 @@ class DenoiseSet:
         conditioning: Conditioning | None = None,
     ) -> None:
         """Add a group's rows (`loop.rows`, `loop.noise` and `loop.conditions` made them) at
-        the step boundary."""
+        the step boundary, each holding its LoRA adapters' pool slots (written there now if
+        not resident) until it leaves; nothing joins where one cannot."""
+        self._hold(rows)
         if self.text is not None and self.latents is not None:
             base = _text_rows(self.text)
             for row in rows:  # its text rows follow the set's
@@ -170,10 +173,32 @@ class DenoiseSet:
         if len(keep) < len(self.rows):
             self._keep(keep)
 
+    def _hold(self, rows: list[LoopRow]) -> None:
+        pool = self.loop.loras
+        if pool is None:
+            return
+        try:
+            for row in rows:
+                row.lora = pool.acquire(row.request.params.loras)
+        except BaseException:
+            for row in rows:
+                pool.release(row.lora)
+                row.lora = ()
+            raise
+
+    def let_go(self, rows: list[LoopRow] | None = None) -> None:
+        """`rows`' LoRA slots (default: every row's) let go: they hold none after."""
+        if self.loop.loras is not None:
+            for row in self.rows if rows is None else rows:
+                self.loop.loras.release(row.lora)
+                row.lora = ()
+
     def _keep(self, keep: list[int]) -> None:
-        """Only the rows `keep`, their text compacted (the set's text never outgrows it)."""
+        """Only the rows `keep`, their text compacted (the set's text never outgrows it); the
+        others' LoRA slots let go."""
         assert self.latents is not None and self.text is not None
         rows = [self.rows[i] for i in keep]
+        self.let_go([self.rows[i] for i in set(range(len(self.rows))) - set(keep)])
         self._plan = None
         if not rows:
             self.rows, self.text, self.latents, self.conditioning = [], None, None, None

@@ -23,9 +23,10 @@ from vllm_omni_like.parallel.sequence_parallel import SequenceFollower, Sequence
 from vllm_omni_like.stages.base import Deferred
 from vllm_omni_like.stages.diffusion import edits, vae_decode, video_stream
 from vllm_omni_like.stages.diffusion.edit_rows import Source
+from vllm_omni_like.stages.diffusion.loop_rows import Settings
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.prompt_length import truncate_prompt
-from vllm_omni_like.stages.diffusion.step import DenoiseLoop, Settings
+from vllm_omni_like.stages.diffusion.step import DenoiseLoop
 from vllm_omni_like.stages.torch_utils import BatchDimProbe, tensor_to_uint8
 from vllm_omni_like.stages.trace import BatchTracer
 from vllm_omni_like.wire import Mode, StageRequest

@@ -79,7 +79,25 @@ class DiffusionStage(Stage):
         sizes = [parse_size(s) for s in self.config.warmup_sizes] or [
             (rt.defaults.width, rt.defaults.height)
         ]
-        started, shapes = time.monotonic(), 0
+        started = time.monotonic()
+        with rt.denoise.graphs.warm_up():  # (a bucket's second forward is captured)
+            shapes = self._warm_up_sizes(sizes)
+        logger.info(
+            "stage %s: compiled and warmed up %d shapes in %.1fs",
+            self.name,
+            shapes,
+            time.monotonic() - started,
+        )
+        if graphs := rt.denoise.graphs.labels():
+            memory = rt.denoise.graphs.memory() / 2**20
+            logger.info(
+                "stage %s: CUDA graphs of %s (%.0f MiB)", self.name, ", ".join(graphs), memory
+            )
+        accel.log_recompiles()
+
+    def _warm_up_sizes(self, sizes: list[tuple[int, int]]) -> int:
+        """Every warm-up size and batch bucket through the loop that runs it; the shapes."""
+        rt, shapes = self.runtime, 0
         for width, height in sizes:
             for rows in rt.buckets:
                 if rt.family.modes[0] in rt.own:  # batches of `rows` through our own loop
@@ -93,13 +111,7 @@ class DiffusionStage(Stage):
                 logger.info(
                     "stage %s: warmed up %dx%d from an image (%s)", self.name, width, height, mode
                 )
-        logger.info(
-            "stage %s: compiled and warmed up %d shapes in %.1fs",
-            self.name,
-            shapes,
-            time.monotonic() - started,
-        )
-        accel.log_recompiles()
+        return shapes
 
     # 2. validate (before batching) ---------------------------------------------------------------
     def validate(self, request: StageRequest) -> None:
@@ -148,6 +160,8 @@ class DiffusionStage(Stage):
         lim.check_scheduler(self.config.model or "the model", p.scheduler)
         check_prompt_length(rt.text.tokenizer, request, self.name)
         self._check_cache(request)
+        if p.loras:
+            self._validate_loras(request)
 
     def _check_cache(self, request: StageRequest) -> None:
         """A request's own cache threshold needs a step cache on the loop that runs it."""
@@ -162,6 +176,22 @@ class DiffusionStage(Stage):
                 param="cache",
             )
 
+    def _validate_loras(self, request: StageRequest) -> None:
+        """A request's LoRA adapters: served here, on our own loop, each read and checked (a
+        broken file fails this request alone)."""
+        rt, pool = self.runtime, self.runtime.denoise.loras
+        if pool is None:
+            raise InvalidRequestError(
+                "this model serves no LoRA adapters (--lora, --lora-dir)", param="lora"
+            )
+        if request.loop_mode not in rt.own:
+            raise InvalidRequestError(
+                f"LoRA adapters run on our own loop; this model's {request.loop_mode} runs the "
+                "pipeline's call",
+                param="lora",
+            )
+        pool.check_request(request.params.loras, self.name)
+
     # 3. execute -----------------------------------------------------------------------------------
     def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
         """The denoising loop; the returned part decodes (on the side stream) when finished."""
@@ -171,6 +201,10 @@ class DiffusionStage(Stage):
 
     def precision(self) -> str | None:
         return self.runtime.precision
+
+    def cuda_graphs(self) -> tuple[tuple[str, ...], int]:
+        graphs = self.runtime.denoise.graphs
+        return graphs.labels(), graphs.memory()
 
     def stepped_modes(self) -> tuple[Mode, ...]:
         return tuple(sorted(self.runtime.own)) if self.runtime.cfg_ranks is None else ()

@@ -23,6 +23,10 @@ With `--cache first-block` each row carries its own step cache (`LoopRow.cache`,
 joins) and each forward hands the cache its model rows' (row, branch): the rows then decide
 whether to run the denoiser's blocks after the first (block_cache.py).
 
+A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
+slots and scales (the unconditional branch its row's) as device tensors; an adapter's own steps
+and guidance apply to its rows where the request leaves them unsaid.
+
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
 `latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
 (models/row_conditions.py) `condition`, `predict_conditioned`, `put_back`.
@@ -30,11 +34,9 @@ What differs between families is the adapter's (models/adapter.py): `encode_text
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -47,7 +49,10 @@ from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, Slot
-from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
+from vllm_omni_like.stages.diffusion.edit_rows import Source
+from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
+from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -61,71 +66,6 @@ from vllm_omni_like.stages.diffusion.row_tensors import (
 )
 from vllm_omni_like.wire import StageRequest
 
-# texts -> their conditioning on the device; None: a negative prompt not given (SDXL: zeros);
-# the images the texts are read with, one a text, where the family's text reads them (else None)
-Embed = Callable[[list[str | None], list[Any] | None], Text]
-# a text row's: its text, and the request whose image it is read with (None: none)
-TextKey = tuple[str | None, str | None]
-
-
-@dataclass
-class LoopRow:
-    request: StageRequest
-    seed: int
-    guidance: float
-    state: rs.Row
-    text: int  # its prompt's row of the batch's embeddings
-    negative: int | None  # its negative prompt's (a row with guidance), else None
-    guidance_2: float | None = None  # the low-noise expert's scale (two experts), else None
-    # an edit row's upload until its latents are made (`noise`), else None
-    source: Source | None = None
-    anchor: Anchor | None = None  # an inpainting row's: what each step puts back
-    # the image a row is conditioned on (an instruction edit's upload, an image-to-video
-    # request's first frame) until its conditioning is made (`conditions`), else None
-    image: Any | None = None
-    cache: RowCache | None = None  # its step cache (a stage with --cache), else None
-
-    @property
-    def cfg(self) -> bool:
-        return self.negative is not None
-
-
-@dataclass
-class Plan:
-    """A step's reusables for one set of active rows (made again when the set changes)."""
-
-    active: list[int]
-    group: list[LoopRow]
-    index: torch.Tensor | None  # the active rows among the batch's (None: all)
-    cfg: list[int]  # the positions among them with guidance
-    cfg_index: torch.Tensor | None  # those on the device (None: all, or none)
-    texts: Text  # the model rows' text (with batched CFG: both branches')
-    negatives: Text | None  # two forwards: the unconditional branch's
-    scale: float | torch.Tensor  # one guidance scale, or a column of them (1: no guidance)
-    embedded: torch.Tensor | None = None  # a DISTILLED family's: each row's scale (float32)
-    # two experts: each guided row's (scale, the low-noise expert's), where one differs
-    by_expert: list[tuple[float, float]] | None = None
-    anchor: Anchor | None = None  # inpainting rows': what each step puts back (others: none)
-    # rows from an image: the model rows' own conditioning (with batched CFG: both branches');
-    # two forwards: the unconditional branch's; the rows' own (what a step puts back)
-    conditioning: Conditioning | None = None
-    negative_conditioning: Conditioning | None = None
-    put_back: Conditioning | None = None
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a request leaves unsaid: the stage's defaults."""
-
-    steps: int
-    guidance: float
-    rows_per_request: Callable[[StageRequest], int]
-    prompt: Callable[[StageRequest], str] = lambda request: request.prompt  # (truncated)
-    # an edit's upload (and mask) at the batch's (width, height); None: a row from noise
-    source: Callable[[StageRequest, tuple[int, int]], Source | None] = lambda r, s: None
-    # the image a request's rows are conditioned on at the batch's (width, height); None: none
-    image: Callable[[StageRequest, tuple[int, int]], Any | None] = lambda r, s: None
-
 
 class DenoiseLoop:
     def __init__(
@@ -135,12 +75,17 @@ class DenoiseLoop:
         embed: Embed,
         buckets: tuple[int, ...] = (),
         batched_cfg: bool = True,
+        loras: LoraPool | None = None,
+        graphs: GraphRunner | None = None,
     ) -> None:
         self.adapter = adapter
+        self.loras = loras  # the stage's LoRA pool (None: it serves no adapter)
         self.device = device
         self.embed = embed
         self.buckets = buckets  # model rows a compiled denoiser was warmed up for
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
+        # each bucket's forward replayed from a CUDA graph (graphs.py); none: run as it is
+        self.graphs = graphs or GraphRunner()
         # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
         experts = adapter.experts()
         self.host_times = len(experts) > 1
@@ -168,8 +113,8 @@ class DenoiseLoop:
             p = r.params
             low_noise = self.adapter.low_noise_scale(p)  # (two experts: the second's scale)
             base = p.seed if p.seed is not None else random.randrange(2**31)
-            guidance = settings.guidance if p.guidance_scale is None else p.guidance_scale
-            schedule, source = self._schedule(r, settings, size)
+            steps, guidance = self._defaults(r, settings)
+            schedule, source = self._schedule(r, steps, settings, size)
             image = settings.image(r, size)
             owner = None  # (a text of its own: Qwen2.5-VL reads the upload with the prompt)
             if image is not None and self.adapter.text_reads_image:
@@ -199,13 +144,21 @@ class DenoiseLoop:
             return None
         return RowCache(self.cache_threshold if threshold is None else threshold, 1 + cfg)
 
+    def _defaults(self, request: StageRequest, settings: Settings) -> tuple[int, float]:
+        """A request's steps and guidance: its own, else its LoRA adapters', else the stage's."""
+        p, steps, guidance = request.params, None, None
+        if self.loras is not None and p.loras:
+            steps, guidance = self.loras.defaults(p.loras)
+        steps = p.num_inference_steps or steps or settings.steps
+        guidance = _or(p.guidance_scale, _or(guidance, settings.guidance))
+        return steps, guidance
+
     def _schedule(
-        self, request: StageRequest, settings: Settings, size: tuple[int, int]
+        self, request: StageRequest, steps: int, settings: Settings, size: tuple[int, int]
     ) -> tuple[rs.Schedule, Source | None]:
-        """A request's schedule, and its upload where it is an edit that starts from it (it
-        runs its strength's last steps)."""
-        p = request.params
-        steps, start = p.num_inference_steps or settings.steps, 0
+        """A request's schedule of `steps`, and its upload where it is an edit that starts from
+        it (it runs its strength's last steps)."""
+        p, start = request.params, 0
         source = settings.source(request, size)
         if source is not None:
             source.strength = DEFAULT_STRENGTH if p.strength is None else p.strength
@@ -310,6 +263,16 @@ class DenoiseLoop:
         )
         if conditioning is not None:
             self._plan_conditioning(plan, conditioning, device)
+        return self._plan_loras(plan, device)
+
+    def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
+        """The model rows' LoRA adapters: the unconditional branch takes its row's."""
+        if (pool := self.loras) is None:
+            return plan
+        uncond = [plan.group[j].lora for j in plan.cfg]
+        both = bool(plan.cfg) and self.batched_cfg
+        plan.lora = pool.rows([r.lora for r in plan.group] + (uncond if both else []), device)
+        plan.negative_lora = pool.rows(uncond, device) if plan.cfg and not both else None
         return plan
 
     def _plan_conditioning(
@@ -338,20 +301,27 @@ class DenoiseLoop:
         cfg_slots = [(plan.group[j].cache, 1) for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
-            texts, conditioning = plan.texts, plan.conditioning
+            both = states + cfg_states
             out = self._forward(
-                inputs, states + cfg_states, texts, None, conditioning, slots + cfg_slots
+                inputs, both, plan.texts, None, plan.conditioning, plan.lora, slots + cfg_slots
             )
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            embedded, conditioning = plan.embedded, plan.conditioning
-            cond = self._forward(scaled, states, plan.texts, embedded, conditioning, slots)
+            cond = self._forward(
+                scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora, slots
+            )
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             negative = plan.negative_conditioning
             uncond = self._forward(
-                uncond_rows, cfg_states, plan.negatives, None, negative, cfg_slots
+                uncond_rows,
+                cfg_states,
+                plan.negatives,
+                None,
+                negative,
+                plan.negative_lora,
+                cfg_slots,
             )
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
@@ -380,12 +350,13 @@ class DenoiseLoop:
         text: Text,
         guidance: torch.Tensor | None = None,
         conditioning: Conditioning | None = None,
+        lora: LoraRows | None = None,
         slots: list[tuple[RowCache | None, int]] | None = None,
     ) -> Any:
         """One denoiser call (each model row at its row's timestep; `guidance`: each row's
         scale, for a guidance embedding; `conditioning`: each model row's own, where rows carry
-        one; `slots`: each model row's step cache and branch), padded to the compiled bucket
-        of its model rows."""
+        one; `lora`: each model row's adapters; `slots`: each model row's step cache and
+        branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -397,20 +368,28 @@ class DenoiseLoop:
             states = states + [states[-1]] * pad
             guidance = None if guidance is None else pad_tensor(guidance, pad)
             conditioning = None if conditioning is None else pad_named(conditioning, pad)
+            lora = None if lora is None else (pad_tensor(lora[0], pad), pad_tensor(lora[1], pad))
         at = [float(s.timestep) for s in states] if self.host_times else None
-        with self._cached(slots, pad):
-            if conditioning is not None:
-                out = self.adapter.predict_conditioned(latents, times, text, conditioning, at)
-            else:
-                out = self.adapter.predict(latents, times, text, at=at, guidance=guidance)
-        return out[:rows]
+        inputs: Inputs = {"latents": latents, "times": times, "text": text}
+        inputs |= {"guidance": guidance, "conditioning": conditioning}
+        call = lambda given: self._denoise(given, at)  # noqa: E731
+        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
+        with adapters, self._cached(slots, pad):
+            return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
 
     def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
         """The step cache's forward over these model rows (and `pad` rows of padding)."""
         if self.cache is None or slots is None:
-            return contextlib.nullcontext()
+            return nullcontext()
         rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
         return self.cache.forward(rows + [None] * pad)
+
+    def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
+        latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
+        if (conditioning := inputs["conditioning"]) is not None:
+            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:

@@ -1,0 +1,350 @@
+"""Many LoRA adapters in one batch (stages/diffusion/lora_*.py) on the embedded tiny image model,
+CPU fp32: a batch mixing two adapters and the base gives each row its solo image, scale 0 is the
+base, a row equals diffusers' `load_lora_weights` + `fuse_lora` at the same seed (peft and kohya
+files), a lightning adapter's steps apply to its rows only, and the pool's slots are held,
+evicted least recently used and written in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.stages.diffusion.lora_helpers import low_rank, write_kohya, write_peft
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.errors import ConfigError, InvalidRequestError, UnavailableError
+from vllm_omni_like.models.tiny import ensure_tiny_model
+from vllm_omni_like.params import GenerationParams, LoraRef
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+def _pipe():
+    import diffusers
+
+    path = ensure_tiny_model("tiny-image")
+    pipe = diffusers.DiffusionPipeline.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    unet = _pipe().unet
+    (root / "dir").mkdir()
+    return {
+        "a": write_peft(root / "a.safetensors", low_rank(unet, 1, 4)),
+        "b": write_peft(root / "b.safetensors", low_rank(unet, 2, 8), alpha=4.0),
+        "kohya": write_kohya(root / "kohya.safetensors", low_rank(unet, 3, 4), alpha=2.0),
+        "fast": write_peft(
+            root / "dir" / "fast.safetensors",
+            low_rank(unet, 4, 2),
+            meta={"default_steps": "2", "default_guidance_scale": "1.0"},
+        ),
+        "c": write_peft(root / "dir" / "c.safetensors", low_rank(unet, 5, 4)),
+        "dir": str(root / "dir"),
+    }
+
+
+@pytest.fixture(scope="module")
+def stage(files):
+    loras = tuple(f"{n}={files[n]}" for n in ("a", "b", "kohya"))
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-image",
+        dtype="float32",
+        loras=loras,
+        lora_dir=files["dir"],
+        max_loras=4,
+        max_lora_rank=8,
+    )
+    s = DiffusionStage(config)
+    s.load("cpu")
+    yield s
+    s.close()
+
+
+def _req(rid: str, loras=(), seed: int = 3, **params) -> StageRequest:
+    params.setdefault("num_inference_steps", STEPS)
+    p = GenerationParams(seed=seed, loras=tuple(loras), **params)
+    return StageRequest(rid, "a red circle", p, mode="text2img")
+
+
+def _run(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    for r in batch:
+        stage.validate(r)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    outs = stage.begin(batch, control).finish(batch)
+    return {o.request_id: np.stack([i.pixels for i in o.images]).astype(int) for o in outs}
+
+
+A, B = (LoraRef("a"),), (LoraRef("b", 0.8),)
+
+
+def test_a_batch_mixing_two_adapters_and_the_base_gives_each_row_its_solo_image(stage):
+    batch = [
+        _req("base"),
+        _req("a", A),
+        _req("b", B, seed=4, guidance_scale=1.0),  # (a row without guidance beside CFG rows)
+        _req("ab", A + B, seed=5),
+    ]
+    together = _run(stage, batch)
+    for r in batch:
+        alone = _run(stage, [r])[r.request_id]
+        assert np.abs(alone - together[r.request_id]).max() <= 1, r.request_id
+    base = _run(stage, [_req("a", seed=3)])["a"]
+    assert np.abs(together["a"] - base).mean() > 5  # (the adapter does something)
+    assert stage.runtime.denoise.loras is not None and not stage.runtime.denoise.loras.pins
+
+
+def test_scale_zero_is_the_base(stage):
+    out = _run(stage, [_req("base"), _req("zero", (LoraRef("b", 0.0),))])
+    assert np.abs(out["base"] - out["zero"]).max() == 0
+
+
+def _psnr(x: np.ndarray, y: np.ndarray) -> float:
+    mse = float(((x.astype(float) - y.astype(float)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
+@pytest.mark.parametrize(("name", "scale"), [("b", 0.8), ("kohya", 1.0)])
+def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(stage, files, name, scale):
+    ours = _run(stage, [_req("x", (LoraRef(name, scale),), seed=11)])["x"][0]
+    rt, pipe = stage.runtime, _pipe()
+    pipe.load_lora_weights(files[name])
+    pipe.fuse_lora(lora_scale=scale)
+    with torch.inference_mode():
+        out = pipe(
+            "a red circle",
+            num_inference_steps=STEPS,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(11),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    theirs = (out.images[0] * 255).round().astype(int)
+    assert _psnr(ours, theirs) >= 35
+
+
+def test_a_lightning_adapter_runs_its_steps_and_guidance_on_its_rows_only(stage):
+    rt = stage.runtime
+    with torch.inference_mode():
+        rows, _ = rt.denoise.rows(
+            [
+                _req("fast", (LoraRef("fast"),), num_inference_steps=None),
+                _req("plain", num_inference_steps=None),
+                _req("asked", (LoraRef("fast"),), num_inference_steps=3),
+            ],
+            rt.settings(),
+        )
+    steps = [r.state.schedule.iterations for r in rows]
+    assert steps == [2, rt.defaults.steps, 3]
+    assert [r.guidance for r in rows] == [1.0, rt.defaults.guidance, 1.0]
+    assert rows[1].cfg and not rows[0].cfg
+
+
+def test_the_pool_evicts_the_least_recently_used_idle_adapter_never_a_held_one(stage):
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    held = [pool.acquire((LoraRef(n),)) for n in ("a", "b", "kohya", "c")]  # 4 slots: full
+    with pytest.raises(UnavailableError, match="all 4 LoRA slots"):
+        pool.acquire((LoraRef("fast"),))
+    assert not pool.pins.get(0) and sum(pool.pins.values()) == 4  # (the failed one holds none)
+    pool.release(held[1])  # b is idle now: the one evicted
+    loads = pool.loads
+    fast = pool.acquire((LoraRef("fast"),))
+    assert pool.loads == loads + 1 and "b" not in pool.slots and fast[0][0] == held[1][0][0]
+    for selection in [held[0], held[2], held[3], fast]:
+        pool.release(selection)
+    assert not pool.pins
+    again = pool.acquire((LoraRef("a"),))  # resident: no write
+    assert pool.loads == loads + 1
+    assert not pool.evict("a")  # (held by a row)
+    pool.release(again)
+    assert pool.evict("a") and "a" not in pool.slots and not pool.evict("a")
+    pool.release(pool.acquire((LoraRef("a"),)))  # (written again into the freed slot)
+    assert pool.loads == loads + 2
+
+
+def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(stage, files):
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'"):
+        stage.validate(_req("x", (LoraRef("nope"),)))
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter"):
+        stage.validate(_req("x", (LoraRef("../a"),)))
+    broken = f"{files['dir']}/broken.safetensors"
+    with open(broken, "wb") as f:
+        f.write(b"\x00" * 40)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"broken\.safetensors cannot be read") as e:
+            stage.validate(_req("x", (LoraRef("broken"),)))
+        assert e.value.code == "lora_unusable"
+    finally:
+        import os
+
+        os.remove(broken)
+
+
+def test_a_registered_adapter_the_base_cannot_take_refuses_the_start(tmp_path):
+    unet = _pipe().unet
+    bad = low_rank(unet, 1, 4, ends=("time_embedding.linear_1",))
+    path = write_peft(tmp_path / "bad.safetensors", bad)
+    loras = (f"t={path}",)
+    config = StageConfig(
+        name="diffusion", kind="diffusion", model="tiny-image", dtype="float32", loras=loras
+    )
+    s = DiffusionStage(config)
+    with pytest.raises(ConfigError, match=r"time_embedding\.linear_1 is not an attention or MLP"):
+        s.load("cpu")
+
+
+def test_a_video_model_mixes_adapters_in_one_batch_too(tmp_path):
+    """Wan (tiny-video): its converter returns no alphas; a row equals its solo video."""
+    import diffusers
+
+    path = ensure_tiny_model("tiny-video")
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        path, subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    weights = low_rank(model, 1, 4, ends=ends, std=0.5)
+    file = write_peft(tmp_path / "v.safetensors", weights, prefix="transformer")
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-video",
+        dtype="float32",
+        loras=(f"v={file}",),
+        max_lora_rank=4,
+    )
+    video = DiffusionStage(config)
+    video.load("cpu")
+    try:
+
+        def req(rid: str, loras=()) -> StageRequest:
+            p = GenerationParams(seed=1, num_inference_steps=2, num_frames=5, loras=loras)
+            return StageRequest(rid, "a red circle moving right", p, mode="text2video")
+
+        def run(batch):
+            control = StageControl(FaultInjector((), "diffusion"), None)
+            outs = video.begin(batch, control).finish(batch)
+            return {o.request_id: o.video.frames.astype(int) for o in outs}
+
+        batch = [req("base"), req("v", (LoraRef("v"),))]
+        together = run(batch)
+        for r in batch:
+            assert np.abs(run([r])[r.request_id] - together[r.request_id]).max() <= 1
+        assert np.abs(together["v"] - together["base"]).mean() > 5
+    finally:
+        video.close()
+
+
+def test_a_join_that_finds_every_slot_held_fails_and_holds_nothing(stage):
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    held = [pool.acquire((LoraRef(n),)) for n in ("a", "b", "kohya", "c")]
+    try:
+        before = dict(pool.pins)
+        batch = [_req("x", (LoraRef("a"),)), _req("y", (LoraRef("fast"),))]
+        with pytest.raises(UnavailableError) as info:
+            _run(stage, batch)
+        assert info.value.code == "lora_pool_full"
+        assert str(info.value) == (
+            "all 4 LoRA slots (--max-loras) are held by running requests; 'fast' cannot be "
+            "loaded now: retry"
+        )
+        assert dict(pool.pins) == before  # (x's hold on a was let go with the failed join)
+    finally:
+        for selection in held:
+            pool.release(selection)
+    assert not pool.pins
+
+
+def test_a_mode_our_loop_does_not_run_or_a_stage_without_a_pool_refuses_a_lora(stage):
+    rt, own = stage.runtime, stage.runtime.own
+    rt.own = set()  # (as if the pipeline's call ran every mode)
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            stage.validate(_req("x", A))
+        assert str(info.value) == (
+            "LoRA adapters run on our own loop; this model's text2img runs the pipeline's call"
+        )
+    finally:
+        rt.own = own
+    pool, rt.denoise.loras = rt.denoise.loras, None
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            stage.validate(_req("x", A))
+        assert str(info.value) == "this model serves no LoRA adapters (--lora, --lora-dir)"
+    finally:
+        rt.denoise.loras = pool
+
+
+def test_both_branches_in_two_forwards_take_the_rows_adapters(files):
+    loras = (f"b={files['b']}",)
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-image",
+        dtype="float32",
+        loras=loras,
+        max_lora_rank=8,
+        batched_cfg=False,
+    )
+    two = DiffusionStage(config)
+    two.load("cpu")
+    try:
+        batch = [_req("base"), _req("b", B, seed=4)]
+        split = _run(two, batch)
+    finally:
+        two.close()
+    alone = _run_one_forward(files, batch)
+    for r in batch:
+        assert np.abs(split[r.request_id] - alone[r.request_id]).max() <= 1, r.request_id
+
+
+def _run_one_forward(files, batch):
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model="tiny-image",
+        dtype="float32",
+        loras=(f"b={files['b']}",),
+        max_lora_rank=8,
+    )
+    one = DiffusionStage(config)
+    one.load("cpu")
+    try:
+        return _run(one, batch)
+    finally:
+        one.close()
+
+
+def test_a_file_broken_after_its_validation_fails_its_join_alone(stage, files):
+    import os
+    import shutil
+
+    path = os.path.join(files["dir"], "later.safetensors")
+    shutil.copy(files["c"], path)
+    try:
+        request = _req("x", (LoraRef("later"),))
+        stage.validate(request)  # (read and checked: fine)
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 16)  # (then the file changes under it)
+        control = StageControl(FaultInjector((), "diffusion"), None)
+        with pytest.raises(InvalidRequestError) as info:
+            stage.begin([request], control)
+        assert info.value.code == "lora_unusable"
+        assert str(info.value).startswith("LoRA 'later': later.safetensors cannot be read")
+        assert not stage.runtime.denoise.loras.pins
+    finally:
+        os.remove(path)

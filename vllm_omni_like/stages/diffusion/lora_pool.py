@@ -1,0 +1,217 @@
+"""The device pool of LoRA adapters: `--max-loras` slots, least recently used evicted, none a
+running row uses; what each row of a forward uses, as the batch's device tensors.
+
+An adapter is read and checked once on the host (lora_files.py; a registered one at start-up,
+where a problem refuses the start, a `--lora-dir` one when a request first names it, where it
+fails that request alone) and kept there, a few at a time; it reaches the device when a row
+that uses it joins the set: written in place into a free slot (or the least recently used one
+no row holds), between two steps, so the replica never stops and no graph is compiled again.
+A row holds its slots from its join until it leaves (`acquire` / `release`); slot 0 is no
+adapter (zeros)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.errors import ConfigError, InvalidRequestError, UnavailableError
+from vllm_omni_like.loras import PER_ROW, LoraSpec, resolve
+from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.columns import to_device
+from vllm_omni_like.params import LoraRef
+from vllm_omni_like.stages.diffusion.lora_files import AdapterWeights, LoraError, read_adapter
+from vllm_omni_like.stages.diffusion.lora_layers import LoraContext, LoraLinear, Target, wrap
+
+logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
+Selection = tuple[tuple[int, float], ...]  # a row's (slot, scale) of each adapter it uses
+LoraRows = tuple[torch.Tensor, torch.Tensor]  # a forward's model rows' slots and scales
+HOST_KEPT = 2  # adapters kept read on the host: this many times the pool's slots
+
+
+class LoraPool:
+    def __init__(
+        self,
+        specs: tuple[LoraSpec, ...],
+        directory: str | None,
+        targets: dict[str, Target],
+        known: set[str],
+        reader: tuple[type, str],  # the pipeline's class (its converter), the denoiser's prefix
+        sizes: tuple[int, int],  # max_loras, max_lora_rank
+        context: LoraContext,
+    ) -> None:
+        self.specs, self.directory = specs, directory
+        self.targets, self.known, self.reader = targets, known, reader
+        self.max_loras, self.max_rank = sizes
+        self.context = context
+        unique = {id(t.layer): t.layer for t in targets.values()}  # (a fused one: once)
+        self.layers: list[LoraLinear] = list(unique.values())
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident, least recently used first
+        self.free = list(range(self.max_loras, 0, -1))
+        self.pins: Counter[int] = Counter()
+        self.host: OrderedDict[tuple[Any, ...], AdapterWeights] = OrderedDict()
+        self.loads = 0  # adapters written to the device (the benchmark's cold loads)
+
+    # ---- names to weights ------------------------------------------------------------------
+    def spec(self, name: str) -> LoraSpec:
+        found = resolve(name, self.specs, self.directory)
+        if found is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}", param="lora")
+        return found
+
+    def read(self, name: str) -> AdapterWeights:
+        """Adapter `name` read and checked (kept on the host while its file is unchanged)."""
+        spec = self.spec(name)
+        try:
+            stat = os.stat(spec.path)
+        except OSError as exc:
+            raise LoraError(f"LoRA {name!r}: {exc.strerror}: {spec.path}") from None
+        key = (spec, stat.st_mtime_ns, stat.st_size)
+        if key in self.host:
+            self.host.move_to_end(key)
+            return self.host[key]
+        pipe_class, prefix = self.reader
+        weights = read_adapter(spec, pipe_class, prefix, self.targets, self.known, self.max_rank)
+        self.host[key] = weights
+        while len(self.host) > HOST_KEPT * self.max_loras:
+            self.host.popitem(last=False)
+        return weights
+
+    def check_registered(self, stage: str) -> None:
+        """Each registered adapter read and checked now: a start-up error where one fails."""
+        for spec in self.specs:
+            try:
+                self.read(spec.name)
+            except LoraError as exc:
+                raise ConfigError(f"stage {stage!r}: {exc}") from None
+
+    def check_request(self, refs: tuple[LoraRef, ...], stage: str) -> None:
+        """A request's adapters, each read and checked: its 400 where one cannot be used."""
+        if len(refs) > PER_ROW:
+            raise InvalidRequestError(f"at most {PER_ROW} LoRA adapters a request", param="lora")
+        for ref in refs:
+            self.usable(ref.name, stage)
+
+    def usable(self, name: str, stage: str | None = None) -> AdapterWeights:
+        """`read`, a file that cannot be used being the request's 400 (`lora_unusable`)."""
+        try:
+            return self.read(name)
+        except LoraError as exc:
+            raise InvalidRequestError(
+                str(exc), stage=stage, param="lora", code="lora_unusable"
+            ) from None
+
+    def defaults(self, refs: tuple[LoraRef, ...]) -> tuple[int | None, float | None]:
+        """The steps and guidance a request's adapters were made for (the first that says)."""
+        steps = guidance = None
+        for ref in refs:
+            w = self.usable(ref.name)
+            steps = w.steps if steps is None else steps
+            guidance = w.guidance if guidance is None else guidance
+        return steps, guidance
+
+    # ---- slots -------------------------------------------------------------------------------
+    def acquire(self, refs: tuple[LoraRef, ...]) -> Selection:
+        """A row's adapters in their slots (written there if not resident), held until
+        `release`."""
+        taken: list[tuple[int, float]] = []
+        try:
+            for ref in refs:
+                slot = self._slot(ref.name)
+                self.pins[slot] += 1
+                taken.append((slot, ref.scale))
+        except BaseException:
+            self.release(tuple(taken))
+            raise
+        return tuple(taken)
+
+    def release(self, selection: Selection) -> None:
+        for slot, _ in selection:
+            self.pins[slot] -= 1
+            if self.pins[slot] <= 0:
+                del self.pins[slot]
+
+    def evict(self, name: str) -> bool:
+        """Adapter `name` off the device now, unless a running row holds it; whether it went."""
+        slot = self.slots.get(name)
+        if slot is None or self.pins[slot]:
+            return False
+        del self.slots[name]
+        self.free.append(slot)
+        return True
+
+    def _slot(self, name: str) -> int:
+        if name in self.slots:
+            self.slots.move_to_end(name)
+            return self.slots[name]
+        weights = self.usable(name)  # (a file changed since the request's validation)
+        if self.free:
+            slot = self.free.pop()
+        else:
+            idle = next((n for n, s in self.slots.items() if not self.pins[s]), None)
+            if idle is None:
+                raise UnavailableError(
+                    f"all {self.max_loras} LoRA slots (--max-loras) are held by running "
+                    f"requests; {name!r} cannot be loaded now: retry",
+                    code="lora_pool_full",
+                )
+            slot = self.slots.pop(idle)
+        self._write(slot, weights)
+        self.slots[name] = slot
+        return slot
+
+    @torch.inference_mode()
+    def _write(self, slot: int, weights: AdapterWeights) -> None:
+        for layer in self.layers:
+            layer.clear(slot)
+        for module, (a, b) in weights.layers.items():
+            target = self.targets[module]
+            dtype = target.layer.lora_a.dtype
+            target.layer.write(slot, target.part, a.to(dtype), b.to(dtype))
+        self.loads += 1
+
+    # ---- a forward's rows --------------------------------------------------------------------
+    def rows(self, selections: list[Selection], device: torch.device) -> LoraRows:
+        """The model rows' slots (rows, PER_ROW) and float32 scales on the device (slot 0, scale
+        0: no adapter)."""
+        index = torch.zeros(len(selections), PER_ROW, dtype=torch.int64)
+        scale = torch.zeros(len(selections), PER_ROW, dtype=torch.float32)
+        for i, selection in enumerate(selections):
+            for k, (slot, value) in enumerate(selection):
+                index[i, k], scale[i, k] = slot, value
+        return to_device(index, device), to_device(scale, device)
+
+
+def module_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, _ in model.named_modules()}
+
+
+def build(config: StageConfig, adapter: Adapter, dtype: torch.dtype) -> LoraPool | None:
+    """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
+    `--max-loras` slots of `--max-lora-rank` (and slot 0, none), the registered adapters read
+    and checked against the base now."""
+    if not config.loras and config.lora_dir is None:
+        return None
+    experts = adapter.experts()
+    if len(experts) > 1:
+        raise ConfigError(f"stage {config.name!r}: LoRA adapters on two experts are not built yet")
+    model, context = experts[0].model, LoraContext()
+    known = module_names(model)
+    sizes = config.max_loras, config.max_lora_rank
+    targets = wrap(model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
+    reader = type(adapter.pipe), experts[0].name
+    pool = LoraPool(config.loras, config.lora_dir, targets, known, reader, sizes, context)
+    pool.check_registered(config.name)
+    logger.info(
+        "stage %s: LoRA pool of %d adapters of rank %d over %d layers (%s registered)",
+        config.name,
+        sizes[0],
+        sizes[1],
+        len(pool.layers),
+        ", ".join(s.name for s in config.loras) or "none",
+    )
+    return pool
