@@ -16,6 +16,7 @@ from vllm_omni_like.compile_choices import (
 )
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.loras import LoraSpec, check_loras
+from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, check_speed
 from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
@@ -183,8 +184,12 @@ class StageConfig:
     # matmuls, their weights quantized as they load (stages/diffusion/fp8.py)
     quantization: str = "none"
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
-    # by all of them) instead of the whole denoiser: "auto" does so with quantization fp8
+    # by all of them) instead of the whole denoiser: "auto" does so with fp8 or a step cache
     regional_compile: str = "auto"
+    # a step cache of our own loop's rows, its threshold and decision (speed_settings.py)
+    cache: str = "none"
+    cache_threshold: float = DEFAULT_THRESHOLD
+    cache_decision: str = "sync"
     # with compile: each bucket's denoiser forward a CUDA graph (compile_choices.py)
     cuda_graphs: str = "auto"
     # with compile: where compiled graphs persist across starts and restarts ("": the cache
@@ -279,17 +284,13 @@ class StageConfig:
                 raise ConfigError(
                     f"stage {self.name!r}: {key} must be one of {', '.join(allowed)}, not {value!r}"
                 )
-        if self.quantization != "none" and self.kind != "diffusion" and ":" not in self.kind:
-            raise ConfigError(
-                f"stage {self.name!r}: --quantization {self.quantization} runs diffusion stages "
-                f"only, not {self.kind!r}"
-            )
+        check_speed(self)
 
     @property
     def regional(self) -> bool:
         """Whether a compiled denoiser is compiled block by block (`regional_compile`)."""
         if self.regional_compile == "auto":
-            return self.quantization == "fp8"
+            return self.quantization == "fp8" or self.cache != "none"
         return self.regional_compile == "on"
 
     def _check_batching(self) -> None:

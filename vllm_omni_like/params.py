@@ -43,6 +43,8 @@ class GenerationParams:
     fps: int | None = None
     partial_images: int = 0
     scheduler: str | None = None  # models/schedulers.py's names; None: the model's own
+    # step cache (a stage with --cache): this request's threshold (None: the stage's; 0: off)
+    cache_threshold: float | None = None
     # LoRA adapters of the diffusion stage, each at its scale (one batch mixes any of them)
     loras: tuple[LoraRef, ...] = ()
     # LLM stage (each row of a batch its own: stages/llm/token_rules.py)

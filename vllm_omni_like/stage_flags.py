@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_omni_like.compile_choices import CUDA_GRAPHS_MODES, REGIONAL_COMPILE_MODES
 from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
+from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -142,8 +143,38 @@ def add_precision_args(g: Any) -> None:
         "regional_compile",
         "with --compile: each repeated transformer block compiled on its own, one graph a kind "
         "of block reused by every block of it, instead of the whole denoiser: a fraction of the "
-        "warm-up (auto: on with --quantization fp8)",
+        "warm-up (auto: on with --quantization fp8 or --cache)",
         choices=REGIONAL_COMPILE_MODES,
+    )
+    add_cache_args(g)
+
+
+def add_cache_args(g: Any) -> None:
+    """The step cache (the speed group `g`)."""
+    stage_flag(
+        g,
+        "cache",
+        "first-block: each row of our own loop runs the transformer's first block every step "
+        "and its other blocks only where the first block's residual changed by more than "
+        "--cache-threshold since they last ran (else it reuses what they added then): FLUX.1, "
+        "SD3, Qwen-Image, Z-Image and Wan (not A14B); a request may send its own threshold "
+        '("cache": {"threshold": T}); /health says each stage\'s',
+        choices=CACHE_MODES,
+    )
+    stage_flag(
+        g,
+        "cache_threshold",
+        "the relative change (mean |r - r_ref| / mean |r_ref|) of a row's first-block "
+        "residual under which it reuses; 0: never (the uncached images, bit for bit)",
+        type=float,
+        metavar="T",
+    )
+    stage_flag(
+        g,
+        "cache_decision",
+        "sync: each row decides from this step's first block (one device-to-host read a "
+        "step); lagged: from its step before's, so the host never waits for the device",
+        choices=CACHE_DECISIONS,
     )
 
 

@@ -234,3 +234,23 @@ def test_health_and_models_say_each_stages_precision(tmp_path_factory):
         assert http.get("/v1/models/tiny-video").json()["precision"] == {"diffusion": "fp8"}
         models = http.get("/v1/models").json()["data"]
         assert [m["precision"] for m in models] == [{"diffusion": "fp8"}]
+
+
+@pytest.mark.slow
+def test_health_says_each_stages_step_cache_and_a_video_sends_its_own_threshold(
+    tmp_path_factory,
+):
+    """`--cache first-block` on the tiny Wan model: /health names the stage's cache (mode,
+    threshold, decision; a stage without one says null), and a video request's own
+    `"cache": {"threshold": T}` runs (a negative one is a 400 before anything is queued)."""
+    kw = {"cache": "first-block", "cache_threshold": 0.1}
+    with live_server(tmp_path_factory, "tiny-video", stage_kw=kw) as server, server.http() as h:
+        (stage,) = h.get("/health").json()["stages"]
+        assert stage["cache"] == {"mode": "first-block", "threshold": 0.1, "decision": "sync"}
+        body = {"prompt": "a red circle", "seconds": "1", "num_inference_steps": 4}
+        bad = h.post("/v1/videos", json={**body, "cache": {"threshold": -1}})
+        assert bad.status_code == 400 and "threshold" in bad.text
+        job = h.post("/v1/videos", json={**body, "cache": {"threshold": 0.3}})
+        assert job.status_code == 200, job.text
+        video = server.client().videos.poll(job.json()["id"])
+        assert video.status == "completed", video.error

@@ -14,6 +14,7 @@ from vllm_omni_like.engine.stage_pool import StagePool
 from vllm_omni_like.errors import ErrorInfo
 from vllm_omni_like.models.limits import StageFamily
 from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.speed_settings import describe_cache
 from vllm_omni_like.wire import StartReport
 
 
@@ -68,6 +69,7 @@ class StageView:
     replicas: tuple[ReplicaView, ...] = ()
     family: StageFamily | None = None  # a diffusion stage's family and its loops (per mode)
     precision: str | None = None  # what its model computes in (fp8, bf16...), once loaded
+    cache: dict[str, object] | None = None  # its step cache (speed_settings.py); None: off
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -83,6 +85,8 @@ class StageView:
             body.update(self.family)
         if self.precision is not None:  # (a loaded model's: fp8, bf16, ...)
             body["precision"] = self.precision
+        if self.family is not None:  # (a diffusion stage's step cache; null: off)
+            body["cache"] = self.cache
         if self.restart_error:
             body["restart_error"] = self.restart_error
         return body
@@ -132,6 +136,7 @@ def take(pools: Iterable[StagePool], dead: ErrorInfo | None) -> EngineSnapshot:
                 replicas=tuple(_replica_view(pool, r) for r in replicas),
                 family=pool.family,
                 precision=pool.precision,
+                cache=describe_cache(pool.config),
             )
         )
     return EngineSnapshot(tuple(views), dead)

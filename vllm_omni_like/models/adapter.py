@@ -26,6 +26,7 @@ import torch
 
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models import image_latents
+from vllm_omni_like.models.block_stack import StackedBlocks
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION, LORA_LAYERS
 from vllm_omni_like.models.row_conditions import RowConditions
@@ -71,7 +72,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter(RowConditions):
+class Adapter(RowConditions, StackedBlocks):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
@@ -83,9 +84,8 @@ class Adapter(RowConditions):
         self.pipe = pipe
         if family is not None:  # (the generic adapter's description is the model's own)
             self.family = family
-        self.own_scheduler: Any = getattr(
-            pipe, "scheduler", None
-        )  # the model's, before a stage swaps it
+        # the model's own scheduler, before a stage swaps it
+        self.own_scheduler: Any = getattr(pipe, "scheduler", None)
         self._schedulers: dict[str, Any] = {}
 
     # ---- the denoiser and its conditioning -----------------------------------------------

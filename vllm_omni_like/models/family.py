@@ -60,6 +60,7 @@ class Family:
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
     fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
     # (which of them stay in the weights' dtype: its adapter's `high_precision_layers`)
+    step_cache: bool = False  # --cache first-block runs it (its adapter's `block_stack`)
     presets: Mapping[str, Config] = field(default_factory=dict, hash=False)
 
     def adapter_class(self) -> Any:

@@ -13,10 +13,16 @@ from typing import Any, TypedDict
 
 from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
-from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.errors import ConfigError, InvalidRequestError
 from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.precision import check_quantization
-from vllm_omni_like.models.registry import family_for, family_of, loops_for, read_config
+from vllm_omni_like.models.registry import (
+    FAMILIES,
+    family_for,
+    family_of,
+    loops_for,
+    read_config,
+)
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.wire import Mode
 
@@ -135,12 +141,24 @@ class StageFamily(TypedDict):
     loops: dict[Mode, Loop]  # each mode's
 
 
+def check_step_cache(stage: str, family: Family, cache: str) -> None:
+    """Refuse `--cache first-block` for a family whose adapter has no block stack (the UNet
+    families, Qwen-Image-Edit, a pipeline no family claims): a start-up error naming the flag."""
+    if cache != "none" and not family.step_cache:
+        runs = ", ".join(f.name for f in FAMILIES if f.step_cache)
+        raise ConfigError(
+            f"stage {stage!r}: --cache {cache} runs the transformer families ({runs}), not "
+            f"{family.name}: serve it with --cache none"
+        )
+
+
 def describe_stage(stage: StageConfig) -> StageFamily | None:
     """A diffusion stage's family and the loop each of its modes runs (None: not diffusion)."""
     family = stage_family(stage)
     if family is None:
         return None
     check_quantization(stage.name, family, stage.quantization)  # (a start-up error)
+    check_step_cache(stage.name, family, stage.cache)
     loops = loops_for(model_path(stage), stage.cfg_parallel)
     return {
         "family": family.name,

@@ -15,6 +15,7 @@ from vllm_omni_like.models.adapter import (
     shifted_vae_decode,
     vae_decoder_target,
 )
+from vllm_omni_like.models.block_stack import BlockStack, joint_stack
 from vllm_omni_like.models.packing import latent_side, shifted_flow_schedule, unpack
 
 
@@ -58,6 +59,13 @@ class MMDiT(ShiftedVAE):
     def fuse_qkv(self) -> bool:
         self.pipe.transformer.fuse_qkv_projections()
         return True
+
+    def block_stack(self) -> BlockStack:
+        """The joint blocks (FLUX.1: then its single-stream blocks, called alike)."""
+        transformer = self.pipe.transformer
+        singles = getattr(transformer, "single_transformer_blocks", None)
+        lists = (transformer.transformer_blocks, *([singles] if singles is not None else []))
+        return joint_stack(*lists)
 
 
 class PackedLatents(Adapter):

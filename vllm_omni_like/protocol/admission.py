@@ -72,6 +72,7 @@ def image_params(
         strength=body.strength,
         partial_images=body.partial_images if body.stream else 0,
         scheduler=body.scheduler,
+        cache_threshold=body.cache_threshold(),
     )
     check_steps(params, model, name)
     model.check_scheduler(name, params.scheduler)
@@ -204,6 +205,7 @@ def video_params(
         fps=fps,
         num_frames=frames,
         scheduler=body.scheduler,
+        cache_threshold=body.cache_threshold(),
     )
     check_steps(params, model, name)
     model.check_scheduler(name, params.scheduler)

@@ -13,6 +13,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class CacheRequest(_Strict):
+    """A request's step cache (a stage served with --cache): its rows' own threshold."""
+
+    threshold: float = Field(ge=0.0, le=10.0)  # 0: this request's rows never reuse
+
+
 class LoraItem(_Strict):
     """A LoRA adapter a request picks (`/v1/models` lists them as `base:adapter`)."""
 
@@ -28,6 +34,7 @@ class _Sampling(_Strict):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, lt=2**31)
     scheduler: str | None = None  # a name the model's family runs (`/v1/models` lists them)
+    cache: CacheRequest | None = None
     lora: list[LoraItem] | None = None  # LoRA adapters, each at its scale (protocol/loras.py)
     user: str | None = None
     quality: Any = None
@@ -39,6 +46,9 @@ class _Sampling(_Strict):
     input_fidelity: Any = None
     frame_count: Any = None
     frame_duration_ms: Any = None
+
+    def cache_threshold(self) -> float | None:
+        return None if self.cache is None else self.cache.threshold
 
 
 class ImageRequest(_Sampling):

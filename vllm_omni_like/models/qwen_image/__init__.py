@@ -30,6 +30,7 @@ FAMILY = Family(
     default_guidance=4.0,  # the true CFG scale Qwen-Image is shown with
     adapter="vllm_omni_like.models.qwen_image.adapter",
     fp8=True,
+    step_cache=True,
     vae_factors=qwen_vae_factors,
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),

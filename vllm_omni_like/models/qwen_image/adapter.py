@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Decoder, Guidance
+from vllm_omni_like.models.block_stack import BlockStack, joint_stack
 from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
@@ -26,6 +28,9 @@ from vllm_omni_like.params import GenerationParams
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
 NO_NEGATIVE = " "
+
+
+_PER_ROW = ("encoder_hidden_states_mask", "temb")  # a block's arguments with a row each
 
 
 class QwenImageAdapter(PackedLatents):
@@ -116,6 +121,14 @@ class QwenImageAdapter(PackedLatents):
 
     def preview(self, pipe: Any) -> Decoder | None:
         return self.decoder(pipe)
+
+    def block_stack(self) -> BlockStack:
+        """Its dual-stream blocks, each row's text mask beside its timestep embedding (a
+        transformer whose embedding is two a row, `zero_cond_t`, is refused)."""
+        transformer = self.pipe.transformer
+        if getattr(transformer, "zero_cond_t", False):
+            raise ConfigError("--cache first-block does not run a zero_cond_t Qwen-Image yet")
+        return joint_stack(transformer.transformer_blocks, per_row=_PER_ROW)
 
     def compile_targets(self) -> list[tuple[Any, str]]:
         return [(self.pipe, "transformer")]

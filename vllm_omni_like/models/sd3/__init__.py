@@ -21,6 +21,7 @@ FAMILY = Family(
     default_guidance=7.0,  # StableDiffusion3Pipeline's
     adapter="vllm_omni_like.models.sd3.adapter",
     fp8=True,
+    step_cache=True,
     own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,
     schedulers=("flow-euler",),

@@ -8,7 +8,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Adapter, ChunkSource, Decoder, Expert, Guidance
+from vllm_omni_like.models.block_stack import BlockStack
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.models.wan import FAMILY
@@ -43,6 +45,15 @@ class WanAdapter(Adapter):
             return [first]
         boundary = ratio * self.pipe.scheduler.config.num_train_timesteps
         return [Expert("transformer", first.model, boundary), Expert("transformer_2", second)]
+
+    def block_stack(self) -> BlockStack:
+        """Its blocks, called by position: each row's text (and image) states and timestep
+        projection (a timestep a token: Wan2.2-TI2V's) beside the carried latent tokens."""
+        if len(self.experts()) > 1:
+            raise ConfigError("--cache first-block does not run a two-expert Wan (A14B) yet")
+        params = ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")
+        per_row = ("encoder_hidden_states", "temb")
+        return BlockStack((self.pipe.transformer.blocks,), params, ("hidden_states",), per_row)
 
     def guidance_kwargs(
         self, scale: float, params: GenerationParams | None = None

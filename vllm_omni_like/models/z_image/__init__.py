@@ -19,6 +19,7 @@ FAMILY = Family(
     default_guidance=0.0,  # Turbo's: no guidance
     adapter="vllm_omni_like.models.z_image.adapter",
     fp8=True,
+    step_cache=True,
     own_loop=(Mode.TEXT2IMG,),
     schedulers=("flow-euler",),
     presets={"z-image-turbo": {"default_steps": 9}},  # its published use

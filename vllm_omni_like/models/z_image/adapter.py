@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Guidance, vae_decoder_target
+from vllm_omni_like.models.block_stack import BlockStack
 from vllm_omni_like.models.mmdit import ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
 from vllm_omni_like.models.text_buckets import pad_tokens, prompt_within, text_bucket
@@ -31,6 +32,8 @@ from vllm_omni_like.models.z_image.sequence import (
 )
 
 MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
+# a main layer's arguments: the joint sequence [image, text, padding], then one row each
+_LAYER_ARGS = ("attn_mask", "freqs_cis", "adaln_input", "noise_mask", "adaln_noisy", "adaln_clean")
 
 
 class ZImageAdapter(ShiftedVAE):
@@ -89,6 +92,13 @@ class ZImageAdapter(ShiftedVAE):
         """Its blocks one by one (sequence.py: the eager padding between them gives them one
         shape per text bucket) and the VAE's decoder."""
         return [*block_targets(self.pipe.transformer), *vae_decoder_target(self.pipe)]
+
+    def block_stack(self) -> BlockStack:
+        """Its main layers over the joint sequence (not the refiners before them), called by
+        position; a row's sequence is padded to its batch's text bucket, so a row whose peers
+        change its bucket measures nothing that step and runs them."""
+        layers = self.pipe.transformer.layers
+        return BlockStack((layers,), ("x", *_LAYER_ARGS), ("x",), _LAYER_ARGS, hidden="x")
 
     def high_precision_layers(self) -> tuple[str, ...]:
         """FP8: the attention projections and the SwiGLU MLPs (`w1`, `w2`, `w3`) of the main

@@ -233,4 +233,6 @@ def backend_for(config: StageConfig, device: torch.device) -> GraphBackend | Non
         return None
     if config.cuda_graphs == "off" or not config.compile or config.leads:
         return None
+    if config.cache != "none":  # (auto: a step cache decides between the blocks, eager)
+        return None
     return CudaGraphs(device) if device.type == "cuda" else None

@@ -15,6 +15,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import Adapter, adapter_for
 from vllm_omni_like.models.family import Family, Loop
+from vllm_omni_like.models.limits import check_step_cache
 from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
@@ -34,6 +35,7 @@ from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import lora_pool, quantize
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.lora_pool import LoraPool
@@ -190,6 +192,7 @@ def _load_pipeline(
 
     _check_text_encoder(config, path)
     family = family_of(path)
+    check_step_cache(config.name, family, config.cache)  # (refused before anything loads)
     if config.quantization == "fp8":  # refused before anything loads
         check_quantization(config.name, family, config.quantization)
         quantize.check_fp8(device, dtype)
@@ -347,10 +350,24 @@ def _own_loop(
     loras: LoraPool | None,
 ) -> DenoiseLoop:
     """Our own loop, its model rows padded to the buckets (each bucket of images with
-    guidance and without), each row with its LoRA adapters where the stage has a pool."""
+    guidance and without), each row with its LoRA adapters where the stage has a pool; with
+    `--cache first-block`, its rows' step cache around the denoiser's blocks (compiled, where
+    they are, before)."""
     row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
     graphs = GraphRunner(backend_for(config, device), config.name)
-    return DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras, graphs)
+    loop = DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras, graphs)
+    if config.cache == "first-block":
+        stack = adapter.block_stack()  # (a family that has none refuses here: ConfigError)
+        loop.cache = FirstBlockCache(stack, row_buckets, config.cache_decision == "lagged")
+        loop.cache_threshold = config.cache_threshold
+        logger.info(
+            "stage %s: First-Block Cache over %d blocks, threshold %g, decision %s",
+            config.name,
+            loop.cache.depth,
+            config.cache_threshold,
+            config.cache_decision,
+        )
+    return loop
 
 
 def _guidance(

@@ -11,6 +11,7 @@ import torch
 
 from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.stages.diffusion.block_cache import RowCache
 from vllm_omni_like.stages.diffusion.edit_rows import Anchor, Source
 from vllm_omni_like.stages.diffusion.lora_pool import LoraRows, Selection
 from vllm_omni_like.stages.diffusion.row_tensors import Text
@@ -39,6 +40,7 @@ class LoopRow:
     # request's first frame) until its conditioning is made (`conditions`), else None
     image: Any | None = None
     lora: Selection = ()  # its LoRA adapters' (pool slot, scale), held while in the set
+    cache: RowCache | None = None  # its step cache (a stage with --cache), else None
 
     @property
     def cfg(self) -> bool:

@@ -4,9 +4,9 @@ Groups of rows join at a step boundary, every row steps with its own schedule, a
 leaves when its rows have ended (or it was aborted).
 
 A step is computed, then its step-point faults fire, then it is committed: a step that raises
-leaves the set as it was before it (each row's schedule position and multistep history are put
-back), so the worker can bisect it (`step(only=...)` steps a subset). What a row computes
-depends on its own inputs only, so a request's latents are the same whether it ran alone or
+leaves the set as it was before it (each row's schedule position, multistep history and step
+cache are put back), so the worker can bisect it (`step(only=...)` steps a subset). What a row
+computes depends on its own inputs only, so a request's latents are the same whether it ran alone or
 joined a busy set at step k (tests/stages/diffusion/test_running_set.py).
 """
 
@@ -123,15 +123,17 @@ class DenoiseSet:
         plan = self._plan
         if plan is None or plan.active != active:
             plan = self.loop.plan(self.rows, active, self.text, self.latents, self.conditioning)
-        saved = [(r.state.index, dict(r.state.history)) for r in plan.group]
+        saved = [(r.state.index, dict(r.state.history), _cache_of(r)) for r in plan.group]
         try:
             part = self.latents if plan.index is None else self.latents[plan.index]
             stepped = self.loop.step(plan, part)
             if check is not None:
                 check(_distinct(r.request for r in plan.group))
         except BaseException:
-            for r, (index, history) in zip(plan.group, saved, strict=True):
+            for r, (index, history, cache) in zip(plan.group, saved, strict=True):
                 r.state.index, r.state.history = index, history
+                if r.cache is not None and cache is not None:  # (its step cache as it was)
+                    r.cache.restore(cache)
             raise
         if plan.index is None:
             self.latents = stepped
@@ -217,6 +219,10 @@ class DenoiseSet:
         if self.conditioning is not None:
             self.conditioning = take_named(self.conditioning, keep, device)
         self.rows = rows
+
+
+def _cache_of(row: LoopRow) -> tuple | None:
+    return None if row.cache is None else row.cache.save()
 
 
 def _distinct(requests: Iterable[StageRequest]) -> list[StageRequest]:

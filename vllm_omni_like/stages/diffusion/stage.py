@@ -159,8 +159,22 @@ class DiffusionStage(Stage):
             )
         lim.check_scheduler(self.config.model or "the model", p.scheduler)
         check_prompt_length(rt.text.tokenizer, request, self.name)
+        self._check_cache(request)
         if p.loras:
             self._validate_loras(request)
+
+    def _check_cache(self, request: StageRequest) -> None:
+        """A request's own cache threshold needs a step cache on the loop that runs it."""
+        rt = self.runtime
+        if request.params.cache_threshold is None:
+            return
+        if rt.denoise.cache is None or request.loop_mode not in rt.own:
+            raise InvalidRequestError(
+                "this model runs no step cache for this request (its stage is served without "
+                "--cache first-block, or the mode runs the pipeline's own call): send no cache",
+                stage=self.name,
+                param="cache",
+            )
 
     def _validate_loras(self, request: StageRequest) -> None:
         """A request's LoRA adapters: served here, on our own loop, each read and checked (a

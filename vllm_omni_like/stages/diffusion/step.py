@@ -19,6 +19,10 @@ model rows' (both CFG branches alike), and each step puts back what it fixes (TI
 frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its prompt's with
 its request's upload.
 
+With `--cache first-block` each row carries its own step cache (`LoopRow.cache`, empty when it
+joins) and each forward hands the cache its model rows' (row, branch): the rows then decide
+whether to run the denoiser's blocks after the first (block_cache.py).
+
 A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
 slots and scales (the unconditional branch its row's) as device tensors; an adapter's own steps
 and guidance apply to its rows where the request leaves them unsaid.
@@ -44,6 +48,7 @@ from vllm_omni_like.models.row_conditions import Conditioning
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, Slot
 from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
@@ -87,6 +92,9 @@ class DenoiseLoop:
         self.boundary = experts[0].boundary  # (two experts: the low-noise one's below it)
         # a guidance embedding (FLUX.1): each row's scale goes into its one forward, no CFG
         self.distilled = adapter.guidance is Guidance.DISTILLED
+        # --cache first-block (block_cache.py; installed by the load), and its rows' threshold
+        self.cache: FirstBlockCache | None = None
+        self.cache_threshold = 0.0
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(
@@ -121,6 +129,7 @@ class DenoiseLoop:
                 own = None if source is None else dataclasses.replace(source)  # (a row's)
                 row = LoopRow(r, base + i, guidance, state, prompt, negative, low_noise, own)
                 row.image = image
+                row.cache = self._row_cache(p.cache_threshold, negative is not None)
                 rows.append(row)
         text = self._embed(list(prompts), read)
         if negatives:
@@ -128,6 +137,12 @@ class DenoiseLoop:
                 row.negative = None if row.negative is None else row.negative + len(prompts)
             text = cat_rows(text, self._embed(list(negatives), read))
         return rows, text
+
+    def _row_cache(self, threshold: float | None, cfg: bool) -> RowCache | None:
+        """A new row's cache (empty) at its request's threshold, or the stage's."""
+        if self.cache is None:
+            return None
+        return RowCache(self.cache_threshold if threshold is None else threshold, 1 + cfg)
 
     def _defaults(self, request: StageRequest, settings: Settings) -> tuple[int, float]:
         """A request's steps and guidance: its own, else its LoRA adapters', else the stage's."""
@@ -282,21 +297,31 @@ class DenoiseLoop:
         cfg, index = plan.cfg, plan.cfg_index
         uncond_rows = scaled if index is None else scaled[index]
         cfg_states = [states[j] for j in cfg]
+        slots = [(r.cache, 0) for r in plan.group]  # (each model row's cache and branch)
+        cfg_slots = [(plan.group[j].cache, 1) for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
             both = states + cfg_states
-            out = self._forward(inputs, both, plan.texts, None, plan.conditioning, plan.lora)
+            out = self._forward(
+                inputs, both, plan.texts, None, plan.conditioning, plan.lora, slots + cfg_slots
+            )
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
             cond = self._forward(
-                scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora
+                scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora, slots
             )
             if not cfg:
                 return cond
             assert plan.negatives is not None  # (a plan with guidance, two forwards)
             negative = plan.negative_conditioning
             uncond = self._forward(
-                uncond_rows, cfg_states, plan.negatives, None, negative, plan.negative_lora
+                uncond_rows,
+                cfg_states,
+                plan.negatives,
+                None,
+                negative,
+                plan.negative_lora,
+                cfg_slots,
             )
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
@@ -326,10 +351,12 @@ class DenoiseLoop:
         guidance: torch.Tensor | None = None,
         conditioning: Conditioning | None = None,
         lora: LoraRows | None = None,
+        slots: list[tuple[RowCache | None, int]] | None = None,
     ) -> Any:
         """One denoiser call (each model row at its row's timestep; `guidance`: each row's
         scale, for a guidance embedding; `conditioning`: each model row's own, where rows carry
-        one; `lora`: each model row's adapters), padded to the compiled bucket of its rows."""
+        one; `lora`: each model row's adapters; `slots`: each model row's step cache and
+        branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -346,8 +373,16 @@ class DenoiseLoop:
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
         inputs |= {"guidance": guidance, "conditioning": conditioning}
         call = lambda given: self._denoise(given, at)  # noqa: E731
-        with nullcontext() if self.loras is None else self.loras.context.rows(lora):
+        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
+        with adapters, self._cached(slots, pad):
             return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
+
+    def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
+        """The step cache's forward over these model rows (and `pad` rows of padding)."""
+        if self.cache is None or slots is None:
+            return nullcontext()
+        rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
+        return self.cache.forward(rows + [None] * pad)
 
     def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
         """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""

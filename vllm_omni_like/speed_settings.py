@@ -1,0 +1,74 @@
+"""The diffusion stages' speed settings refused at start-up, torch-free: FP8 and the step cache
+(`--cache`, `--cache-threshold`, `--cache-decision`: what they may be; what /health says of
+them). stages/diffusion/block_cache.py is the cache itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni_like.errors import ConfigError
+
+CACHE_MODES = ("none", "first-block")
+# sync: a row's decision from this step's first block (one device-to-host read a step);
+# lagged: from its step before's, read without waiting for the device
+CACHE_DECISIONS = ("sync", "lagged")
+# the relative change of a row's first-block residual under which it reuses the other blocks'
+# (provisional, from a CPU sample of bench/cache_quality.py on the trained tiny-video: 16
+# clips, 36% of block evaluations saved at a median PSNR of 39 dB; docs/architecture.md)
+DEFAULT_THRESHOLD = 0.15
+
+
+def check_speed(config: Any) -> None:
+    """Refuse what the stage `config` (a StageConfig) cannot run: FP8 or a step cache outside
+    a diffusion stage; a cache of a kind, threshold or decision not known, or beside what it
+    does not run with."""
+    diffusion = config.kind == "diffusion" or ":" in config.kind  # (or the user's own Stage)
+    where = f"stage {config.name!r}"
+    if config.quantization != "none" and not diffusion:
+        raise ConfigError(
+            f"{where}: --quantization {config.quantization} runs diffusion stages only, "
+            f"not {config.kind!r}"
+        )
+    for flag, value, allowed in (
+        ("cache", config.cache, CACHE_MODES),
+        ("cache_decision", config.cache_decision, CACHE_DECISIONS),
+    ):
+        if value not in allowed:
+            raise ConfigError(f"{where}: {flag} must be one of {', '.join(allowed)}, not {value!r}")
+    if config.cache != "none":
+        _check_cache(config, f"{where}: --cache {config.cache}", diffusion)
+
+
+def _check_cache(config: Any, where: str, diffusion: bool) -> None:
+    if not diffusion:
+        raise ConfigError(f"{where} runs diffusion stages only, not {config.kind!r}")
+    if not config.cache_threshold >= 0.0:
+        raise ConfigError(f"{where}: --cache-threshold must be >= 0, not {config.cache_threshold}")
+    if config.cfg_parallel or config.sequence_parallel > 1:
+        raise ConfigError(
+            f"{where}: not with --cfg-parallel or --sequence-parallel yet (CFG-parallel ranks "
+            "run the pipeline's call, not our loop's rows; a sequence's shares would each "
+            "measure a change of their own)"
+        )
+    if config.cuda_graphs == "on" or config.loras or config.lora_dir:
+        raise ConfigError(
+            f"{where}: not with --cuda-graphs on (a replayed graph runs every block of every "
+            "row: a row's decision runs between them) nor with LoRA adapters yet (a sub-batch "
+            "would need its rows' adapters gathered with them)"
+        )
+    if config.compile and config.regional_compile == "off":
+        raise ConfigError(
+            f"{where} compiles the denoiser block by block (each row's decision runs between "
+            "its blocks): not with --regional-compile off"
+        )
+
+
+def describe_cache(config: Any) -> dict[str, Any] | None:
+    """What /health says of a stage's step cache (None: off)."""
+    if config.cache == "none":
+        return None
+    return {
+        "mode": config.cache,
+        "threshold": config.cache_threshold,
+        "decision": config.cache_decision,
+    }
