@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import itertools
 
 from bench.compare import db, psnr
-from bench.raw_diffusers import DTYPES, PROMPT, device_name, free
+from bench.raw_diffusers import DTYPES, PROMPT, free, merge_result
 from bench.step_profile import step_timeline
 from vllm_omni_like.models.registry import family_of
 from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
@@ -270,22 +270,13 @@ def child(args: argparse.Namespace, part: str) -> dict[str, Any]:
 def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Merge `entry` into `models.<name>` of fp8-<device>.json, the ratios once both sides
     are in."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"fp8-{device_name()}.json")
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    data: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "models": {}}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    merged = {**data["models"].get(name, {}), **entry}
-    if merged.get("bf16_step_ms") and merged.get("fp8_step_ms"):
-        merged["fp8_over_bf16"] = round(merged["fp8_step_ms"] / merged["bf16_step_ms"], 4)
-    ref_bf16, ref_fp8 = merged.get("reference_bf16_step_ms"), merged.get("reference_fp8_step_ms")
-    if ref_bf16 and ref_fp8:
-        merged["reference_fp8_over_bf16"] = round(ref_fp8 / ref_bf16, 4)
-    data["models"][name] = merged
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    with merge_result("fp8", name, entry, out_dir) as merged:
+        if merged.get("bf16_step_ms") and merged.get("fp8_step_ms"):
+            merged["fp8_over_bf16"] = round(merged["fp8_step_ms"] / merged["bf16_step_ms"], 4)
+        ref_bf16 = merged.get("reference_bf16_step_ms")
+        ref_fp8 = merged.get("reference_fp8_step_ms")
+        if ref_bf16 and ref_fp8:
+            merged["reference_fp8_over_bf16"] = round(ref_fp8 / ref_bf16, 4)
     return merged
 
 

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.compare import db, psnr
-from bench.raw_diffusers import DTYPES, PROMPT, device_name
+from bench.raw_diffusers import DTYPES, PROMPT, merge_result
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "sd15": {"c": 32, "adapters": 50, "rank": 64, "steps": 20, "guidance": 7.5, "size": 512},
@@ -247,35 +247,25 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
 def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Merge `entry` into `models.<name>` of lora-<device>.json, the ratios once both parts
     are in."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"lora-{device_name()}.json")
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    data: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "models": {}}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    m = {**data["models"].get(name, {}), **entry}
-    for part in PARTS:  # (an error of an earlier run that this run's part did not repeat)
-        if f"{part}_error" not in entry:
-            m.pop(f"{part}_error", None)
-    if m.get("img_s_lora") and m.get("img_s_no_lora"):
-        m["throughput_ratio"] = round(m["img_s_lora"] / m["img_s_no_lora"], 4)
-    if m.get("img_s_lora") and m.get("per_batch_img_s"):
-        m["ours_over_per_batch"] = round(m["img_s_lora"] / m["per_batch_img_s"], 4)
-    if m.get("img_s_lora_same") and m.get("img_s_merged_same"):
-        m["same_adapter_over_merged"] = round(m["img_s_lora_same"] / m["img_s_merged_same"], 4)
-    for key in (
-        "img_s_no_lora",
-        "img_s_lora",
-        "per_batch_img_s",
-        "img_s_lora_same",
-        "img_s_merged_same",
-    ):
-        if key in m:
-            m[key] = round(m[key], 3)
-    data["models"][name] = m
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    with merge_result("lora", name, entry, out_dir) as m:
+        for part in PARTS:  # (an error of an earlier run that this run's part did not repeat)
+            if f"{part}_error" not in entry:
+                m.pop(f"{part}_error", None)
+        if m.get("img_s_lora") and m.get("img_s_no_lora"):
+            m["throughput_ratio"] = round(m["img_s_lora"] / m["img_s_no_lora"], 4)
+        if m.get("img_s_lora") and m.get("per_batch_img_s"):
+            m["ours_over_per_batch"] = round(m["img_s_lora"] / m["per_batch_img_s"], 4)
+        if m.get("img_s_lora_same") and m.get("img_s_merged_same"):
+            m["same_adapter_over_merged"] = round(m["img_s_lora_same"] / m["img_s_merged_same"], 4)
+        for key in (
+            "img_s_no_lora",
+            "img_s_lora",
+            "per_batch_img_s",
+            "img_s_lora_same",
+            "img_s_merged_same",
+        ):
+            if key in m:
+                m[key] = round(m[key], 3)
     return m
 
 

@@ -40,6 +40,34 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def merge_result(prefix: str, name: str, entry: dict[str, Any], out_dir: str) -> Any:
+    """`<out_dir>/<prefix>-<device>.json`'s `models.<name>` updated with `entry`: a context
+    manager giving the merged entry to complete (ratios once both parts are in), written back
+    as the block ends."""
+    return _Merged(os.path.join(out_dir, f"{prefix}-{device_name()}.json"), name, entry)
+
+
+class _Merged:
+    def __init__(self, path: str, name: str, entry: dict[str, Any]) -> None:
+        self.path, self.name, self.entry = path, name, entry
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.data: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "models": {}}
+
+    def __enter__(self) -> dict[str, Any]:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.data = json.load(f)
+        self.merged: dict[str, Any] = {**self.data["models"].get(self.name, {}), **self.entry}
+        return self.merged
+
+    def __exit__(self, *failure: Any) -> None:
+        if failure[0] is None:
+            self.data["models"][self.name] = self.merged
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1)
+
+
 def device_name() -> str:
     """'h100', 'h200', ... from the CUDA device name; 'cpu' without one."""
     if not torch.cuda.is_available():
