@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.stages.diffusion.fp8 import Fp8Linear
 
 # a fused projection's parts, in the order its weights were concatenated (diffusers' own)
@@ -104,9 +105,11 @@ class LoraLinear(torch.nn.Module):
         folded in; the rest of the part's rank stays zero."""
         rank, start = a.shape[0], part * self.rank
         top = sum(self.parts[:part])
-        self.lora_a[slot, start : start + rank].copy_(a, non_blocking=True)
+        # (through pinned memory: a copy from pageable memory waits for the device - a join
+        # would wait for the running set's steps)
+        self.lora_a[slot, start : start + rank].copy_(to_device(a, self.lora_a.device))
         rows = slice(top, top + self.parts[part])
-        self.lora_b[slot, rows, start : start + rank].copy_(b, non_blocking=True)
+        self.lora_b[slot, rows, start : start + rank].copy_(to_device(b, self.lora_b.device))
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
