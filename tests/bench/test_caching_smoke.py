@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.slow  # (about 15 tiny runs: ~12 s on this CPU, minutes when it is shared)
+@pytest.mark.drill  # (about 15 tiny runs: ~12 s on this CPU; the suite is over its 12 minutes)
 @pytest.mark.timeout(600)
 def test_the_caching_bench_writes_the_issues_keys(tmp_path):
     out = tmp_path / "caching-cpu.json"
