@@ -57,20 +57,25 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stage(files):
     loras = tuple(f"{n}={files[n]}" for n in ("a", "b", "kohya"))
+    s = _lora_stage("tiny-image", loras, 8, lora_dir=files["dir"], max_loras=4)
+    yield s
+    s.close()
+
+
+def _lora_stage(model: str, loras, max_lora_rank: int, **kw) -> DiffusionStage:
+    """A tiny model's fp32 stage on the CPU with adapters `loras`, loaded."""
     config = StageConfig(
         name="diffusion",
         kind="diffusion",
-        model="tiny-image",
+        model=model,
         dtype="float32",
         loras=loras,
-        lora_dir=files["dir"],
-        max_loras=4,
-        max_lora_rank=8,
+        max_lora_rank=max_lora_rank,
+        **kw,
     )
-    s = DiffusionStage(config)
-    s.load("cpu")
-    yield s
-    s.close()
+    stage = DiffusionStage(config)
+    stage.load("cpu")
+    return stage
 
 
 def _req(rid: str, loras=(), seed: int = 3, **params) -> StageRequest:
@@ -277,16 +282,7 @@ def test_a_video_model_mixes_adapters_in_one_batch_too(tmp_path):
     ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
     weights = low_rank(model, 1, 4, ends=ends, std=0.5)
     file = write_peft(tmp_path / "v.safetensors", weights, prefix="transformer")
-    config = StageConfig(
-        name="diffusion",
-        kind="diffusion",
-        model="tiny-video",
-        dtype="float32",
-        loras=(f"v={file}",),
-        max_lora_rank=4,
-    )
-    video = DiffusionStage(config)
-    video.load("cpu")
+    video = _lora_stage("tiny-video", (f"v={file}",), 4)
     try:
 
         def req(rid: str, loras=()) -> StageRequest:
@@ -350,17 +346,7 @@ def test_a_mode_our_loop_does_not_run_or_a_stage_without_a_pool_refuses_a_lora(s
 
 def test_both_branches_in_two_forwards_take_the_rows_adapters(files):
     loras = (f"b={files['b']}",)
-    config = StageConfig(
-        name="diffusion",
-        kind="diffusion",
-        model="tiny-image",
-        dtype="float32",
-        loras=loras,
-        max_lora_rank=8,
-        batched_cfg=False,
-    )
-    two = DiffusionStage(config)
-    two.load("cpu")
+    two = _lora_stage("tiny-image", loras, 8, batched_cfg=False)
     try:
         batch = [_req("base"), _req("b", B, seed=4)]
         split = _run(two, batch)
@@ -372,16 +358,7 @@ def test_both_branches_in_two_forwards_take_the_rows_adapters(files):
 
 
 def _run_one_forward(files, batch):
-    config = StageConfig(
-        name="diffusion",
-        kind="diffusion",
-        model="tiny-image",
-        dtype="float32",
-        loras=(f"b={files['b']}",),
-        max_lora_rank=8,
-    )
-    one = DiffusionStage(config)
-    one.load("cpu")
+    one = _lora_stage("tiny-image", (f"b={files['b']}",), 8)
     try:
         return _run(one, batch)
     finally:
