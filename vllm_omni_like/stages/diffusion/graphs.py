@@ -78,11 +78,19 @@ class CudaGraphs:
         with torch.cuda.stream(self.stream):
             run()
         graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream(self.device)
+        rng = torch.cuda.default_generators[self.device.index or 0]
+        before_capture = rng.clone_state()
         try:  # thread_local: the finisher thread's decode on its own stream is no part of it
             with torch.cuda.graph(
                 graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
             ):
                 output = run()
+        except BaseException:
+            # A capture that fails never ends the device generator's capture (its epilogue
+            # runs after the end succeeds): every later random draw on the device would fail
+            # ("Offset increment outside graph capture", seen on an H100). Its state before.
+            rng.graphsafe_set_state(before_capture)
+            raise
         finally:  # (a capture that fails to end leaves its stream current: not this thread's)
             torch.cuda.set_stream(current)
         current.wait_stream(self.stream)
