@@ -30,6 +30,7 @@ import io
 import itertools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -207,7 +208,11 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         pipe.vae.to(memory_format=torch.channels_last)
     options = {"fullgraph": True, "dynamic": False, "mode": args.compile_mode}
     name = "unet" if model is getattr(pipe, "unet", None) else "transformer"
-    setattr(pipe, name, torch.compile(model, **options))
+    if args.regional:  # diffusers' regional compile: each repeated block's class once
+        model.compile_repeated_blocks(**options)
+        result["compile"] = "regional"
+    else:
+        setattr(pipe, name, torch.compile(model, **options))
     pipe.vae.decoder = torch.compile(pipe.vae.decoder, **options)
     compiled_s, images, step_ms, lead_ms = timed(pipe, s, args.runs)
     print(f"diffusers compiled: {compiled_s:.3f} s", file=sys.stderr)
@@ -253,7 +258,9 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     flags = [args.model, "--load-format", "dummy", "--dtype", args.dtype]
     flags += ["--max-side", str(max(s["size"], 64)), "--gpu-memory-fraction", "0.9"]
     flags += ["--compile", "--compile-mode", args.compile_mode, "--batch-buckets", "1"]
-    flags += ["--warmup-size", side]
+    flags += ["--warmup-size", side, *shlex.split(args.server_flags)]
+    if args.regional:
+        flags += ["--regional-compile", "on"]
     timeline = tempfile.mkdtemp(prefix="models-timeline-")  # each step on the device
     traced = str(args.trace_batch or "")  # (by default no profiled batch)
     env = {**os.environ, TRACE_DIR: timeline, TRACE_BATCHES: traced}
@@ -401,6 +408,11 @@ def main() -> int:
     # the server profiles its N-th batch, the warm-up's counted (Z-Image's warm-up is 7 batches:
     # with --runs 3, 12 is one more request after the timed ones); its trace lands in --out-dir
     ap.add_argument("--trace-batch", type=int, default=0)
+    # both sides compiled a block at a time (diffusers' `compile_repeated_blocks`, the server's
+    # `--regional-compile on`): a start in minutes where a whole compile of every warm-up shape
+    # does not fit a call (Qwen-Image); results under "<model> (regional)"
+    ap.add_argument("--regional", action="store_true")
+    ap.add_argument("--server-flags", default="", help="more `serve` flags, one string")
     args = ap.parse_args()
     base = SETTINGS.get(args.model, {"steps": 4, "guidance": 3.5, "size": 64})
     given = {"steps": args.steps, "guidance": args.guidance, "size": args.size}
@@ -414,7 +426,8 @@ def main() -> int:
         entry["peer_s"], entry["peer_source"] = s["peer_s"], PEER_SOURCE[name]
     for part in args.parts.split(","):
         entry.update((part_reference if part == "reference" else part_server)(args, s))
-        print(json.dumps(write(name, entry, args.out_dir)), flush=True)
+        key = f"{name} (regional)" if args.regional else name
+        print(json.dumps(write(key, entry, args.out_dir)), flush=True)
     return 0
 
 
