@@ -291,3 +291,20 @@ def test_an_edit_on_the_pipelines_call_runs_with_the_scheduler_asked(image, monk
     assert np.abs(euler.astype(int) - default.astype(int)).max() > 1  # another computation
     again, used = edit(None)
     assert used == "DDIMScheduler" and np.array_equal(again, default)  # and back
+
+
+def test_the_warm_up_runs_the_path_an_image_request_runs(image, monkeypatch):
+    """A compiled stage's warm-up asks for what a request for a PNG asks (its rows filtered on
+    the device after the decode), with and without guidance: nothing a request runs is new."""
+    own = image.own_loop
+    seen: list[StageRequest] = []
+    begin = own.begin
+
+    def recorded(batch, control):
+        seen.extend(batch)
+        return begin(batch, control)
+
+    monkeypatch.setattr(own, "begin", recorded)
+    ran = own.warm_up(1, 64, 64)
+    assert ran == len(seen) and len({r.params.guidance_scale for r in seen}) >= 2  # (a row each)
+    assert seen and all(r.encodes_png for r in seen)

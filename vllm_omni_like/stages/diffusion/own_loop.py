@@ -52,8 +52,8 @@ class OwnLoop:
             )
             batches = {_rows_of(group, rows): None for group in self._warm_up_prompts}
             for texts in batches:  # (a group wider than the batch: as its first prompt alone)
-                batch = [
-                    StageRequest(f"warm-up-{i}", t, params, mode, images)
+                batch = [  # (an image's PNG rows filtered on the device, as a request's)
+                    StageRequest(f"warm-up-{i}", t, params, mode, images, encodes_png=not frames)
                     for i, t in enumerate(texts)
                 ]
                 self.begin(batch, StageControl(FaultInjector((), rt.name))).finish(batch)
