@@ -22,6 +22,7 @@ What the sequence is (which tokens, where in a model) is the family adapter's to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,15 @@ def pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention in the (B, L, H, D) layout."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
 
 
 class SequenceShards:
@@ -78,11 +88,19 @@ class SequenceShards:
         return whole.narrow(0, 0, self.length).movedim(0, dim)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, replicated: int = 0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        replicated: int = 0,
+        attend: Attend | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v over the whole sequence, in diffusers' processors'
         (B, L, H, D) layout: L = `replicated` tokens every rank holds whole (first), then this
-        rank's share of the split sequence. Returns this rank's L tokens, every head."""
+        rank's share of the split sequence. Returns this rank's L tokens, every head.
+        `attend`: the attention each rank runs over [replicated, the whole split sequence] for
+        its heads, once exchanged (a family's masked one: a padded text's keys left out);
+        unmasked SDPA by default."""
         heads = q.shape[2]
         per = -(-heads // self.size)  # each rank's heads (zero heads pad the last ones)
         qkv = pad_dim(torch.cat([q, k, v]), 2, per * self.size)
@@ -90,8 +108,7 @@ class SequenceShards:
         image = self._to_heads(qkv[:, replicated:])
         whole = self.local(self.length) * self.size
         joint = torch.cat([text, image[:, : self.length]], dim=1)
-        q, k, v = (x.transpose(1, 2) for x in joint.chunk(3))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        out = (attend or sdpa)(*joint.chunk(3))
         image_out = self._to_tokens(pad_dim(out[:, replicated:], 1, whole))
         if replicated:
             text_out = self._gather_heads(out[:, :replicated])
