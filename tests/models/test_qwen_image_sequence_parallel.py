@@ -94,7 +94,7 @@ def _forward_split(rank: int, size: int, path: str) -> tuple[list, float]:
 def test_a_split_forward_equals_one_ranks_and_diffusers_context_parallel(size):
     """Every case within 1e-5 of one rank's, each rank's first block taking its share (15 and
     21 tokens, padded to a multiple of N); on 2 ranks within 1e-5 of diffusers' own."""
-    answers = run_ranks(_forward_split, size, tiny_qwen_image_path())
+    answers = run_ranks(_forward_split, size, tiny_qwen_image_path(), timeout=300)
     shares = [-(-15 // size), -(-21 // size), -(-21 // size)]
     for ours, against in answers:
         assert [seen for _, seen in ours] == [[share] for share in shares], answers

@@ -77,7 +77,9 @@ def _forward_split(rank: int, size: int, medium: str, large: str) -> list:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_split_forward_equals_one_ranks(size):
-    answers = run_ranks(_forward_split, size, tiny_sd3_path(True), tiny_sd3_path(False))
+    answers = run_ranks(
+        _forward_split, size, tiny_sd3_path(True), tiny_sd3_path(False), timeout=300
+    )
     for cases in answers:
         assert [seen for _, seen in cases] == [[-(-15 // size)]] * 3, answers
         assert max(diff for diff, _ in cases) <= TOLERANCE, answers
