@@ -116,10 +116,11 @@ def test_sd35_medium_equals_one_rank(tmp_path, n):
 @pytest.mark.drill
 @pytest.mark.parametrize("n", [2, 3])
 def test_z_image_equals_one_rank(tmp_path, n):
-    """Unified sequences of 96 and 192 tokens (48x80 and 112x80: 60 and 140 image tokens, which
-    the transformer pads to 64 and 160, then a caption padded to 32), the first with guidance
-    (its negative prompt's caption beside the prompt's in one forward: a mask where they differ)
-    and the second without; 3 ranks divide neither."""
+    """Two forwards: one with guidance whose negative prompt's caption (about 90 tokens) is
+    longer than its prompt's, padded to the 128-token caption bucket beside it (a mask of keys
+    over the padded unified sequence: 64 image tokens, the 48x80 image's 60 as the transformer
+    pads them, then 128); one without, 80x80 (100 image tokens padded to 128, then 32). 3
+    ranks divide the 160 unevenly."""
     requests = [
         StageRequest(
             "guided",
@@ -130,16 +131,16 @@ def test_z_image_equals_one_rank(tmp_path, n):
                 width=80,
                 height=48,
                 guidance_scale=0.5,
-                negative_prompt="a big blue square beside a small green triangle on a grey floor",
+                negative_prompt="a red circle and a blue square " * 12,
             ),
             mode="text2img",
         ),
         StageRequest(
             "plain",
             "a blue square",
-            GenerationParams(seed=2, num_inference_steps=2, width=80, height=112),
+            GenerationParams(seed=2, num_inference_steps=2, width=80, height=80),
             mode="text2img",
         ),
     ]
     whole = check_equal_to_one_rank(tiny_z_image_path(), n, requests, tmp_path)[1]
-    assert whole == [96, 192]
+    assert whole == [160, 192]

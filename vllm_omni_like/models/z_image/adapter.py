@@ -118,7 +118,9 @@ class ZImageAdapter(ShiftedVAE):
 
     def split_sequence(self, shards: SequenceShards) -> int:
         """The unified sequence [image, caption] of the main layers split, the refiners whole
-        (models/z_image/sequence_parallel.py)."""
+        (models/z_image/sequence_parallel.py). Its sequences padded to caption buckets here, on
+        every rank: rank 0's `predict` meets the transformer wrapped, the others never run it."""
+        pad_sequences_to_buckets(self.pipe.transformer)
         split_z_image(self.pipe.transformer, shards)
         return int(self.pipe.transformer.config.n_heads)
 
