@@ -22,8 +22,8 @@ def first_block(model: Any) -> Any:
     `transformer_blocks`), or Z-Image's first main layer (`layers`: the unified sequence)."""
     for name in ("blocks", "transformer_blocks", "layers"):
         blocks = getattr(model, name, None)
-        if blocks is not None:
-            return blocks[0]
+        if blocks is not None:  # (a block compiled alone: its own module, where the split is)
+            return getattr(blocks[0], "_orig_mod", blocks[0])
     raise AttributeError(f"{type(model).__name__} has no blocks the probe knows")
 
 

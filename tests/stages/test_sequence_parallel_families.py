@@ -144,3 +144,23 @@ def test_z_image_equals_one_rank(tmp_path, n):
     ]
     whole = check_equal_to_one_rank(tiny_z_image_path(), n, requests, tmp_path)[1]
     assert whole == [160, 192]
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(900)  # (the warm-up compiles every text bucket on 2 ranks of 2 cores)
+@pytest.mark.parametrize("family", ["qwen-image", "z-image"])
+def test_a_compiled_replica_equals_one_rank(tmp_path, family):
+    """Compiled (dynamo's eager backend: real tracing, no C compiler), the split inside the
+    compiled graphs (Qwen-Image's whole transformer; Z-Image's blocks one by one, the
+    unified sequence's split and gather in its first and last main layers' hooks): rank 0's
+    warm-up at load drives the others' (they serve its forwards)."""
+    compiled = {
+        "compile": True,
+        "batch_buckets": (1,),
+        "warmup_sizes": ("80x48",),  # (the request's; not the model's default megapixel)
+        "options": {"compile_backend": "eager"},
+    }
+    path = tiny_qwen_image_path() if family == "qwen-image" else tiny_z_image_path()
+    params = GenerationParams(seed=7, num_inference_steps=2, width=80, height=48)
+    requests = [StageRequest("c", "a red circle", params, mode="text2img")]
+    check_equal_to_one_rank(path, 2, requests, tmp_path, **compiled)

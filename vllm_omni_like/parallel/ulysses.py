@@ -10,6 +10,9 @@ token for 1/N of the heads, then trades them back.
   a mask that would push SDPA off its fastest kernels.
 - Tokens every rank holds whole (`replicated`: a text's, in a joint attention) are not
   exchanged: each rank takes its own heads of them, and their outputs are gathered head-wise.
+- A mask of keys (a text padded to its bucket) is the same on every rank once exchanged: each
+  rank attends over every token for its heads, so a family passes its masked attention
+  (`attend`) and nothing else changes.
 - Heads that do not divide by N are padded with zero heads up to the next multiple (a zero
   query over zero keys and values attends to zeros): each rank gets ceil(H/N) heads, as many
   as the busiest rank of an uneven split would, so the padding costs bytes, not time.
