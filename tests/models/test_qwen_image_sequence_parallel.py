@@ -17,7 +17,8 @@ from tests.parallel.gloo_ranks import diffusers_ulysses, run_ranks
 from vllm_omni_like.models.qwen_image.sequence_parallel import split_qwen_image
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
-pytestmark = [pytest.mark.slow, pytest.mark.drill]  # (multi-process: 20-45 s each)
+# (multi-process: 30-90 s each on a loaded 2-core machine; 4 ranks near the default 120 s bound)
+pytestmark = [pytest.mark.slow, pytest.mark.drill, pytest.mark.timeout(600)]
 TOLERANCE = 1e-5
 TEXT2IMG = [(1, 3, 5)]  # 15 image tokens
 EDIT = [(1, 3, 5), (1, 2, 3)]  # the noise's 15, then the upload's 6

@@ -64,6 +64,7 @@ def test_qwen_image_equals_one_rank_on_2_ranks(tmp_path):
 
 
 @pytest.mark.drill  # (three and four ranks on two cores)
+@pytest.mark.timeout(600)  # (several ranks on a loaded 2-core machine)
 @pytest.mark.parametrize("n", [3, 4])
 def test_qwen_image_equals_one_rank(tmp_path, n):
     """3 ranks divide neither sequence and split the 2 heads unevenly; 4 hold padding heads."""
@@ -72,6 +73,7 @@ def test_qwen_image_equals_one_rank(tmp_path, n):
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(600)  # (several ranks on a loaded 2-core machine)
 @pytest.mark.parametrize("n", [2, 3])
 def test_qwen_image_edit_equals_one_rank(tmp_path, n):
     """An upload read with each prompt by Qwen2.5-VL, its latents' tokens after the noise's in
@@ -90,6 +92,7 @@ def test_qwen_image_edit_equals_one_rank(tmp_path, n):
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(600)  # (several ranks on a loaded 2-core machine)
 @pytest.mark.parametrize("n", [2, 3])
 def test_sd35_medium_equals_one_rank(tmp_path, n):
     """SD3.5-medium's shape (MMDiT-X): 60 and 140 image tokens (48x80 and 112x80 over the tiny
@@ -114,6 +117,7 @@ def test_sd35_medium_equals_one_rank(tmp_path, n):
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(600)  # (several ranks on a loaded 2-core machine)
 @pytest.mark.parametrize("n", [2, 3])
 def test_z_image_equals_one_rank(tmp_path, n):
     """Two forwards: one with guidance whose negative prompt's caption (about 90 tokens) is
