@@ -39,12 +39,12 @@ def add_parallel_args(g: Any) -> None:
     stage_flag(
         g,
         "sequence_parallel",
-        "diffusion stages (Wan, FLUX.1): a replica spans N devices (N ranks), each holding 1/N "
-        "of every denoiser forward's latent tokens and the whole model, attention exchanging "
-        "heads for tokens (Ulysses), and (Wan) decoding a band of each video: lower latency "
-        "for one large video or image; --devices are taken N by N, --replicas defaults to "
-        "their number / N; its decodes do not overlap the next steps (--decode-overlap is "
-        "off); not with --cfg-parallel yet",
+        "diffusion stages (Wan, FLUX.1, Qwen-Image and -Edit, SD3.5, Z-Image): a replica "
+        "spans N devices (N ranks), each holding 1/N of every denoiser forward's latent "
+        "tokens and the whole model, attention exchanging heads for tokens (Ulysses), and "
+        "(Wan) decoding a band of each video: lower latency for one large video or image; "
+        "--devices are taken N by N, --replicas defaults to their number / N; its decodes do "
+        "not overlap the next steps (--decode-overlap is off); not with --cfg-parallel yet",
         type=int,
         metavar="N",
     )

@@ -239,3 +239,37 @@ def test_a_step_never_waits_on_the_device(path):
             assert rowset.step(control)
     assert [r.state.index for r in rowset.set.rows] == [3, 3]
     assert spy.waits == []
+
+
+def test_sd35_keeps_its_projections_unfused():
+    """diffusers' fused processor leaves out the QK norms (SD3.5's) and crashes on MMDiT-X's
+    image-only attention (SD3.5-medium's): SD3.5 is not fused, SD3's shape (neither) is, with
+    the same output."""
+    import types
+
+    from diffusers import SD3Transformer2DModel
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    from vllm_omni_like.models.sd3 import FAMILY
+    from vllm_omni_like.models.sd3.adapter import SD3Adapter
+
+    for dual in (True, False):
+        model = SD3Transformer2DModel.from_pretrained(tiny_sd3_path(dual), subfolder="transformer")
+        adapter = SD3Adapter(types.SimpleNamespace(transformer=model), FAMILY)
+        assert adapter.fuse_qkv() is False
+        assert all(type(p) is JointAttnProcessor2_0 for p in model.attn_processors.values())
+    config = {**dict(model.config), "qk_norm": None, "dual_attention_layers": ()}
+    torch.manual_seed(0)
+    sd3 = SD3Transformer2DModel.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    kwargs = {
+        "hidden_states": torch.randn(2, 16, 8, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 12, 64, generator=gen),
+        "pooled_projections": torch.randn(2, 64, generator=gen),
+        "timestep": torch.tensor([900.0, 100.0]),
+        "return_dict": False,
+    }
+    with torch.inference_mode():
+        want = sd3(**kwargs)[0]
+        assert SD3Adapter(types.SimpleNamespace(transformer=sd3), FAMILY).fuse_qkv() is True
+        assert (sd3(**kwargs)[0] - want).abs().max() <= 1e-5

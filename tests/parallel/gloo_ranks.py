@@ -86,13 +86,14 @@ def run_ranks(
     return [results[r] for r in range(size)]
 
 
-def diffusers_ulysses(model: Any, size: int) -> None:
-    """diffusers' own context parallelism (Ulysses over `size` ranks) on `model`, in a rank of
-    `run_ranks`: the independent reference of our split. On the CPU: diffusers picks a rank's
-    device as its rank modulo the accelerators' count, 0 on a host without one, so this rank's
-    process is told of one (it uses the CPU all the same: gloo, a CPU mesh)."""
+def diffusers_ulysses(model: Any, size: int, plan: Any = None) -> None:
+    """diffusers' own context parallelism (Ulysses over `size` ranks) on `model` (by its own
+    plan, or `plan`), in a rank of `run_ranks`: the independent reference of our split. On the
+    CPU: diffusers picks a rank's device as its rank modulo the accelerators' count, 0 on a
+    host without one, so this rank's process is told of one (it uses the CPU all the same:
+    gloo, a CPU mesh)."""
     import torch
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
     torch.accelerator.device_count = lambda: 1  # (this process's own: a spawned rank)
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=size))
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=size), cp_plan=plan)

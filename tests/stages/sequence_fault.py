@@ -58,16 +58,16 @@ class SequenceFaultStage(DiffusionStage):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise MemoryError(f"simulated out of memory on rank {rank} during an all-to-all")
 
-        def faulty(q: Any, k: Any, v: Any, replicated: int = 0) -> Any:
+        def faulty(q: Any, k: Any, v: Any, replicated: int = 0, attend: Any = None) -> Any:
             armed = [f for f in os.listdir(where) if f.startswith("armed-")]
             if shards.length != FAULT_TOKENS or not armed:
-                return attention(q, k, v, replicated)
+                return attention(q, k, v, replicated, attend)
             _, victim, kind = armed[0].split("-")
             if int(victim) == rank:
                 fail(armed[0], kind)
             _write(os.path.join(where, f"entered-{rank}"))
             try:
-                return attention(q, k, v, replicated)
+                return attention(q, k, v, replicated, attend)
             except Exception:
                 _write(os.path.join(where, f"raised-{rank}"))
                 threading.Event().wait()  # as NCCL leaves a rank whose peer died: waiting

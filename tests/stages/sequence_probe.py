@@ -18,9 +18,13 @@ PROBE_ENV = "SEQUENCE_PROBE_DIR"
 
 
 def first_block(model: Any) -> Any:
-    """The first block of a Wan (`blocks`) or FLUX.1 (`transformer_blocks`) transformer."""
-    blocks = getattr(model, "blocks", None)
-    return (blocks if blocks is not None else model.transformer_blocks)[0]
+    """The first block of a Wan transformer (`blocks`), an MMDiT's (FLUX.1, Qwen-Image, SD3:
+    `transformer_blocks`), or Z-Image's first main layer (`layers`: the unified sequence)."""
+    for name in ("blocks", "transformer_blocks", "layers"):
+        blocks = getattr(model, name, None)
+        if blocks is not None:  # (a block compiled alone: its own module, where the split is)
+            return getattr(blocks[0], "_orig_mod", blocks[0])
+    raise AttributeError(f"{type(model).__name__} has no blocks the probe knows")
 
 
 class SequenceProbeStage(DiffusionStage):

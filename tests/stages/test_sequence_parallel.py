@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import queue
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +25,7 @@ from tests.stages.sequence_probe import PROBE_ENV
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.executor import MultiprocExecutor, placement
-from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.models.qwen_image import FAMILY as QWEN_IMAGE
 from vllm_omni_like.outputs import StageOutput
-from vllm_omni_like.parallel.patch_decode import Bands
-from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.stages.base import StageControl, create_stage
@@ -75,14 +70,6 @@ def test_config_takes_devices_n_by_n_and_refuses_what_does_not_fit():
 
 def _request(rid: str, mode: str, **params) -> StageRequest:
     return StageRequest(rid, "a red circle", GenerationParams(**params), mode=mode)
-
-
-def test_a_family_without_a_split_is_refused_saying_so():
-    """Qwen-Image and the others: the load fails (the server does not start) with why."""
-    adapter = Adapter(types.SimpleNamespace(), QWEN_IMAGE)
-    with pytest.raises(ConfigError, match="sequence parallelism does not run the qwen-image fam"):
-        adapter.split_sequence(SequenceShards(0, 2, None))
-    assert adapter.split_decode(Bands(0, 2, None)) is None  # (a decode on rank 0 alone)
 
 
 def _config(model: str, **kw) -> StageConfig:

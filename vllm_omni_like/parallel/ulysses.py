@@ -10,6 +10,9 @@ token for 1/N of the heads, then trades them back.
   a mask that would push SDPA off its fastest kernels.
 - Tokens every rank holds whole (`replicated`: a text's, in a joint attention) are not
   exchanged: each rank takes its own heads of them, and their outputs are gathered head-wise.
+- A mask of keys (a text padded to its bucket) is the same on every rank once exchanged: each
+  rank attends over every token for its heads, so a family passes its masked attention
+  (`attend`) and nothing else changes.
 - Heads that do not divide by N are padded with zero heads up to the next multiple (a zero
   query over zero keys and values attends to zeros): each rank gets ceil(H/N) heads, as many
   as the busiest rank of an uneven split would, so the padding costs bytes, not time.
@@ -22,6 +25,7 @@ What the sequence is (which tokens, where in a model) is the family adapter's to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +46,15 @@ def pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention in the (B, L, H, D) layout."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
 
 
 class SequenceShards:
@@ -78,11 +91,19 @@ class SequenceShards:
         return whole.narrow(0, 0, self.length).movedim(0, dim)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, replicated: int = 0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        replicated: int = 0,
+        attend: Attend | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v over the whole sequence, in diffusers' processors'
         (B, L, H, D) layout: L = `replicated` tokens every rank holds whole (first), then this
-        rank's share of the split sequence. Returns this rank's L tokens, every head."""
+        rank's share of the split sequence. Returns this rank's L tokens, every head.
+        `attend`: the attention each rank runs over [replicated, the whole split sequence] for
+        its heads, once exchanged (a family's masked one: a padded text's keys left out);
+        unmasked SDPA by default."""
         heads = q.shape[2]
         per = -(-heads // self.size)  # each rank's heads (zero heads pad the last ones)
         qkv = pad_dim(torch.cat([q, k, v]), 2, per * self.size)
@@ -90,8 +111,7 @@ class SequenceShards:
         image = self._to_heads(qkv[:, replicated:])
         whole = self.local(self.length) * self.size
         joint = torch.cat([text, image[:, : self.length]], dim=1)
-        q, k, v = (x.transpose(1, 2) for x in joint.chunk(3))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        out = (attend or sdpa)(*joint.chunk(3))
         image_out = self._to_tokens(pad_dim(out[:, replicated:], 1, whole))
         if replicated:
             text_out = self._gather_heads(out[:, :replicated])

@@ -23,7 +23,9 @@ from vllm_omni_like.models.block_stack import BlockStack, joint_stack
 from vllm_omni_like.models.mmdit import PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
+from vllm_omni_like.models.qwen_image.sequence_parallel import split_qwen_image
 from vllm_omni_like.models.text_buckets import bucket_prompts, pad_tokens, text_bucket
+from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.params import GenerationParams
 
 MAX_TEXT_TOKENS = 512  # QwenImagePipeline's default `max_sequence_length`
@@ -132,6 +134,12 @@ class QwenImageAdapter(PackedLatents):
 
     def compile_targets(self) -> list[tuple[Any, str]]:
         return [(self.pipe, "transformer")]
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """The image tokens split (Qwen-Image-Edit's: the noise's, then the upload's), the
+        masked text whole (models/qwen_image/sequence_parallel.py)."""
+        split_qwen_image(self.pipe.transformer, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
     def fast_attention(self) -> str | None:
         from vllm_omni_like.models.qwen_image.attention import use_padded_text_attention

@@ -16,7 +16,9 @@ import torch
 from vllm_omni_like.models.adapter import Guidance
 from vllm_omni_like.models.mmdit import MMDiT
 from vllm_omni_like.models.sd3 import FAMILY
+from vllm_omni_like.models.sd3.sequence_parallel import split_sd3
 from vllm_omni_like.parallel.cfg_parallel import Leader, SplitCFG
+from vllm_omni_like.parallel.ulysses import SequenceShards
 
 MAX_TEXT_TOKENS = 256  # StableDiffusion3Pipeline's default T5 length
 
@@ -81,6 +83,20 @@ class SD3Adapter(MMDiT):
         factor = self.pipe.vae_scale_factor
         channels = self.pipe.transformer.config.in_channels
         return (rows, channels, height // factor, width // factor)
+
+    def fuse_qkv(self) -> bool:
+        """diffusers' fused processor (FusedJointAttnProcessor2_0) leaves out the QK norms and
+        cannot run MMDiT-X's image-only attention: SD3.5's projections (every SD3.5 norms its
+        queries and keys; medium's blocks have the second attention) stay unfused."""
+        config = self.pipe.transformer.config
+        if config.qk_norm is not None or config.dual_attention_layers:
+            return False
+        return super().fuse_qkv()
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """The image's patch tokens split, the text whole (models/sd3/sequence_parallel.py)."""
+        split_sd3(self.pipe.transformer, shards)
+        return int(self.pipe.transformer.config.num_attention_heads)
 
     def split_cfg(self, leader: Leader) -> SplitCFG:
         """The pipeline doubles its batch: each rank runs one half."""

@@ -30,6 +30,8 @@ from vllm_omni_like.models.z_image.sequence import (
     pad_sequences_to_buckets,
     use_zeroed_keys,
 )
+from vllm_omni_like.models.z_image.sequence_parallel import split_z_image
+from vllm_omni_like.parallel.ulysses import SequenceShards
 
 MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 # a main layer's arguments: the joint sequence [image, text, padding], then one row each
@@ -113,6 +115,14 @@ class ZImageAdapter(ShiftedVAE):
             "*.adaLN_modulation.*",
             "all_final_layer.*",
         )
+
+    def split_sequence(self, shards: SequenceShards) -> int:
+        """The unified sequence [image, caption] of the main layers split, the refiners whole
+        (models/z_image/sequence_parallel.py). Its sequences padded to caption buckets here, on
+        every rank: rank 0's `predict` meets the transformer wrapped, the others never run it."""
+        pad_sequences_to_buckets(self.pipe.transformer)
+        split_z_image(self.pipe.transformer, shards)
+        return int(self.pipe.transformer.config.n_heads)
 
     def fast_attention(self) -> str | None:
         return "zeroed padding keys" if use_zeroed_keys(self.pipe.transformer) else None
