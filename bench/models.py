@@ -201,7 +201,8 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
         result["text_mask_cost_ms"] = mask_cost(pipe, s["size"], args.runs * 3)
     # (a CPU smoke run over a tiny directory takes this same path: what a GPU sitting runs)
     result["attention"] = fastest_attention(pipe, s)
-    if hasattr(model, "fuse_qkv_projections"):  # Z-Image's has none
+    # Z-Image's has none; SD3.5's fused processor would skip its QK norms (a wrong image)
+    if hasattr(model, "fuse_qkv_projections") and not drops_qk_norms(model):
         model.fuse_qkv_projections()
     if model is getattr(pipe, "unet", None):  # diffusers' own advice for a compiled UNet
         model.to(memory_format=torch.channels_last)
@@ -251,6 +252,14 @@ def mask_cost(pipe: Any, side: int, runs: int) -> dict[str, float]:
             )
     print(f"text mask: {out}", file=sys.stderr)
     return out
+
+
+def drops_qk_norms(model: torch.nn.Module) -> bool:
+    """diffusers' fused joint-attention processor (SD3's) applies no `norm_q`/`norm_k`: an
+    SD3.5 fused is another model. (Until 2026-12-06 both sides fused it: the SD3.5 figures of
+    earlier sittings timed that.)"""
+    is_sd3 = type(model).__name__ == "SD3Transformer2DModel"
+    return is_sd3 and any(getattr(m, "norm_q", None) is not None for m in model.modules())
 
 
 def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
