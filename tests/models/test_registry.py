@@ -103,12 +103,24 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
         "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")
     }
+    # (schedulers whose steps draw noise, keep three outputs or warm up by Runge-Kutta: ours)
+    for i, (scheduler, config) in enumerate(
+        [
+            ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+            ("DPMSolverMultistepScheduler", {"solver_order": 3}),
+            ("UniPCMultistepScheduler", {"solver_order": 3}),
+            ("PNDMScheduler", {"skip_prk_steps": False}),
+        ]
+    ):
+        (tmp_path / str(i)).mkdir()
+        own = _model(tmp_path / str(i), "StableDiffusionPipeline", scheduler, **config)
+        assert loops_for(own)["text2img"] == ("own", None), (scheduler, config)
     sde = _model(tmp_path, "StableDiffusionPipeline", "DPMSolverMultistepScheduler",
-                 algorithm_type="sde-dpmsolver++")  # fmt: skip
+                 algorithm_type="sde-dpmsolver")  # fmt: skip
     assert loops_for(sde)["text2img"] == (
         "pipeline",
-        "the model's scheduler: DPMSolverMultistepScheduler with sde-dpmsolver++ draws noise "
-        "at each step",
+        "the model's scheduler: DPMSolverMultistepScheduler with sde-dpmsolver (its SDE solver "
+        "runs as sde-dpmsolver++)",
     )
 
 

@@ -262,7 +262,8 @@ def _group(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> 
     kind = rows[0].schedule.kind
     if kind == "multistep":
         positions = [(r.schedule.tables, r.index) for r in rows]
-        return multistep.step(positions, [r.history for r in rows], output, latents)
+        histories, generators = [r.history for r in rows], [r.generator for r in rows]
+        return multistep.step(positions, histories, output, latents, generators)
     c = Cols([r.schedule.tables.scalars[r.index] for r in rows], latents)
     return _STEPS[kind](c, rows, output, latents)
 
