@@ -180,7 +180,7 @@ class DenoiseLoop:
         each started as its pipeline starts it (stages/diffusion/edit_rows.py)."""
         edit_rows.encode_sources(self.adapter, rows)
         noise = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        edit_rows.masked_image_draws(rows)
+        edit_rows.masked_images(self.adapter, rows)
         return edit_rows.first_latents(self.adapter, rows, noise)
 
     def conditions(
@@ -262,7 +262,13 @@ class DenoiseLoop:
             anchor=edit_rows.anchors_of(group, latents),
         )
         if conditioning is not None:
-            self._plan_conditioning(plan, conditioning, device)
+            own = conditioning if plan.index is None else take_named(conditioning, active, device)
+            self._plan_conditioning(plan, own, device)
+        elif (first := group[0].mask_input) is not None:  # (a mask-taking denoiser's rows)
+            inputs = [c for r in group if (c := r.mask_input) is not None]  # (an inpainting set)
+            self._plan_conditioning(
+                plan, {k: torch.cat([c[k] for c in inputs]) for k in first}, device
+            )
         return self._plan_loras(plan, device)
 
     def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
@@ -275,12 +281,9 @@ class DenoiseLoop:
         plan.negative_lora = pool.rows(uncond, device) if plan.cfg and not both else None
         return plan
 
-    def _plan_conditioning(
-        self, plan: Plan, conditioning: Conditioning, device: torch.device
-    ) -> None:
-        """The plan's rows' own conditioning (of the set's `conditioning`), and their model
-        rows': the unconditional branch takes its row's as the conditional one does."""
-        own = conditioning if plan.index is None else take_named(conditioning, plan.active, device)
+    def _plan_conditioning(self, plan: Plan, own: Conditioning, device: torch.device) -> None:
+        """The plan's rows' own conditioning (`own`), and their model rows': the
+        unconditional branch takes its row's as the conditional one does."""
         plan.put_back = own
         uncond = own if plan.cfg_index is None else take_named(own, plan.cfg, device)
         if plan.cfg and self.batched_cfg:
