@@ -74,8 +74,14 @@ def test_a_directory_without_its_configs_is_generic(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "PixArtAlphaPipeline"}))
     assert family_of(str(tmp_path)).name == "generic"
     assert loops_for(str(tmp_path)) == {
-        "text2img": ("pipeline", "generic: text2img runs the pipeline's call"),
-        "edit": ("pipeline", "generic: edit runs the pipeline's call"),
+        "text2img": (
+            "pipeline",
+            "generic (a diffusers pipeline no family claims): text2img runs the pipeline's call",
+        ),
+        "edit": (
+            "pipeline",
+            "generic (a diffusers pipeline no family claims): edit runs the pipeline's call",
+        ),
     }
 
 

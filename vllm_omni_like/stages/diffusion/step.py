@@ -261,14 +261,7 @@ class DenoiseLoop:
             by_expert=by_expert,
             anchor=edit_rows.anchors_of(group, latents),
         )
-        if conditioning is not None:
-            own = conditioning if plan.index is None else take_named(conditioning, active, device)
-            self._plan_conditioning(plan, own, device)
-        elif (first := group[0].mask_input) is not None:  # (a mask-taking denoiser's rows)
-            inputs = [c for r in group if (c := r.mask_input) is not None]  # (an inpainting set)
-            self._plan_conditioning(
-                plan, {k: torch.cat([c[k] for c in inputs]) for k in first}, device
-            )
+        self._plan_conditioning(plan, conditioning, device)
         return self._plan_loras(plan, device)
 
     def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
@@ -281,9 +274,23 @@ class DenoiseLoop:
         plan.negative_lora = pool.rows(uncond, device) if plan.cfg and not both else None
         return plan
 
-    def _plan_conditioning(self, plan: Plan, own: Conditioning, device: torch.device) -> None:
-        """The plan's rows' own conditioning (`own`), and their model rows': the
+    def _plan_conditioning(
+        self, plan: Plan, conditioning: Conditioning | None, device: torch.device
+    ) -> None:
+        """The plan's rows' own conditioning (of the set's `conditioning`; a mask-taking
+        denoiser's inpainting rows: their mask inputs), and their model rows': the
         unconditional branch takes its row's as the conditional one does."""
+        if conditioning is not None:
+            own = (
+                conditioning
+                if plan.index is None
+                else take_named(conditioning, plan.active, device)
+            )
+        elif (first := plan.group[0].mask_input) is not None:  # (an inpainting set's rows)
+            inputs = [c for r in plan.group if (c := r.mask_input) is not None]
+            own = {k: torch.cat([c[k] for c in inputs]) for k in first}
+        else:
+            return
         plan.put_back = own
         uncond = own if plan.cfg_index is None else take_named(own, plan.cfg, device)
         if plan.cfg and self.batched_cfg:
