@@ -337,7 +337,7 @@ def test_an_edit_whose_text_passes_512_tokens_is_the_pipelines_padded_to_a_bucke
 
 
 @pytest.mark.drill
-def test_a_compiled_edit_stage_warms_up_the_text_buckets_past_512():
+def test_the_edit_warm_up_has_a_prompt_for_each_text_bucket_past_512_too():
     """The warm-up's prompts, each read with a blank upload, land one in each text bucket, those
     past 512 (where a real upload's texts fall) included."""
     import torch

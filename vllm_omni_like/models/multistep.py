@@ -1,4 +1,4 @@
-"""Multistep schedulers (DPM-Solver++ 2M, UniPC, PNDM) stepped per row, for a whole batch.
+"""Multistep schedulers (DPM-Solver++, UniPC, PNDM) stepped per row, for a whole batch.
 
 Each keeps a history per row (its last converted outputs, UniPC's last sample, PNDM's last
 outputs and saved sample: `Row.history`). A step's scalars (sigmas, alphas, their logs, the
@@ -11,9 +11,12 @@ diffusers scheduler's `step`, each product rounded to the dtype a 0-dim scalar l
 Rows at different stages of their solver (a first-order step beside a second-order one) form
 groups by `variant`, each group one vectorised update. Never one `step()` call per row.
 
-Supported: DPM-Solver++ (orders 1 and 2, midpoint), UniPC (predicting x0, bh1 or bh2, orders
-1 and 2, with its corrector), PNDM's PLMS steps (`skip_prk_steps`); for epsilon, v or flow
-predictions where diffusers has them. `unsupported` (models/schedulers.py) names the rest.
+Supported: DPM-Solver++ (orders 1 to 3, midpoint; its SDE `sde-dpmsolver++`, whose noise each
+row draws from its own generator at each step, as diffusers draws it for a row alone: `Past`),
+UniPC (predicting x0, bh1 or bh2, orders 1 to 3, with its corrector; the weighted sum of its
+past differences as diffusers' `einsum`, each row's weights its own), PNDM (models/pndm.py: its
+PLMS steps, and its Runge-Kutta warm-up where `skip_prk_steps` is false); for epsilon, v or
+flow predictions where diffusers has them. `unsupported` (models/schedulers.py) names the rest.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ steps do different things (another kind, another solver order) step as separate 
 one `step()` call per row, and no step waits on the device.
 
 Kinds: DDIM, Euler and Euler ancestral (whose noise comes from each row's own generator) and
-flow-match Euler here; DPM-Solver++, UniPC and PNDM (a history per row) in models/multistep.py.
+flow-match Euler here; DPM-Solver++ (and its SDE), UniPC and PNDM (a history per row) in
+models/multistep.py and models/pndm.py.
 The names a request gives (`scheduler`) are models/schedulers.py's.
 """
 

@@ -39,8 +39,8 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "flow-euler": ("FlowMatchEulerDiscreteScheduler", {}),
 }
 
-# classes whose step is linear in the sample, the model output and the scheduler's own history
-# (models/multistep.py reads the coefficients off diffusers' step)
+# classes whose step is linear in the sample, the model output, the scheduler's own history (and
+# an SDE's noise) (models/multistep.py reads the coefficients off diffusers' step)
 MULTISTEP = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler", "PNDMScheduler")
 # classes stepped by their own vectorised code (models/row_schedulers.py)
 EXPLICIT = (
