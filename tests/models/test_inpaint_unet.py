@@ -102,3 +102,23 @@ def test_a_9_channel_sdxl_inpainting_edit_is_the_sdxl_inpainting_pipelines():
         s.close()
     want = pipeline_edit(case, None, 0.6, MASK)
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_a_9_channel_model_refuses_what_it_cannot_run_with_a_400_that_says_why(stage):
+    """Neither pipeline runs text to image or img2img on a 9-channel UNet: refused before any
+    row is made."""
+    from vllm_omni_like.errors import InvalidRequestError
+    from vllm_omni_like.params import GenerationParams
+    from vllm_omni_like.wire import StageRequest
+
+    case = _case(False)
+    inpaint = edit_request(case, None, 1.0, MASK)
+    stage.validate(inpaint)  # (taken)
+    for request in (
+        StageRequest("t", "a red circle", GenerationParams(seed=1), mode="text2img"),
+        dataclasses.replace(inpaint, mask=None),  # (img2img)
+    ):
+        with pytest.raises(InvalidRequestError) as exc:
+            stage.validate(request)
+        want = "stage 'diffusion': this model's UNet inpaints only: send an image and a mask"
+        assert str(exc.value) == want
