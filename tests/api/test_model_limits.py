@@ -57,7 +57,19 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "default_width": 64,
         "default_height": 64,
         # the names a request's `scheduler` may take (models/schedulers.py)
-        "schedulers": ["ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"],
+        "schedulers": [
+            "ddim",
+            "pndm",
+            "euler",
+            "euler-a",
+            "dpm++2m",
+            "dpm++2m-karras",
+            "unipc",
+            "dpm++2m-sde",
+            "dpm++3m",
+            "pndm-prk",
+            "unipc-3",
+        ],
         "needs_image": False,  # it makes images from text too
         "experts": 1,  # one denoiser (Wan2.2-A14B: 2)
         "edit_strength": True,  # its edits (img2img) take a strength
@@ -218,7 +230,7 @@ def test_a_scheduler_the_model_does_not_run_is_a_400_naming_those_it_does(tiny):
     assert (err["param"], err["code"]) == ("scheduler", "invalid_value")
     assert err["message"] == (
         "scheduler 'flow-euler' is not one tiny-image runs; it runs: ddim, pndm, euler, "
-        "euler-a, dpm++2m, dpm++2m-karras, unipc"
+        "euler-a, dpm++2m, dpm++2m-karras, unipc, dpm++2m-sde, dpm++3m, pndm-prk, unipc-3"
     )
     with tiny.http() as http:
         r = http.post("/v1/videos", json={"prompt": "x", "scheduler": "ddim"})

@@ -293,3 +293,65 @@ def test_edits_of_two_upload_shapes_step_in_two_lanes_in_turn(monkeypatch):
     h.steps()
     for rid, image in alone.items():
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
+def test_an_edit_whose_text_passes_512_tokens_is_the_pipelines_padded_to_a_bucket_past_it():
+    """QwenImageEditPipeline cuts no edit text (its `max_sequence_length` is never applied to
+    one; a real upload's vision tokens alone pass 512): a prompt of 640 tokens read with its
+    upload reaches the transformer whole, padded to the 1024 bucket with a mask, and the image
+    is the pipeline's call's at the seed."""
+    import torch
+
+    from tests.models.test_family_contract import STEPS, _pixels, case_of
+    from vllm_omni_like.params import GenerationParams
+    from vllm_omni_like.stages.base import StageControl
+    from vllm_omni_like.stages.faults import FaultInjector
+    from vllm_omni_like.wire import StageRequest
+
+    case = case_of("qwen-image-edit")
+    stage, pipe = case.stage(), case.pipeline()
+    prompt = " ".join(["make the circle red and the square blue"] * 80)
+    assert len(stage.runtime.pipe.tokenizer(prompt).input_ids) == 640
+    texts: list[tuple[int, int]] = []  # (length, unmasked tokens) of each forward's text
+    hook = stage.runtime.pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: texts.append(
+            (kw["encoder_hidden_states"].shape[1], int(kw["encoder_hidden_states_mask"][0].sum()))
+        ),
+        with_kwargs=True,
+    )
+    params = GenerationParams(seed=7, num_inference_steps=STEPS, width=64, height=64)
+    request = StageRequest("long", prompt, params, "edit", [UPLOAD])
+    with hook:
+        (out,) = stage.execute([request], StageControl(FaultInjector((), "diffusion")))
+    assert out.error is None, out.error
+    assert {length for length, _ in texts} == {1024} and 640 < texts[0][1] <= 1024
+    one = case.call(
+        pipe,
+        prompt=prompt,
+        image=Image.fromarray(UPLOAD),
+        width=64,
+        height=64,
+        generator=[torch.Generator().manual_seed(7)],
+    )
+    assert np.abs(out.images[0].pixels.astype(int) - _pixels(case, one).astype(int)).max() <= 1
+
+
+@pytest.mark.drill
+def test_the_edit_warm_up_has_a_prompt_for_each_text_bucket_past_512_too():
+    """The warm-up's prompts, each read with a blank upload, land one in each text bucket, those
+    past 512 (where a real upload's texts fall) included."""
+    import torch
+
+    from tests.models.test_family_contract import case_of
+    from vllm_omni_like.models.qwen_image.edit import EDIT_TEXT_BUCKETS, edit_text_bucket
+
+    stage = case_of("qwen-image-edit").stage()
+    adapter = stage.runtime.adapter
+    warm = adapter.warm_up_prompts(torch.device("cpu"))
+    blank = Image.new("RGB", (1024, 1024))
+    with torch.inference_mode():
+        counts = [
+            int(adapter.encode_text_with_images([p], [blank], torch.device("cpu"))["mask"].sum())
+            for p in warm
+        ]
+    assert [edit_text_bucket(c) for c in counts] == list(EDIT_TEXT_BUCKETS)  # (one each)

@@ -74,8 +74,14 @@ def test_a_directory_without_its_configs_is_generic(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "PixArtAlphaPipeline"}))
     assert family_of(str(tmp_path)).name == "generic"
     assert loops_for(str(tmp_path)) == {
-        "text2img": ("pipeline", "generic: text2img runs the pipeline's call"),
-        "edit": ("pipeline", "generic: edit runs the pipeline's call"),
+        "text2img": (
+            "pipeline",
+            "generic (a diffusers pipeline no family claims): text2img runs the pipeline's call",
+        ),
+        "edit": (
+            "pipeline",
+            "generic (a diffusers pipeline no family claims): edit runs the pipeline's call",
+        ),
     }
 
 
@@ -103,12 +109,24 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
         "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")
     }
+    # (schedulers whose steps draw noise, keep three outputs or warm up by Runge-Kutta: ours)
+    for i, (scheduler, config) in enumerate(
+        [
+            ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+            ("DPMSolverMultistepScheduler", {"solver_order": 3}),
+            ("UniPCMultistepScheduler", {"solver_order": 3}),
+            ("PNDMScheduler", {"skip_prk_steps": False}),
+        ]
+    ):
+        (tmp_path / str(i)).mkdir()
+        own = _model(tmp_path / str(i), "StableDiffusionPipeline", scheduler, **config)
+        assert loops_for(own)["text2img"] == ("own", None), (scheduler, config)
     sde = _model(tmp_path, "StableDiffusionPipeline", "DPMSolverMultistepScheduler",
-                 algorithm_type="sde-dpmsolver++")  # fmt: skip
+                 algorithm_type="sde-dpmsolver")  # fmt: skip
     assert loops_for(sde)["text2img"] == (
         "pipeline",
-        "the model's scheduler: DPMSolverMultistepScheduler with sde-dpmsolver++ draws noise "
-        "at each step",
+        "the model's scheduler: DPMSolverMultistepScheduler with sde-dpmsolver (its SDE solver "
+        "runs as sde-dpmsolver++)",
     )
 
 

@@ -73,9 +73,14 @@ def test_euler_scales_its_input_and_others_keep_theirs():
 def test_a_scheduler_without_batched_steps_is_refused():
     with pytest.raises(ValueError, match="no batched steps for LMSDiscreteScheduler"):
         rs.schedule_for(diffusers.LMSDiscreteScheduler.from_config(SD), 20)
-    sde = diffusers.DPMSolverMultistepScheduler.from_config(SD, algorithm_type="sde-dpmsolver++")
-    with pytest.raises(ValueError, match=r"sde-dpmsolver\+\+ draws noise at each step"):
+    sde = diffusers.DPMSolverMultistepScheduler.from_config(
+        SD, algorithm_type="sde-dpmsolver", final_sigmas_type="sigma_min"
+    )
+    with pytest.raises(ValueError, match=r"with sde-dpmsolver \(its SDE solver runs as sde-dpm"):
         rs.schedule_for(sde, 20)
+    fourth = diffusers.UniPCMultistepScheduler.from_config(SD, solver_order=4)
+    with pytest.raises(ValueError, match=r"of order 4 \(orders 1 to 3 run here\)"):
+        rs.schedule_for(fourth, 20)
 
 
 FLOW = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
@@ -86,6 +91,12 @@ MULTISTEP = [  # (name, base config, steps): each row its own scheduler and step
     ("unipc", SD, 7),
     ("unipc", diffusers.UniPCMultistepScheduler(**FLOW).config, 10),
     ("dpm++2m", SD, 4),
+    ("dpm++2m-sde", SD, 8),  # (noise from each row's generator at each step)
+    ("dpm++3m", SD, 9),
+    ("dpm++3m", SD, 20),  # (no lower order before the last step: 15 steps or more)
+    ("pndm-prk", SD, 6),  # (12 Runge-Kutta calls, then PLMS from their outputs)
+    ("unipc-3", SD, 7),
+    ("unipc-3", diffusers.UniPCMultistepScheduler(**FLOW).config, 4),
 ]
 
 
@@ -98,8 +109,8 @@ def test_multistep_rows_follow_their_own_trajectories_as_their_schedulers_alone_
     torch.manual_seed(0)
     start = torch.randn(len(MULTISTEP), 4, 8, 8)
     rows = [
-        rs.Row(rs.schedule_for(rs.make_scheduler(name, config), steps))
-        for name, config, steps in MULTISTEP
+        rs.Row(rs.schedule_for(rs.make_scheduler(name, config), steps), generator=_gen(b))
+        for b, (name, config, steps) in enumerate(MULTISTEP)
     ]
     x = start.clone()
     while not all(r.done for r in rows):  # the batch: rows that ended drop out
@@ -108,11 +119,60 @@ def test_multistep_rows_follow_their_own_trajectories_as_their_schedulers_alone_
         t = torch.stack([r.timestep for r in states])
         x[live] = rs.step(states, _denoiser(x[live], t), x[live])
     for b, (name, config, steps) in enumerate(MULTISTEP):
-        scheduler = rs.make_scheduler(name, config)
-        scheduler.set_timesteps(steps, device="cpu")
-        alone = start[b : b + 1].clone()
-        for t in scheduler.timesteps:
-            out = _denoiser(alone, t.float().reshape(1))
-            alone = scheduler.step(out, t, alone, return_dict=False)[0]
+        alone, calls = _alone_trajectory(name, config, steps, start[b : b + 1], _gen(b))
         assert torch.equal(x[b : b + 1], alone), (name, steps)  # bit for bit
-        assert rows[b].index == len(scheduler.timesteps)
+        assert rows[b].index == calls
+
+
+def _gen(b: int) -> torch.Generator:
+    return torch.Generator().manual_seed(100 + b)
+
+
+def _alone_trajectory(name, config, steps, x, generator, start=0) -> tuple[torch.Tensor, int]:
+    """The row alone through the diffusers scheduler, as a pipeline steps it (an image-to-image
+    pipeline from its begin index `start`; a stochastic solver given the row's generator)."""
+    scheduler = rs.make_scheduler(name, config)
+    scheduler.set_timesteps(steps, device="cpu")
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(start)
+    extra = {"generator": generator} if "sde" in name else {}
+    for t in scheduler.timesteps[start:]:
+        out = _denoiser(x, t.float().reshape(1))
+        x = scheduler.step(out, t, x, return_dict=False, **extra)[0]
+    return x, len(scheduler.timesteps) - start
+
+
+# (name, steps, the batch step it joins at, the step of its schedule it starts from)
+JOINS = [
+    ("dpm++3m", 20, 0, 0),
+    ("dpm++2m-sde", 9, 2, 0),
+    ("pndm-prk", 6, 5, 0),  # (joins while the others are in their warm-up or past it)
+    ("unipc-3", 8, 3, 0),
+    ("dpm++3m", 10, 4, 3),  # (an image-to-image row: its solver restarts at first order)
+    ("pndm-prk", 7, 1, 2),  # (its counter starts again at the row's first call)
+    ("unipc-3", 9, 6, 4),
+    ("dpm++2m-sde", 12, 7, 5),
+]
+
+
+def test_rows_joining_a_busy_batch_at_later_steps_follow_their_own_trajectories():
+    """The solvers whose steps draw noise, keep three outputs or warm up by Runge-Kutta: a row
+    that joins rows already under way, at a later step of its own schedule or not, ends where
+    its scheduler alone takes it, bit for bit."""
+    torch.manual_seed(1)
+    start = torch.randn(len(JOINS), 4, 8, 8)
+    rows = [
+        rs.Row(rs.schedule_for(rs.make_scheduler(n, SD), steps, start=s), generator=_gen(b))
+        for b, (n, steps, _, s) in enumerate(JOINS)
+    ]
+    x, step = start.clone(), 0
+    while not all(r.done for r in rows) and step < 100:
+        live = [b for b, r in enumerate(rows) if JOINS[b][2] <= step and not r.done]
+        states = [rows[b] for b in live]
+        t = torch.stack([r.timestep for r in states])
+        x[live] = rs.step(states, _denoiser(x[live], t), x[live])
+        step += 1
+    for b, (name, steps, _, s) in enumerate(JOINS):
+        alone, calls = _alone_trajectory(name, SD, steps, start[b : b + 1], _gen(b), s)
+        assert torch.equal(x[b : b + 1], alone), (name, steps, s)
+        assert rows[b].index == calls

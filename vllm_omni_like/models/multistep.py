@@ -1,4 +1,4 @@
-"""Multistep schedulers (DPM-Solver++ 2M, UniPC, PNDM) stepped per row, for a whole batch.
+"""Multistep schedulers (DPM-Solver++, UniPC, PNDM) stepped per row, for a whole batch.
 
 Each keeps a history per row (its last converted outputs, UniPC's last sample, PNDM's last
 outputs and saved sample: `Row.history`). A step's scalars (sigmas, alphas, their logs, the
@@ -11,9 +11,12 @@ diffusers scheduler's `step`, each product rounded to the dtype a 0-dim scalar l
 Rows at different stages of their solver (a first-order step beside a second-order one) form
 groups by `variant`, each group one vectorised update. Never one `step()` call per row.
 
-Supported: DPM-Solver++ (orders 1 and 2, midpoint), UniPC (predicting x0, bh1 or bh2, orders
-1 and 2, with its corrector), PNDM's PLMS steps (`skip_prk_steps`); for epsilon, v or flow
-predictions where diffusers has them. `unsupported` (models/schedulers.py) names the rest.
+Supported: DPM-Solver++ (orders 1 to 3, midpoint; its SDE `sde-dpmsolver++`, whose noise each
+row draws from its own generator at each step, as diffusers draws it for a row alone: `Past`),
+UniPC (predicting x0, bh1 or bh2, orders 1 to 3, with its corrector; the weighted sum of its
+past differences as diffusers' `einsum`, each row's weights its own), PNDM (models/pndm.py: its
+PLMS steps, and its Runge-Kutta warm-up where `skip_prk_steps` is false); for epsilon, v or
+flow predictions where diffusers has them. `unsupported` (models/schedulers.py) names the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni_like.models.columns import Cols
+from vllm_omni_like.models import pndm
+from vllm_omni_like.models.columns import Cols, to_device
 from vllm_omni_like.models.columns import div as _div
 from vllm_omni_like.models.columns import mul as _mul
 
@@ -52,7 +56,7 @@ def tables(scheduler: Any, start: int = 0) -> Tables:
     `start` on (an image-to-image row's first: its solver begins there with no history, as
     the pipeline's scheduler does from its begin index)."""
     kind = KIND[type(scheduler).__name__]
-    build = {"dpm": _dpm_tables, "unipc": _unipc_tables, "pndm": _pndm_tables}[kind]
+    build = {"dpm": _dpm_tables, "unipc": _unipc_tables, "pndm": pndm.tables}[kind]
     variants, scalars = build(scheduler, start)
     return Tables(kind, tuple(variants), tuple(scalars))
 
@@ -78,6 +82,7 @@ def _lam(s: Any, k: int) -> tuple[Any, Any, Any]:
 
 def _dpm_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
     conf, n = s.config, len(s.timesteps)
+    sde = conf.algorithm_type == "sde-dpmsolver++"
     variants, scalars = [], []
     for i in range(start, n):
         lower_nums = min(i - start, conf.solver_order)
@@ -86,23 +91,56 @@ def _dpm_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
             or (conf.lower_order_final and n < 15)
             or conf.final_sigmas_type == "zero"
         )
-        order = 1 if conf.solver_order == 1 or lower_nums < 1 or final else 2
-        alpha_t, sigma_t, lambda_t = _lam(s, i + 1)
-        _, sigma_s0, lambda_s0 = _lam(s, i)
-        h = lambda_t - lambda_s0
-        c0 = alpha_t * (torch.exp(-h) - 1.0)
-        row = {**_convert_scalars(s, i), "cx": _f(sigma_t / sigma_s0), "c0": _f(c0)}
-        if order == 2:
-            _, _, lambda_s1 = _lam(s, i - 1)
-            r0 = (lambda_s0 - lambda_s1) / h
-            row.update(inv_r0=_f(1.0 / r0), c1=_f(0.5 * c0))
-        variants.append((conf.prediction_type, order))
+        second = i == n - 2 and conf.lower_order_final and n < 15
+        order = 3
+        if conf.solver_order == 1 or lower_nums < 1 or final:
+            order = 1
+        elif conf.solver_order == 2 or lower_nums < 2 or second:
+            order = 2
+        row = {**_convert_scalars(s, i), **_dpm_update(s, i, order, sde)}
+        # (order 3 keeps two past outputs: the second from the row's second step on)
+        variants.append((conf.prediction_type, order, sde, conf.solver_order == 3 and i > start))
         scalars.append(row)
     return variants, scalars
 
 
+def _dpm_update(s: Any, i: int, order: int, sde: bool) -> dict[str, float]:
+    """The scalars of the update of `order` at step i, as its `*_order_update` computes them."""
+    alpha_t, sigma_t, lambda_t = _lam(s, i + 1)
+    _, sigma_s0, lambda_s0 = _lam(s, i)
+    h = lambda_t - lambda_s0
+    if sde:  # (its noise's weight, and the sample's decayed by exp(-h))
+        cx, noise = (
+            sigma_t / sigma_s0 * torch.exp(-h),
+            sigma_t * torch.sqrt(1.0 - torch.exp(-2 * h)),
+        )
+        c0 = alpha_t * (1 - torch.exp(-2.0 * h))
+        out = {"cx": cx, "c0": c0, "noise": noise}
+    else:
+        c0 = alpha_t * (torch.exp(-h) - 1.0)
+        out = {"cx": sigma_t / sigma_s0, "c0": c0}
+    if order > 1:
+        _, _, lambda_s1 = _lam(s, i - 1)
+        h_0 = lambda_s0 - lambda_s1
+        r0 = h_0 / h
+        out.update(inv_r0=1.0 / r0, c1=0.5 * c0)
+    if order == 3:
+        _, _, lambda_s2 = _lam(s, i - 2)
+        r1 = (lambda_s1 - lambda_s2) / h
+        out.update(inv_r1=1.0 / r1, k1=r0 / (r0 + r1), k2=1.0 / (r0 + r1))
+        if sde:
+            out["c1"] = alpha_t * ((1.0 - torch.exp(-2.0 * h)) / (-2.0 * h) + 1.0)
+            out["c2"] = alpha_t * ((1.0 - torch.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5)
+        else:
+            out["c1"] = alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)
+            out["c2"] = alpha_t * ((torch.exp(-h) - 1.0 + h) / h**2 - 0.5)
+    return {key: _f(value) for key, value in out.items()}
+
+
 def _unipc_update(s: Any, t: int, s0: int, order: int, prefix: str) -> dict[str, float]:
-    """multistep_uni_{p,c}_bh_update's scalars from sigma index `t` to `s0` (and s0 - 1)."""
+    """multistep_uni_{p,c}_bh_update's scalars from sigma index `t` to `s0` (and the `order - 1`
+    before s0): `rk1`.. (each past output's difference divided by one) and the weights of those
+    differences (`rho1`..: the predictor's 0.5 at order 2, else a solve, as diffusers does)."""
     alpha_t, sigma_t, lambda_t = _lam(s, t)
     _, sigma_s0, lambda_s0 = _lam(s, s0)
     h = lambda_t - lambda_s0
@@ -110,23 +148,26 @@ def _unipc_update(s: Any, t: int, s0: int, order: int, prefix: str) -> dict[str,
     h_phi_1 = torch.expm1(hh)
     b_h = hh if s.config.solver_type == "bh1" else torch.expm1(hh)
     out = {"cx": sigma_t / sigma_s0, "c0": alpha_t * h_phi_1, "cb": alpha_t * b_h}
-    if prefix == "c" and order == 1:
-        out["rho_last"] = torch.tensor(0.5)  # (the first-order corrector's weight)
-    if order == 2:
-        _, _, lambda_s1 = _lam(s, s0 - 1)
-        rk = (lambda_s1 - lambda_s0) / h
-        out["rk"] = rk
-        if prefix == "c":  # the corrector's weights: a 2x2 solve (the predictor's are 0.5)
-            rks = torch.stack([rk, torch.ones(())])
-            h_phi_k = h_phi_1 / hh - 1
-            factorial, big_r, b = 1, [], []
-            for k in range(1, order + 1):
-                big_r.append(torch.pow(rks, k - 1))
-                b.append(h_phi_k * factorial / b_h)
-                factorial *= k + 1
-                h_phi_k = h_phi_k / hh - 1 / factorial
-            rhos = torch.linalg.solve(torch.stack(big_r), torch.stack(b))
-            out["rho0"], out["rho_last"] = rhos[0], rhos[-1]
+    rks = [(_lam(s, s0 - k)[2] - lambda_s0) / h for k in range(1, order)]
+    out.update({f"rk{k + 1}": rk for k, rk in enumerate(rks)})
+    rks_t = torch.stack([*rks, torch.ones(())])
+    h_phi_k = h_phi_1 / hh - 1
+    factorial, big_r, b = 1, [], []
+    for k in range(1, order + 1):
+        big_r.append(torch.pow(rks_t, k - 1))
+        b.append(h_phi_k * factorial / b_h)
+        factorial *= k + 1
+        h_phi_k = h_phi_k / hh - 1 / factorial
+    if prefix == "p" and order == 2:
+        out["rho1"] = torch.tensor(0.5)
+    elif prefix == "p" and order > 2:
+        rhos = torch.linalg.solve(torch.stack(big_r)[:-1, :-1], torch.stack(b)[:-1])
+        out.update({f"rho{k + 1}": rho for k, rho in enumerate(rhos)})
+    elif prefix == "c":  # (the corrector's: 0.5 at order 1, else a solve; its last for now's)
+        rhos = torch.linalg.solve(torch.stack(big_r), torch.stack(b)) if order > 1 else None
+        rhos = torch.tensor([0.5]) if rhos is None else rhos
+        out.update({f"rho{k + 1}": rho for k, rho in enumerate(rhos[:-1])})
+        out["rho_last"] = rhos[-1]
     return {f"{prefix}_{key}": _f(value) for key, value in out.items()}
 
 
@@ -142,33 +183,11 @@ def _unipc_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
         if i > start and (i - 1) not in conf.disable_corrector:
             corrector = previous or 0
             row.update(_unipc_update(s, i, i - 1, corrector, "c"))
-        variants.append((conf.prediction_type, corrector, order, i > start))
+        # (the past outputs a row holds: as many as its solver's order, once it has them)
+        held = min(i - start, conf.solver_order)
+        variants.append((conf.prediction_type, corrector, order, held, conf.solver_order))
         scalars.append(row)
         previous = order
-    return variants, scalars
-
-
-def _pndm_tables(s: Any, start: int) -> tuple[list[Any], list[Any]]:
-    ratio = s.config.num_train_timesteps // s.num_inference_steps
-    variants, scalars, held = [], [], 0
-    for i, t in enumerate(s.timesteps[start:]):  # (its counter starts at the slice)
-        t, prev = int(t), int(t) - ratio
-        if i == 1:
-            t, prev = t + ratio, t
-        else:
-            held = min(held, 3) + 1
-        case = "first" if i == 0 else "second" if i == 1 else f"ets{held}"
-        alpha_t = s.alphas_cumprod[t]
-        alpha_prev = s.alphas_cumprod[prev] if prev >= 0 else s.final_alpha_cumprod
-        beta_t, beta_prev = 1 - alpha_t, 1 - alpha_prev
-        denom = alpha_t * beta_prev ** (0.5) + (alpha_t * beta_t * alpha_prev) ** (0.5)
-        row = {
-            "coeff": _f((alpha_prev / alpha_t) ** (0.5)),
-            "num": _f(alpha_prev - alpha_t),
-            "denom": _f(denom),
-        }
-        variants.append((case,))
-        scalars.append(row)
     return variants, scalars
 
 
@@ -190,91 +209,120 @@ def variant(position: tuple[Tables, int]) -> tuple[Any, ...]:
     return (tabs.kind, *tabs.variants[i])
 
 
+class Past:
+    """The rows' histories, read by name as one batch tensor, and (a stochastic solver) each
+    row's noise for this step from its own generator."""
+
+    def __init__(self, histories: list[dict[str, torch.Tensor]], generators: list[Any]) -> None:
+        self.histories, self.generators = histories, generators
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return torch.cat([h[name] for h in self.histories])
+
+    def noise(self, like: torch.Tensor) -> torch.Tensor:
+        """float32 noise of `like`'s shape, a draw of a row's shape from each row's generator
+        (as a pipeline running the row alone draws it in its scheduler's step)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        row = (1, *like.shape[1:])
+        draws = [
+            randn_tensor(row, generator=g, device=like.device, dtype=torch.float32)
+            for g in self.generators
+        ]
+        return torch.cat(draws)
+
+
 def step(
     positions: list[tuple[Tables, int]],
     histories: list[dict[str, torch.Tensor]],
     eps: torch.Tensor,
     x: torch.Tensor,
+    generators: list[Any] | None = None,
 ) -> torch.Tensor:
     """One step of rows that share a variant, each at its own position (its schedule's tables,
     its index); each row's history (one tensor of a row's shape per name) is replaced by the
-    new one."""
+    new one. `generators`: each row's, for a stochastic solver's noise."""
     kind, *what = variant(positions[0])
     c = Cols([tabs.scalars[i] for tabs, i in positions], x)
-
-    def past(name: str) -> torch.Tensor:
-        return torch.cat([h[name] for h in histories])
-
-    out, keep = {"dpm": _dpm, "unipc": _unipc, "pndm": _pndm}[kind](c, tuple(what), eps, x, past)
+    past = Past(histories, generators or [None] * len(histories))
+    out, keep = {"dpm": _dpm, "unipc": _unipc, "pndm": pndm.step}[kind](
+        c, tuple(what), eps, x, past
+    )
     for b, history in enumerate(histories):
         for name, value in keep.items():
             if value is None:
                 history.pop(name, None)
             else:
-                history[name] = value[b : b + 1] if isinstance(value, torch.Tensor) else value[b]
+                history[name] = value[b : b + 1]
     return out
 
 
 def _dpm(
     c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
 ) -> tuple[torch.Tensor, Keep]:
+    _, order, sde, keep_two = variant
     m0 = _convert(c, variant, eps, x)
     sample = x.to(torch.float32)
-    if variant[1] == 1:
-        x_t = _mul(c["cx"], sample) - _mul(c["c0"], m0)
+    noise = past.noise(m0) if sde else None  # (drawn before the update, as diffusers does)
+    x_t = _mul(c["cx"], sample)
+    if order == 1:
+        d = [m0]
+    elif order == 2:
+        d = [m0, _mul(c["inv_r0"], m0 - past("m1"))]
     else:
-        d1 = _mul(c["inv_r0"], m0 - past("m1"))
-        x_t = _mul(c["cx"], sample) - _mul(c["c0"], m0) - _mul(c["c1"], d1)
-    return x_t.to(m0.dtype), {"m1": m0}
+        m1 = past("m1")
+        d1_0, d1_1 = _mul(c["inv_r0"], m0 - m1), _mul(c["inv_r1"], m1 - past("m2"))
+        d = [m0, d1_0 + _mul(c["k1"], d1_0 - d1_1), _mul(c["k2"], d1_0 - d1_1)]
+    # DPM-Solver++: x - c0 D0 - c1 D1 (order 3: + c1 D1 - c2 D2); its SDE: every term added
+    signs = (1, 1, 1) if sde else (-1, -1, -1) if order < 3 else (-1, 1, -1)
+    for sign, name, term in zip(signs, ("c0", "c1", "c2"), d, strict=False):
+        x_t = x_t + _mul(c[name], term) if sign > 0 else x_t - _mul(c[name], term)
+    if noise is not None:
+        x_t = x_t + _mul(c["noise"], noise)
+    keep: Keep = {"m1": m0}
+    if keep_two:
+        keep["m2"] = past("m1")
+    return x_t.to(m0.dtype), keep
 
 
-def _uni(c: Cols, p: str, order: int, x: torch.Tensor, m0: torch.Tensor, m1: Any) -> Any:
-    """A bh update's first part from `x` with m0, and (order 2) its difference to m1."""
+def _uni(
+    c: Cols, p: str, order: int, x: torch.Tensor, m0: torch.Tensor, past: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A bh update's first part from `x` with m0, and its differences to the past outputs
+    (newest first), each divided by its rk."""
     x_t_ = _mul(c[f"{p}_cx"], x) - _mul(c[f"{p}_c0"], m0)
-    if order == 2:
-        d1 = _div(m1 - m0, c[f"{p}_rk"])
-        return x_t_, d1
-    return x_t_, None
+    return x_t_, [_div(m - m0, c[f"{p}_rk{k + 1}"]) for k, m in enumerate(past[: order - 1])]
+
+
+def _weighted(c: Cols, names: list[str], d: list[torch.Tensor]) -> torch.Tensor:
+    """diffusers' `einsum("k,bkc...->bc...", rhos, D1s)` with each row's rhos (in the
+    differences' dtype, as it casts them); one difference: a product, as einsum's."""
+    rhos = [c[name].to(d[0].dtype) for name in names]
+    if len(d) == 1:
+        return _mul(rhos[0], d[0])
+    stacked, device = torch.stack(d, dim=1), d[0].device
+    if all(r.dim() == 0 for r in rhos):
+        return torch.einsum("k,bkc...->bc...", to_device(torch.stack(rhos), device), stacked)
+    rows = [(r if r.dim() else to_device(r, device)).reshape(-1) for r in rhos]  # (a column's
+    rows = [r.expand(stacked.shape[0]) for r in rows]  # on the device already)
+    return torch.einsum("bk,bkc...->bc...", torch.stack(rows, dim=1), stacked)
 
 
 def _unipc(
     c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
 ) -> tuple[torch.Tensor, Keep]:
-    _, corrector, order, _ = variant
+    _, corrector, order, held, solver_order = variant
     model_t = _convert(c, variant, eps, x)
+    ms = [past(f"m{k}") for k in range(1, held + 1)]  # the past outputs, newest first
     if corrector:
-        last, m0 = past("last"), past("m1")
-        x_t_, d1 = _uni(c, "c", corrector, last, m0, past("m2") if corrector == 2 else None)
-        corr = _mul(c["c_rho0"].to(last.dtype), d1) if d1 is not None else 0
-        term = corr + _mul(c["c_rho_last"].to(last.dtype), model_t - m0)
+        last = past("last")
+        x_t_, d = _uni(c, "c", corrector, last, ms[0], ms[1:])
+        corr = _weighted(c, [f"c_rho{k + 1}" for k in range(len(d))], d) if d else 0
+        term = corr + _mul(c["c_rho_last"].to(last.dtype), model_t - ms[0])
         x = (x_t_ - _mul(c["c_cb"], term)).to(last.dtype)
-    m1 = past("m1") if order == 2 else None
-    x_t_, d1 = _uni(c, "p", order, x, model_t, m1)
-    if d1 is not None:
-        x_t_ = x_t_ - _mul(c["p_cb"], d1 * 0.5)  # (the predictor's weight: 0.5)
-    keep = {"m1": model_t, "m2": past("m1") if variant[3] else None, "last": x}
+    x_t_, d = _uni(c, "p", order, x, model_t, ms)
+    if d:
+        x_t_ = x_t_ - _mul(c["p_cb"], _weighted(c, [f"p_rho{k + 1}" for k in range(len(d))], d))
+    keep: Keep = {"last": x, "m1": model_t}
+    keep.update({f"m{k + 2}": m for k, m in enumerate(ms[: solver_order - 1])})
     return x_t_.to(x.dtype), keep
-
-
-def _pndm(
-    c: Cols, variant: tuple[Any, ...], eps: torch.Tensor, x: torch.Tensor, past: Any
-) -> tuple[torch.Tensor, Keep]:
-    case = variant[0]
-    sample, keep = x, Keep()
-    if case == "first":
-        output, keep = eps, {"e1": eps, "cur": x}
-    elif case == "second":
-        output, sample = (eps + past("e1")) / 2, past("cur")
-        keep = {"cur": None}
-    else:
-        held = int(case[3:])
-        e = [eps] + [past(f"e{k}") for k in range(1, held)]  # newest first
-        if held == 2:
-            output = (3 * e[0] - e[1]) / 2
-        elif held == 3:
-            output = (23 * e[0] - 16 * e[1] + 5 * e[2]) / 12
-        else:
-            output = (1 / 24) * (55 * e[0] - 59 * e[1] + 37 * e[2] - 9 * e[3])
-        keep = {f"e{k + 1}": e[k] for k in range(min(held, 3))}
-    prev = _mul(c["coeff"], sample) - _div(_mul(c["num"], output), c["denom"])
-    return prev, keep

@@ -67,8 +67,10 @@ def loops_for(path: str, cfg_parallel: bool = False) -> dict[Mode, tuple[Loop, s
     loops: dict[Mode, tuple[Loop, str | None]] = {}
     for mode in family.modes:
         why = None
-        if mode not in family.own_loop:
-            why = f"{family.name}: {mode} runs the pipeline's call"
+        if mode not in family.own_loop:  # (every mode of the generic family: its own call is
+            # the only loop known for a pipeline no family claims)
+            what = " (a diffusers pipeline no family claims)" if family.name == "generic" else ""
+            why = f"{family.name}{what}: {mode} runs the pipeline's call"
         elif cfg_parallel:
             why = "CFG-parallel ranks run the pipeline's call"
         elif problem is not None:

@@ -56,6 +56,13 @@ class RowConditions:
         """`predict` for model rows that carry their own conditioning (one row of it each)."""
         raise NotImplementedError(f"{type(self).__name__}: no row conditioning of its own")
 
+    def takes_mask(self) -> bool:
+        """Whether the denoiser takes an inpainting row's mask and masked image's latents
+        beside its latents (a 9-channel inpainting UNet): its rows' conditioning is those
+        (`{"mask", "masked_image"}`, made by the stage as the inpainting pipeline makes them,
+        stages/diffusion/edit_rows.py), handed to `predict_conditioned`; nothing is put back."""
+        return False
+
     def put_back(self, latents: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """The rows' latents with what their conditioning fixes put back (after each step, and
         on joining): as they are by default."""

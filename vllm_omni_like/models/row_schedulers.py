@@ -11,7 +11,8 @@ steps do different things (another kind, another solver order) step as separate 
 one `step()` call per row, and no step waits on the device.
 
 Kinds: DDIM, Euler and Euler ancestral (whose noise comes from each row's own generator) and
-flow-match Euler here; DPM-Solver++, UniPC and PNDM (a history per row) in models/multistep.py.
+flow-match Euler here; DPM-Solver++ (and its SDE), UniPC and PNDM (a history per row) in
+models/multistep.py and models/pndm.py.
 The names a request gives (`scheduler`) are models/schedulers.py's.
 """
 
@@ -262,7 +263,8 @@ def _group(rows: Sequence[Row], output: torch.Tensor, latents: torch.Tensor) -> 
     kind = rows[0].schedule.kind
     if kind == "multistep":
         positions = [(r.schedule.tables, r.index) for r in rows]
-        return multistep.step(positions, [r.history for r in rows], output, latents)
+        histories, generators = [r.history for r in rows], [r.generator for r in rows]
+        return multistep.step(positions, histories, output, latents, generators)
     c = Cols([r.schedule.tables.scalars[r.index] for r in rows], latents)
     return _STEPS[kind](c, rows, output, latents)
 

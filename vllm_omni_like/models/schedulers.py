@@ -25,12 +25,22 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
         "DPMSolverMultistepScheduler",
         {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
     ),
+    "dpm++2m-sde": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
+    ),
+    "dpm++3m": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "solver_order": 3, "use_karras_sigmas": False},
+    ),
+    "pndm-prk": ("PNDMScheduler", {"skip_prk_steps": False}),
     "unipc": ("UniPCMultistepScheduler", {}),
+    "unipc-3": ("UniPCMultistepScheduler", {"solver_order": 3}),
     "flow-euler": ("FlowMatchEulerDiscreteScheduler", {}),
 }
 
-# classes whose step is linear in the sample, the model output and the scheduler's own history
-# (models/multistep.py reads the coefficients off diffusers' step)
+# classes whose step is linear in the sample, the model output, the scheduler's own history (and
+# an SDE's noise) (models/multistep.py reads the coefficients off diffusers' step)
 MULTISTEP = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler", "PNDMScheduler")
 # classes stepped by their own vectorised code (models/row_schedulers.py)
 EXPLICIT = (
@@ -46,24 +56,23 @@ def unsupported(class_name: str, config: dict[str, Any]) -> str | None:
     if class_name not in MULTISTEP + EXPLICIT:
         return f"{class_name} has no row-level steps"
     if class_name in MULTISTEP:
-        if "sde" in str(config.get("algorithm_type", "")):
-            return f"{class_name} with {config['algorithm_type']} draws noise at each step"
+        algorithm = str(config.get("algorithm_type", "dpmsolver++"))
+        if "sde" in algorithm and algorithm != "sde-dpmsolver++":
+            return f"{class_name} with {algorithm} (its SDE solver runs as sde-dpmsolver++)"
         if class_name == "PNDMScheduler":
-            if not config.get("skip_prk_steps", False):
-                return "PNDMScheduler with Runge-Kutta warm-up steps (skip_prk_steps false)"
             if config.get("prediction_type", "epsilon") != "epsilon":
                 return f"PNDMScheduler predicting {config.get('prediction_type')}"
             return None
-        if int(config.get("solver_order", 2)) > 2:
-            return f"{class_name} of order {config['solver_order']} (orders 1 and 2 run here)"
+        if int(config.get("solver_order", 2)) > 3:
+            return f"{class_name} of order {config['solver_order']} (orders 1 to 3 run here)"
         if config.get("thresholding", False):
             return f"{class_name} with thresholding"
         if class_name == "DPMSolverMultistepScheduler" and (
-            config.get("algorithm_type", "dpmsolver++") != "dpmsolver++"
+            algorithm not in ("dpmsolver++", "sde-dpmsolver++")
             or config.get("solver_type", "midpoint") != "midpoint"
             or config.get("variance_type") is not None
         ):
-            return "DPMSolverMultistepScheduler other than DPM-Solver++ midpoint"
+            return "DPMSolverMultistepScheduler other than DPM-Solver++ (or its SDE) midpoint"
         if class_name == "UniPCMultistepScheduler" and (
             not config.get("predict_x0", True) or config.get("solver_p") is not None
         ):

@@ -176,8 +176,13 @@ def test_a_compiled_stage_that_only_starts_from_an_image_warms_up_from_a_blank_o
 
     from tests.models.test_family_contract import EDIT_IMAGE, case_of
     from vllm_omni_like.models.qwen_image import edit
+    from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
 
     monkeypatch.setattr(edit, "FITTED_AREA", 128 * 128)
+    # (Qwen-Image's buckets only: each bucket past 512 warms up as these do, at a CPU's cost
+    # for the tiny model, whose blank upload reaches them all; the warm-up's prompts for those
+    # are test_qwen_image_edit.py's)
+    monkeypatch.setattr(edit, "EDIT_TEXT_BUCKETS", TEXT_BUCKETS)
     case = case_of(family)
     stage = case.stage(
         compile=True, batch_buckets=(1,), options={**case.options, "compile_backend": "eager"}

@@ -144,6 +144,25 @@ def test_a_request_that_joins_a_busy_set_at_step_k_makes_the_image_it_makes_alon
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
+def test_rows_of_stochastic_third_order_and_runge_kutta_solvers_join_and_make_theirs(stage):
+    """A row whose steps draw noise from its generator (DPM++ 2M SDE), one of a third-order
+    solver and one in PNDM's Runge-Kutta warm-up join a busy set at step k: each request's
+    image is the one it makes alone."""
+    a = _req("a", seed=3, steps=8, scheduler="dpm++3m")
+    b = _req("b", seed=11, steps=5, prompt="a blue square", scheduler="dpm++2m-sde")
+    c = _req("c", seed=5, steps=4, scheduler="pndm-prk", guidance_scale=1.0)
+    d = _req("d", seed=6, steps=6, scheduler="unipc-3")
+    alone = {r.request_id: _alone(stage, r) for r in (a, b, c, d)}
+    h = _Harness(stage)
+    h.add(1, a)
+    h.steps(3)
+    h.add(2, b, c, d)
+    h.steps()
+    assert sorted(h.groups) == [1, 2]
+    for rid, image in alone.items():
+        assert np.abs(h.pixels(rid) - image).max() <= 1, rid
+
+
 def test_an_image_to_image_edit_joins_a_busy_text_set_and_makes_what_it_makes_alone(stage):
     """An edit of a size given shares text-to-image's shape group (one lane, one forward a
     step) and joins at a step boundary, starting at its strength's step; a multistep solver

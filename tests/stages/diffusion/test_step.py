@@ -117,7 +117,14 @@ def _pipeline_latents(stage: DiffusionStage, request: StageRequest) -> list[torc
 CASES = [
     ("image", name) for name in ("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras")
 ] + [("image", "unipc"), ("image", None), ("video", "unipc"), ("video", "flow-euler")]
+# (noise drawn at each step from the row's generator, three past outputs, a Runge-Kutta warm-up)
+CASES += [("image", "dpm++2m-sde")]
+CASES += [
+    pytest.param("image", name, marks=pytest.mark.drill)
+    for name in ("dpm++3m", "pndm-prk", "unipc-3")
+]
 CASES += [("sdxl", name) for name in (None, "euler-a", "dpm++2m-karras", "unipc")]
+CASES += [pytest.param("sdxl", "dpm++2m-sde", marks=pytest.mark.drill)]
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])

@@ -24,7 +24,6 @@ import torch
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import EDIT_FAMILY
 from vllm_omni_like.models.qwen_image.adapter import (
-    MAX_TEXT_TOKENS,
     NO_NEGATIVE,
     QwenImageAdapter,
 )
@@ -34,6 +33,11 @@ from vllm_omni_like.models.text_buckets import TEXT_BUCKETS, bucket_prompts, pad
 from vllm_omni_like.wire import Mode
 
 FITTED_AREA = 1024 * 1024  # the pixels QwenImageEditPipeline fits an upload to
+# An edit's text holds the upload's vision tokens (about 1,370 at a megapixel) beside its prompt,
+# and the pipeline cuts none of it (its `max_sequence_length` is only checked, <= 1024, never
+# applied to an edit's text): buckets past Qwen-Image's 512, so a real upload's texts share a
+# few shapes (one a prompt length would compile at run time on a compiled stage).
+EDIT_TEXT_BUCKETS = (*TEXT_BUCKETS, 1024, 1536, 2048)
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -52,11 +56,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
             image=[fit_upload(self.pipe, image)[0] for image in images],
             device=device,
             num_images_per_prompt=1,
-            max_sequence_length=MAX_TEXT_TOKENS,
         )
         if mask is None:  # (every token is a prompt's: the pipeline leaves the mask out)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        return pad_tokens({"embeds": embeds, "mask": mask}, text_bucket(embeds.shape[1]))
+        return pad_tokens({"embeds": embeds, "mask": mask}, edit_text_bucket(embeds.shape[1]))
 
     def condition(
         self, image: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -100,8 +103,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return unpack(out[:, : tokens.shape[1]], h, w)
 
     def warm_up_prompts(self, device: torch.device) -> tuple[str, ...]:
-        """One a text bucket, its tokens counted with a blank upload's vision tokens; a real
-        model's (about 1,370 at a megapixel) are past the last bucket: one prompt then."""
+        """One a text bucket a prompt reaches, its tokens counted with a blank upload's vision
+        tokens (a real model's, about 1,370 at a megapixel, reach only the buckets past 1024;
+        a text past the last bucket runs at its own length: one prompt then)."""
         from PIL import Image
 
         blank = Image.new("RGB", (1024, 1024))
@@ -109,9 +113,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         def count(prompt: str) -> int:
             return int(self.encode_text_with_images([prompt], [blank], device)["mask"].sum())
 
-        if count("warm-up") > TEXT_BUCKETS[-1]:
+        if count("warm-up") > EDIT_TEXT_BUCKETS[-1]:
             return ("warm-up",)
-        return bucket_prompts(count) or ("warm-up",)
+        return bucket_prompts(count, EDIT_TEXT_BUCKETS) or ("warm-up",)
 
     @classmethod
     def own_components(cls, path: str) -> dict[str, Any]:
@@ -139,11 +143,16 @@ def pad_encoded_prompts(pipe: Any) -> None:
         embeds, mask = encode(*args, **kwargs)
         if mask is None:  # (the pipeline drops a mask of all ones)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        text = pad_tokens({"embeds": embeds, "mask": mask}, text_bucket(embeds.shape[1]))
+        text = pad_tokens({"embeds": embeds, "mask": mask}, edit_text_bucket(embeds.shape[1]))
         return text["embeds"], text["mask"]
 
     pipe.encode_prompt = encode_prompt
     pipe._text_buckets = True
+
+
+def edit_text_bucket(tokens: int) -> int:
+    """The bucket an edit's text of `tokens` tokens (its prompt and upload) is padded to."""
+    return text_bucket(tokens, EDIT_TEXT_BUCKETS)
 
 
 def fit_upload(pipe: Any, image: Any) -> tuple[Any, int, int]:

@@ -18,7 +18,19 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
     own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,
-    schedulers=("ddim", "pndm", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "unipc"),
+    schedulers=(
+        "ddim",
+        "pndm",
+        "euler",
+        "euler-a",
+        "dpm++2m",
+        "dpm++2m-karras",
+        "unipc",
+        "dpm++2m-sde",
+        "dpm++3m",
+        "pndm-prk",
+        "unipc-3",
+    ),
     presets={"sd15": {"default_steps": 30}},
 )
 

@@ -1,4 +1,9 @@
-"""The Stable Diffusion UNet family in a worker (SD1.5, the tiny image model)."""
+"""The Stable Diffusion UNet family in a worker (SD1.5, the tiny image model).
+
+An inpainting checkpoint's UNet takes 9 channels (SD1.5's and SDXL's inpainting models): the
+latents, then the mask at the latents' size, then the masked image's latents, concatenated for
+each forward after the scheduler scales the latents, as StableDiffusion(XL)InpaintPipeline does;
+its latents are the VAE's channels (`takes_mask`, `predict_conditioned`)."""
 
 from __future__ import annotations
 
@@ -37,12 +42,30 @@ class StableDiffusionAdapter(Adapter):
         unet = self.pipe.unet
         return unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
 
+    def takes_mask(self) -> bool:
+        unet, vae = self.pipe.unet, getattr(self.pipe, "vae", None)
+        return vae is not None and unet.config.in_channels == 2 * vae.config.latent_channels + 1
+
+    def predict_conditioned(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: Any,
+        conditioning: Any,
+        at: Any = None,
+    ) -> Any:
+        """A 9-channel UNet's forward: the mask and masked image's latents after the latents."""
+        joined = torch.cat([latents, conditioning["mask"], conditioning["masked_image"]], dim=1)
+        return self.predict(joined, timestep, text, at=at)
+
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
         return self.pipe.encode_prompt([t or "" for t in texts], device, 1, False)[0]
 
     def latent_shape(self, rows: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         factor = self.pipe.vae_scale_factor
-        return (rows, self.pipe.unet.config.in_channels, height // factor, width // factor)
+        channels = self.pipe.unet.config.in_channels  # (an inpainting UNet's: the VAE's)
+        channels = self.pipe.vae.config.latent_channels if self.takes_mask() else channels
+        return (rows, channels, height // factor, width // factor)
 
     def decoder(self, pipe: Any) -> Decoder | None:
         # an AsymmetricAutoencoderKL's decode (inpainting) also takes the masked input image

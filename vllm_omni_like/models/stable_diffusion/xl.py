@@ -78,7 +78,12 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         if key not in self._time_ids:
             encoder = getattr(self.pipe, "text_encoder_2", None)
             dim = encoder.config.projection_dim if encoder is not None else pooled.shape[-1]
-            ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype, int(dim))
+            from diffusers import StableDiffusionXLPipeline
+
+            # (the text-to-image pipeline's: an inpainting checkpoint's pipeline has its own,
+            # with aesthetic scores, whose ids are these where it does not require them)
+            get = StableDiffusionXLPipeline._get_add_time_ids
+            ids = get(self.pipe, size, (0, 0), size, dtype, int(dim))
             self._time_ids[key] = ids.to(latents.device)
         return self._time_ids[key]
 

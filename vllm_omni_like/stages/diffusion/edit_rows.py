@@ -8,7 +8,12 @@ before its noise is drawn (the pipelines' order of draws), then noised to the ro
 SD's inpainting pipeline starts. An inpainting row keeps an `Anchor` (its image's latents, its
 noise, its mask at the latents' size): after each step its unmasked region is put back to its
 image noised to the next step (the last step: the image itself), `(1 - m) x_t + m latents`, as
-the inpainting pipelines of a denoiser without mask channels do."""
+the inpainting pipelines of a denoiser without mask channels do. A denoiser with mask channels
+(a 9-channel inpainting UNet, `Adapter.takes_mask`) puts nothing back: its row carries its mask
+at the latents' size and its masked image's latents (the VAE's sample with the row's generator,
+drawn after the noise) as its conditioning (`LoopRow.mask_input`), and its image is encoded
+only where the row starts from it (a strength below 1), as StableDiffusionInpaintPipeline
+draws."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class Source:
     mask: torch.Tensor | None = None
     strength: float = 1.0  # (the row's: set when its schedule is made)
     latents: Any = None  # its pixels' latents, once encoded (`encode_sources`)
+    masked: Any = None  # a mask-taking denoiser's: its masked image's latents (`masked_images`)
 
 
 @dataclass
@@ -44,16 +50,21 @@ class Anchor:
 def first_latents(adapter: Any, rows: list[Any], noise: torch.Tensor) -> torch.Tensor:
     """The rows' first latents from their `noise` (drawn by the caller after
     `encode_sources`): a row from noise alone scaled by its scheduler's initial sigma, an
-    edit's source latents noised to its first step; an inpainting row keeps its anchor."""
+    edit's source latents noised to its first step; an inpainting row keeps its anchor (a
+    mask-taking denoiser's: its mask input)."""
     sources: dict[int, torch.Tensor] = {}
     for i, r in enumerate(rows):
         if r.source is None:
             continue
-        image = r.source.latents
-        if r.source.mask is not None:
-            mask = torch.nn.functional.interpolate(r.source.mask, size=tuple(image.shape[-2:]))
-            r.anchor = Anchor(image, noise[i : i + 1].clone(), mask.to(noise.dtype))
-        if r.source.mask is None or r.source.strength < 1.0:  # (inpainting at 1: noise alone)
+        image, mask = r.source.latents, r.source.mask
+        if mask is not None:
+            mask = torch.nn.functional.interpolate(mask, size=tuple(noise.shape[-2:]))
+            if r.source.masked is not None:
+                masked = r.source.masked.to(noise.dtype)
+                r.mask_input = {"mask": mask.to(noise.dtype), "masked_image": masked}
+            else:
+                r.anchor = Anchor(image, noise[i : i + 1].clone(), mask.to(noise.dtype))
+        if mask is None or r.source.strength < 1.0:  # (inpainting at 1: noise alone)
             sources[i] = image
     sigma = [1.0 if i in sources else r.state.schedule.init_noise_sigma for i, r in enumerate(rows)]
     latents = noise
@@ -74,19 +85,31 @@ def first_latents(adapter: Any, rows: list[Any], noise: torch.Tensor) -> torch.T
 
 def encode_sources(adapter: Any, rows: list[Any]) -> None:
     """Each edit row's source encoded with its own generator (`Source.latents`), before its
-    noise is drawn, as the pipelines draw."""
+    noise is drawn, as the pipelines draw (a mask-taking denoiser's inpainting pipeline
+    encodes no image for a row that starts from noise alone)."""
+    takes_mask = adapter.takes_mask()
     for r in rows:
-        if r.source is not None:
-            r.source.latents = adapter.encode_image(r.source.pixels, r.state.generator)
+        if r.source is None:
+            continue
+        s = r.source
+        if not (takes_mask and s.mask is not None and s.strength >= 1.0):
+            s.latents = adapter.encode_image(s.pixels, r.state.generator)
 
 
-def masked_image_draws(rows: list[Any]) -> None:
-    """After the noise: the draw each inpainting pipeline makes for its masked image's VAE
-    sample (`prepare_mask_latents`; those latents serve a denoiser with mask channels only),
-    so the row's generator is where the pipeline's is for an ancestral step's noise."""
+def masked_images(adapter: Any, rows: list[Any]) -> None:
+    """After the noise: each inpainting row's masked image (`image * (mask < 0.5)`) through the
+    VAE with the row's generator, as its pipeline's `prepare_mask_latents` makes it: a
+    mask-taking denoiser's input (`Source.masked`); for another denoiser only the draw, so the
+    row's generator is where the pipeline's is for an ancestral step's noise."""
+    takes_mask = adapter.takes_mask()
     for r in rows:
-        if r.source is not None and r.source.mask is not None:
-            _masked_image_draw(r.source.latents, r.state.generator)
+        s = r.source
+        if s is None or s.mask is None:
+            continue
+        if takes_mask:
+            s.masked = adapter.encode_image(s.pixels * (s.mask < 0.5), r.state.generator)
+        else:
+            _masked_image_draw(s.latents, r.state.generator)
 
 
 def _masked_image_draw(image: torch.Tensor, generator: torch.Generator | None) -> None:

@@ -36,6 +36,8 @@ class LoopRow:
     # an edit row's upload until its latents are made (`noise`), else None
     source: Source | None = None
     anchor: Anchor | None = None  # an inpainting row's: what each step puts back
+    # a mask-taking denoiser's inpainting row: its mask and masked image's latents
+    mask_input: Conditioning | None = None
     # the image a row is conditioned on (an instruction edit's upload, an image-to-video
     # request's first frame) until its conditioning is made (`conditions`), else None
     image: Any | None = None

@@ -114,6 +114,22 @@ class DiffusionStage(Stage):
         return shapes
 
     # 2. validate (before batching) ---------------------------------------------------------------
+    def _check_edit(self, request: StageRequest) -> None:
+        """What the model's edits take (an inpainting UNet of 9 channels: inpainting only)."""
+        rt = self.runtime
+        if request.mode == Mode.EDIT and Mode.EDIT not in rt.edit_pipes:
+            raise InvalidRequestError("this model does not support image edits", stage=self.name)
+        if (
+            request.mode == Mode.EDIT
+            and request.mask is not None
+            and "inpaint" not in rt.edit_pipes
+        ):
+            raise InvalidRequestError("this model's edits take no mask", stage=self.name)
+        if rt.adapter.takes_mask() and request.loop_mode != Mode.INPAINT:
+            raise InvalidRequestError(
+                "this model's UNet inpaints only: send an image and a mask", stage=self.name
+            )
+
     def validate(self, request: StageRequest) -> None:
         rt, p = self.runtime, request.params
         family, is_video = rt.family, rt.is_video
@@ -126,14 +142,7 @@ class DiffusionStage(Stage):
                 raise InvalidRequestError("this model makes videos from text only", stage=self.name)
             what = "makes videos from an image" if is_video else "edits an input image"
             raise InvalidRequestError(f"this model {what}: send it one", stage=self.name)
-        if request.mode == Mode.EDIT and Mode.EDIT not in rt.edit_pipes:
-            raise InvalidRequestError("this model does not support image edits", stage=self.name)
-        if (
-            request.mode == Mode.EDIT
-            and request.mask is not None
-            and "inpaint" not in rt.edit_pipes
-        ):
-            raise InvalidRequestError("this model's edits take no mask", stage=self.name)
+        self._check_edit(request)
         experts = len(rt.adapter.experts())
         model_limits.check_expert_scales(p, experts, "this model", stage=self.name)
         if request.mode == Mode.EDIT and p.strength is not None and not family.edit_strength:

@@ -180,7 +180,7 @@ class DenoiseLoop:
         each started as its pipeline starts it (stages/diffusion/edit_rows.py)."""
         edit_rows.encode_sources(self.adapter, rows)
         noise = self.adapter.noise(shape, [r.state.generator for r in rows], self.device, dtype)
-        edit_rows.masked_image_draws(rows)
+        edit_rows.masked_images(self.adapter, rows)
         return edit_rows.first_latents(self.adapter, rows, noise)
 
     def conditions(
@@ -261,8 +261,7 @@ class DenoiseLoop:
             by_expert=by_expert,
             anchor=edit_rows.anchors_of(group, latents),
         )
-        if conditioning is not None:
-            self._plan_conditioning(plan, conditioning, device)
+        self._plan_conditioning(plan, conditioning, device)
         return self._plan_loras(plan, device)
 
     def _plan_loras(self, plan: Plan, device: torch.device) -> Plan:
@@ -276,11 +275,22 @@ class DenoiseLoop:
         return plan
 
     def _plan_conditioning(
-        self, plan: Plan, conditioning: Conditioning, device: torch.device
+        self, plan: Plan, conditioning: Conditioning | None, device: torch.device
     ) -> None:
-        """The plan's rows' own conditioning (of the set's `conditioning`), and their model
-        rows': the unconditional branch takes its row's as the conditional one does."""
-        own = conditioning if plan.index is None else take_named(conditioning, plan.active, device)
+        """The plan's rows' own conditioning (of the set's `conditioning`; a mask-taking
+        denoiser's inpainting rows: their mask inputs), and their model rows': the
+        unconditional branch takes its row's as the conditional one does."""
+        if conditioning is not None:
+            own = (
+                conditioning
+                if plan.index is None
+                else take_named(conditioning, plan.active, device)
+            )
+        elif (first := plan.group[0].mask_input) is not None:  # (an inpainting set's rows)
+            inputs = [c for r in plan.group if (c := r.mask_input) is not None]
+            own = {k: torch.cat([c[k] for c in inputs]) for k in first}
+        else:
+            return
         plan.put_back = own
         uncond = own if plan.cfg_index is None else take_named(own, plan.cfg, device)
         if plan.cfg and self.batched_cfg:
