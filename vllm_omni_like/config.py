@@ -252,8 +252,8 @@ class StageConfig:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         self._check_choices()
         self._check_batching()
-        loras = (self.loras, self.lora_dir, self.max_loras, self.max_lora_rank)
-        object.__setattr__(self, "loras", check_loras(self.name, self.kind, self.leads, *loras))
+        loras = (self.cfg_parallel, self.loras, self.lora_dir, self.max_loras, self.max_lora_rank)
+        object.__setattr__(self, "loras", check_loras(self.name, self.kind, *loras))
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):

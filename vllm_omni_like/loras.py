@@ -132,7 +132,7 @@ def served(specs: tuple[LoraSpec, ...], directory: str | None) -> list[str]:
 def check_loras(
     stage: str,
     kind: str,
-    leads: bool,
+    cfg_parallel: bool,
     given: Any,
     directory: str | None,
     max_loras: int,
@@ -147,11 +147,12 @@ def check_loras(
         raise ConfigError(f"{where}: lora_dir is empty")
     if not specs and directory is None:
         return specs
-    if kind != "diffusion" or leads:
-        several = " with several ranks" if leads else ""
+    if kind != "diffusion" and ":" not in kind:  # (a stage class of one's own may take them)
+        raise ConfigError(f"{where} run on a diffusion stage, not on a {kind!r} stage")
+    if cfg_parallel:  # (its ranks run the pipeline's call, which runs no adapter)
         raise ConfigError(
-            f"{where} run on a diffusion stage of one rank (not CFG-parallel or sequence "
-            f"parallel yet), not on a {kind!r} stage{several}"
+            f"{where} on a CFG-parallel stage are not built yet: its ranks run the pipeline's "
+            "call, not our own loop (sequence parallelism runs them)"
         )
     if len(specs) > max_loras:
         raise ConfigError(f"{where}: {len(specs)} registered but max_loras is {max_loras}")

@@ -7,13 +7,20 @@ fails that request alone) and kept there, a few at a time; it reaches the device
 that uses it joins the set: written in place into a free slot (or the least recently used one
 no row holds), between two steps, so the replica never stops and no graph is compiled again.
 A row holds its slots from its join until it leaves (`acquire` / `release`); slot 0 is no
-adapter (zeros)."""
+adapter (zeros).
+
+Over the ranks of a sequence-parallel replica every rank holds the pool (parallel/rank_link.py's
+`Replicated`): rank 0 alone reads files and decides which adapter goes where; each slot it writes
+is copied into the others' as it is written, and each forward's rows (slots, scales) travel
+with the forward."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -55,6 +62,7 @@ class LoraPool:
         self.pins: Counter[int] = Counter()
         self.host: OrderedDict[tuple[Any, ...], AdapterWeights] = OrderedDict()
         self.loads = 0  # adapters written to the device (the benchmark's cold loads)
+        self.written: Callable[[int], None] = lambda slot: None  # (the other ranks' copy)
 
     # ---- names to weights ------------------------------------------------------------------
     def spec(self, name: str) -> LoraSpec:
@@ -175,6 +183,7 @@ class LoraPool:
             slot = self.slots.pop(idle)
         try:
             self._write(slot, weights)
+            self.written(slot)
         except BaseException:
             self.free.append(slot)  # (cleared by the next write into it)
             raise
@@ -190,6 +199,21 @@ class LoraPool:
             dtype = target.layer.lora_a.dtype
             target.layer.write(slot, target.part, a.to(dtype), b.to(dtype))
         self.loads += 1
+
+    # ---- the same pool on every rank (parallel/rank_link.py's Replicated) --------------------
+    def state(self) -> LoraRows | None:
+        index, scale = self.context.index, self.context.scale
+        return None if index is None or scale is None else (index, scale)
+
+    def around(self, state: LoraRows | None) -> AbstractContextManager[None]:
+        return self.context.rows(state)
+
+    def buffers(self, slot: int) -> list[torch.Tensor]:
+        """Slot `slot` of every layer, A then B, in the layers' order (alike on every rank)."""
+        return [t for layer in self.layers for t in (layer.lora_a[slot], layer.lora_b[slot])]
+
+    def on_write(self, send: Callable[[int], None]) -> None:
+        self.written = send
 
     # ---- a forward's rows --------------------------------------------------------------------
     def rows(self, selections: list[Selection], device: torch.device) -> LoraRows:
@@ -207,10 +231,12 @@ def module_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_modules()}
 
 
-def build(config: StageConfig, adapter: Adapter, dtype: torch.dtype) -> LoraPool | None:
+def build(
+    config: StageConfig, adapter: Adapter, dtype: torch.dtype, leader: bool = True
+) -> LoraPool | None:
     """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
     `--max-loras` slots of `--max-lora-rank` (and slot 0, none), the registered adapters read
-    and checked against the base now."""
+    and checked against the base now (by rank 0: the other ranks' slots are copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
     experts = adapter.experts()
@@ -222,7 +248,8 @@ def build(config: StageConfig, adapter: Adapter, dtype: torch.dtype) -> LoraPool
     targets = wrap(model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
     reader = type(adapter.pipe), experts[0].name
     pool = LoraPool(config.loras, config.lora_dir, targets, known, reader, sizes, context)
-    pool.check_registered(config.name)
+    if leader:
+        pool.check_registered(config.name)
     logger.info(
         "stage %s: LoRA pool of %d adapters of rank %d over %d layers (%s registered)",
         config.name,
