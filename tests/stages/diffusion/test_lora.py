@@ -384,3 +384,117 @@ def test_a_file_broken_after_its_validation_fails_its_join_alone(stage, files):
         assert not stage.runtime.denoise.loras.pins
     finally:
         os.remove(path)
+
+
+def _expert_files(tmp_path) -> dict[str, str]:
+    """A two-expert Wan's adapters: `both` (`transformer.` keys: into both experts, as
+    diffusers' load_lora_weights then again with load_into_transformer_2), and `each` (its
+    `transformer.` keys into the first expert, its `transformer_2.` keys into the second)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        tiny_wan22_experts_path(), subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    both = write_peft(
+        tmp_path / "both.safetensors", low_rank(model, 1, 4, ends, 0.5), "transformer"
+    )
+    first, second = low_rank(model, 2, 4, ends, 0.5), low_rank(model, 3, 2, ends[1:], 0.5)
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(
+        write_peft(tmp_path / "1.safetensors", first, "transformer")
+    )
+    for key, value in safetensors.torch.load_file(
+        write_peft(tmp_path / "2.safetensors", second, "transformer_2")
+    ).items():
+        tensors[key] = value
+    each = str(tmp_path / "each.safetensors")
+    safetensors.torch.save_file(tensors, each)
+    return {
+        "both": both,
+        "each": each,
+        "1": str(tmp_path / "1.safetensors"),
+        "2": str(tmp_path / "2.safetensors"),
+    }
+
+
+def _video_req(rid: str, loras=(), seed: int = 1) -> StageRequest:
+    p = GenerationParams(
+        seed=seed,
+        num_inference_steps=2,
+        num_frames=5,
+        guidance_scale=4.0,
+        loras=loras,
+        width=64,
+        height=64,
+    )
+    return StageRequest(rid, "a red circle moving right", p, mode="text2video")
+
+
+def _videos(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    for r in batch:
+        stage.validate(r)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    outs = stage.begin(batch, control).finish(batch)
+    return {o.request_id: o.video.frames.astype(int) for o in outs}
+
+
+def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
+    """Wan2.2-A14B's shape: one pool over both experts' layers; a file's `transformer.` keys in
+    both, or its `transformer_2.` keys in the second; each row equals diffusers' loads of the
+    same into each expert + fuse_lora at the same seed, in one batch beside the base (two
+    steps: one of each expert)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    files = _expert_files(tmp_path)
+    path = tiny_wan22_experts_path()
+    stage = _lora_stage(path, (f"both={files['both']}", f"each={files['each']}"), 4)
+    try:
+        batch = [
+            _video_req("both", (LoraRef("both"),)),
+            _video_req("base"),
+            _video_req("each", (LoraRef("each", 0.8),)),
+        ]
+        together = _videos(stage, batch)
+    finally:
+        stage.close()
+    for name, loads, scale in (
+        ("both", ((files["both"], False), (files["both"], True)), 1.0),
+        ("each", ((files["1"], False), (_renamed(files["2"]), True)), 0.8),
+    ):
+        pipe = diffusers.WanPipeline.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
+        pipe.set_progress_bar_config(disable=True)
+        for file, second in loads:
+            pipe.load_lora_weights(file, load_into_transformer_2=second)
+        pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=scale)
+        with torch.inference_mode():
+            out = pipe(
+                "a red circle moving right",
+                max_sequence_length=pipe.tokenizer.model_max_length,  # (the stage's text)
+                num_inference_steps=2,
+                num_frames=5,
+                guidance_scale=4.0,
+                width=64,
+                height=64,
+                generator=torch.Generator().manual_seed(1),
+                output_type="np",
+            )
+        theirs = (out.frames[0] * 255).round().astype(int)
+        assert _psnr(together[name], theirs) >= 35, name
+    assert np.abs(together["both"] - together["base"]).mean() > 5
+
+
+def _renamed(path: str) -> dict[str, torch.Tensor]:
+    """A `transformer_2.` file's keys as `transformer.` (diffusers loads a second expert's
+    adapter from those, with load_into_transformer_2)."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(path)
+    return {k.replace("transformer_2.", "transformer.", 1): v for k, v in tensors.items()}

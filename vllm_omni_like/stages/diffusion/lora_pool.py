@@ -47,7 +47,7 @@ class LoraPool:
         directory: str | None,
         targets: dict[str, Target],
         known: set[str],
-        reader: tuple[type, str],  # the pipeline's class (its converter), the denoiser's prefix
+        reader: tuple[type, tuple[str, ...]],  # the pipeline's class (its converter), experts
         sizes: tuple[int, int],  # max_loras, max_lora_rank
         context: LoraContext,
     ) -> None:
@@ -82,10 +82,10 @@ class LoraPool:
         if key in self.host:
             self.host.move_to_end(key)
             return self.host[key]
-        pipe_class, prefix = self.reader
+        pipe_class, experts = self.reader
         try:
             weights = read_adapter(
-                spec, pipe_class, prefix, self.targets, self.known, self.max_rank
+                spec, pipe_class, experts, self.targets, self.known, self.max_rank
             )
         except LoraError:
             raise
@@ -239,14 +239,16 @@ def build(
     and checked against the base now (by rank 0: the other ranks' slots are copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
-    experts = adapter.experts()
-    if len(experts) > 1:
-        raise ConfigError(f"stage {config.name!r}: LoRA adapters on two experts are not built yet")
-    model, context = experts[0].model, LoraContext()
-    known = module_names(model)
+    experts, context = adapter.experts(), LoraContext()
     sizes = config.max_loras, config.max_lora_rank
-    targets = wrap(model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
-    reader = type(adapter.pipe), experts[0].name
+    targets: dict[str, Target] = {}
+    known: set[str] = set()
+    for expert in experts:  # (two experts, Wan2.2-A14B's: one pool over both, named by expert)
+        named = "" if len(experts) == 1 else expert.name + "."
+        known |= {named + m for m in module_names(expert.model)}
+        wrapped = wrap(expert.model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
+        targets |= {named + m: t for m, t in wrapped.items()}
+    reader = type(adapter.pipe), tuple(e.name for e in experts)
     pool = LoraPool(config.loras, config.lora_dir, targets, known, reader, sizes, context)
     if leader:
         pool.check_registered(config.name)
