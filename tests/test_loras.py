@@ -101,7 +101,8 @@ def test_registration_by_flag_and_by_yaml(tmp_path):
         ),
         (
             {"max_lora_rank": 0},
-            "stage 'd': LoRA adapters: max_loras and max_lora_rank must be >= 1",
+            "stage 'd': LoRA adapters: max_loras, max_lora_rank and max_loras_per_request must "
+            "be >= 1",
         ),
         ({"lora_dir": ""}, "stage 'd': LoRA adapters: lora_dir is empty"),
     ],

@@ -19,9 +19,10 @@ from vllm_omni_like.errors import ConfigError
 
 SUFFIX = ".safetensors"  # the only format read: pickle formats (.ckpt, .pt, .bin) run code
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
-# adapters one request (one row) may combine: each row's update is gathered this many times
-# a layer (stages/diffusion/lora_layers.py), so the batch's shapes never depend on the mix
-PER_ROW = 2
+# adapters one request (one row) may combine, by default (`--max-loras-per-request`): each
+# row's update is gathered this many times a layer (stages/diffusion/lora_layers.py), so the
+# batch's shapes never depend on the mix (a row with fewer reads slot 0 for the rest)
+PER_REQUEST = 4
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -137,12 +138,15 @@ def check_loras(
     directory: str | None,
     max_loras: int,
     max_rank: int,
+    per_request: int = PER_REQUEST,
 ) -> tuple[LoraSpec, ...]:
     """A stage's registered adapters, checked against where they run and its pool's size."""
     specs = parse_loras(stage, given)
     where = f"stage {stage!r}: LoRA adapters"
-    if max_loras < 1 or max_rank < 1:
-        raise ConfigError(f"{where}: max_loras and max_lora_rank must be >= 1")
+    if max_loras < 1 or max_rank < 1 or per_request < 1:
+        raise ConfigError(
+            f"{where}: max_loras, max_lora_rank and max_loras_per_request must be >= 1"
+        )
     if directory is not None and not directory.strip():  # ("" would be the server's cwd)
         raise ConfigError(f"{where}: lora_dir is empty")
     if not specs and directory is None:

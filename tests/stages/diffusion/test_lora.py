@@ -141,6 +141,41 @@ def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(stage, files, na
     assert _psnr(ours, theirs) >= 35
 
 
+def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(stage, files):
+    """More than two adapters a row (`--max-loras-per-request`, 4 by default): three at their
+    scales equal diffusers' load_lora_weights of each, set_adapters with those weights and
+    fuse_lora, at the same seed; a fifth is refused by the stage too."""
+    scales = {"a": 1.0, "b": 0.8, "kohya": 0.5}
+    refs = tuple(LoraRef(n, s) for n, s in scales.items())
+    ours = _run(stage, [_req("x", refs, seed=12), _req("base", seed=12)])
+    rt, pipe = stage.runtime, _pipe()
+    import warnings
+
+    with warnings.catch_warnings():  # (peft: "multiple adapters in the model", as asked)
+        warnings.simplefilter("ignore", UserWarning)
+        for name in scales:
+            pipe.load_lora_weights(files[name], adapter_name=name)
+    pipe.set_adapters(list(scales), adapter_weights=list(scales.values()))
+    pipe.fuse_lora(adapter_names=list(scales))
+    with torch.inference_mode():
+        out = pipe(
+            "a red circle",
+            num_inference_steps=STEPS,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(12),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    theirs = (out.images[0] * 255).round().astype(int)
+    assert _psnr(ours["x"][0], theirs) >= 35
+    assert _psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
+    five = tuple(LoraRef(n) for n in ("a", "b", "kohya", "c", "fast"))
+    with pytest.raises(InvalidRequestError) as info:
+        stage.validate(_req("y", five))
+    assert str(info.value) == "at most 4 LoRA adapters a request (--max-loras-per-request)"
+
+
 def test_a_lightning_adapter_runs_its_steps_and_guidance_on_its_rows_only(stage):
     rt = stage.runtime
     with torch.inference_mode():

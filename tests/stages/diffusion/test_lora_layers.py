@@ -36,7 +36,7 @@ def _load(path: str):
 def _pool(model, pipe_class, prefix, specs, rank=8, slots=2):
     context, known = LoraContext(), module_names(model)
     targets = wrap(model, LORA_LAYERS, slots + 1, rank, context, torch.float32)
-    pool = LoraPool(specs, None, targets, known, (pipe_class, (prefix,)), (slots, rank), context)
+    pool = LoraPool(specs, None, targets, known, (pipe_class, (prefix,)), (slots, rank, 2), context)
     return pool, context
 
 

@@ -27,7 +27,7 @@ import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError, InvalidRequestError, UnavailableError
-from vllm_omni_like.loras import PER_ROW, LoraSpec, resolve
+from vllm_omni_like.loras import LoraSpec, resolve
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.params import LoraRef
@@ -48,12 +48,12 @@ class LoraPool:
         targets: dict[str, Target],
         known: set[str],
         reader: tuple[type, tuple[str, ...]],  # the pipeline's class (its converter), experts
-        sizes: tuple[int, int],  # max_loras, max_lora_rank
+        sizes: tuple[int, int, int],  # max_loras, max_lora_rank, max_loras_per_request
         context: LoraContext,
     ) -> None:
         self.specs, self.directory = specs, directory
         self.targets, self.known, self.reader = targets, known, reader
-        self.max_loras, self.max_rank = sizes
+        self.max_loras, self.max_rank, self.per_row = sizes
         self.context = context
         unique = {id(t.layer): t.layer for t in targets.values()}  # (a fused one: once)
         self.layers: list[LoraLinear] = list(unique.values())
@@ -106,8 +106,11 @@ class LoraPool:
 
     def check_request(self, refs: tuple[LoraRef, ...], stage: str) -> None:
         """A request's adapters, each read and checked: its 400 where one cannot be used."""
-        if len(refs) > PER_ROW:
-            raise InvalidRequestError(f"at most {PER_ROW} LoRA adapters a request", param="lora")
+        if len(refs) > self.per_row:
+            raise InvalidRequestError(
+                f"at most {self.per_row} LoRA adapters a request (--max-loras-per-request)",
+                param="lora",
+            )
         if len({ref.name for ref in refs}) > self.max_loras:  # (never servable: not a 503)
             raise InvalidRequestError(
                 f"{len(refs)} LoRA adapters in one request but the pool holds {self.max_loras} "
@@ -217,10 +220,10 @@ class LoraPool:
 
     # ---- a forward's rows --------------------------------------------------------------------
     def rows(self, selections: list[Selection], device: torch.device) -> LoraRows:
-        """The model rows' slots (rows, PER_ROW) and float32 scales on the device (slot 0, scale
-        0: no adapter)."""
-        index = torch.zeros(len(selections), PER_ROW, dtype=torch.int64)
-        scale = torch.zeros(len(selections), PER_ROW, dtype=torch.float32)
+        """The model rows' slots (rows, max_loras_per_request) and float32 scales on the device
+        (slot 0, scale 0: no adapter)."""
+        index = torch.zeros(len(selections), self.per_row, dtype=torch.int64)
+        scale = torch.zeros(len(selections), self.per_row, dtype=torch.float32)
         for i, selection in enumerate(selections):
             for k, (slot, value) in enumerate(selection):
                 index[i, k], scale[i, k] = slot, value
@@ -235,12 +238,13 @@ def build(
     config: StageConfig, adapter: Adapter, dtype: torch.dtype, leader: bool = True
 ) -> LoraPool | None:
     """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
-    `--max-loras` slots of `--max-lora-rank` (and slot 0, none), the registered adapters read
-    and checked against the base now (by rank 0: the other ranks' slots are copies of its)."""
+    `--max-loras` slots of `--max-lora-rank` (and slot 0, none), `--max-loras-per-request` a
+    row, the registered adapters read and checked against the base now (by rank 0: the other
+    ranks' slots are copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
     experts, context = adapter.experts(), LoraContext()
-    sizes = config.max_loras, config.max_lora_rank
+    sizes = config.max_loras, config.max_lora_rank, config.max_loras_per_request
     targets: dict[str, Target] = {}
     known: set[str] = set()
     for expert in experts:  # (two experts, Wan2.2-A14B's: one pool over both, named by expert)
