@@ -226,12 +226,23 @@ def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(st
         f.write(b"\x00" * 40)
     try:
         with pytest.raises(InvalidRequestError, match=r"broken\.safetensors cannot be read") as e:
-            stage.validate(_req("x", (LoraRef("broken"),)))
+            _verdict(stage, _req("x", (LoraRef("broken"),)))
         assert e.value.code == "lora_unusable"
     finally:
         import os
 
         os.remove(broken)
+
+
+def _verdict(stage: DiffusionStage, request: StageRequest) -> None:
+    """Validation once the request's adapter files are read (its first validation starts the
+    reads, off this thread, and judges only those already done)."""
+    import contextlib
+
+    with contextlib.suppress(InvalidRequestError):
+        stage.validate(request)
+    _wait_read(stage.runtime.denoise.loras, request.params.loras)
+    stage.validate(request)
 
 
 def test_a_malformed_adapter_is_its_requests_400_and_the_worker_stays(stage, files):
@@ -245,7 +256,7 @@ def test_a_malformed_adapter_is_its_requests_400_and_the_worker_stays(stage, fil
     )
     try:
         with pytest.raises(InvalidRequestError, match=r"'bad': unreadable \(JSONDecodeError") as e:
-            stage.validate(_req("x", (LoraRef("bad"),)))
+            _verdict(stage, _req("x", (LoraRef("bad"),)))
         assert e.value.code == "lora_unusable"
     finally:
         import os
@@ -533,3 +544,139 @@ def _renamed(path: str) -> dict[str, torch.Tensor]:
 
     tensors = safetensors.torch.load_file(path)
     return {k.replace("transformer_2.", "transformer.", 1): v for k, v in tensors.items()}
+
+
+def test_a_resident_adapter_whose_file_changed_is_written_again_for_the_next_request(stage, files):
+    """A --lora-dir file changed on disk (size, mtime): the next request that names it gets it
+    read and written again, into another slot while a running row holds the old one (which is
+    freed when that row lets go)."""
+    import os
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = os.path.join(files["dir"], "swap.safetensors")
+    unet = _pipe().unet
+    write_peft(path, low_rank(unet, 7, 2))
+    try:
+        before = _run(stage, [_req("x", (LoraRef("swap"),), seed=9)])["x"]
+        held = pool.acquire((LoraRef("swap"),))  # (a running row holds the first version)
+        loads = pool.loads
+        write_peft(path, low_rank(unet, 8, 4))  # (another rank: another size)
+        again = pool.acquire((LoraRef("swap"),))
+        assert pool.loads == loads + 1 and again[0][0] != held[0][0]
+        assert held[0][0] not in pool.free  # (still held)
+        pool.release(held)
+        assert held[0][0] in pool.free and not pool.stale  # (freed once let go)
+        pool.release(again)
+        after = _run(stage, [_req("x", (LoraRef("swap"),), seed=9)])["x"]
+        assert pool.loads == loads + 1  # (resident now: not written a third time)
+        assert np.abs(after - before).mean() > 1  # (the new file's weights)
+    finally:
+        os.remove(path)
+        pool.evict("swap")
+
+
+def _gated(pool, monkeypatch):
+    """The pool's reads wait for the returned event before reading (a slow disk)."""
+    import threading
+
+    gate, real = threading.Event(), pool.reads.read
+    monkeypatch.setattr(pool.reads, "read", lambda spec: (gate.wait(60), real(spec))[1])
+    return gate
+
+
+def _wait_read(pool, refs) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not pool.ready(refs):
+        assert time.monotonic() < deadline, "the read did not end within 60 s"
+        pool.wait(refs, 0.5)
+
+
+def test_a_slow_read_does_not_stall_the_running_rows(stage, files, monkeypatch):
+    """A request whose --lora-dir file is still being read waits in the running set while the
+    rows already in it step (each step bounded); it joins at the boundary after its read."""
+    import shutil
+    import time
+
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = f"{files['dir']}/slow.safetensors"
+    shutil.copy(files["c"], path)
+    gate = _gated(pool, monkeypatch)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    running = OwnLoopSet(stage.runtime, defer_reads=True)
+    try:
+        running.join([_req("x", num_inference_steps=6)], control)
+        slow = _req("y", (LoraRef("slow"),), num_inference_steps=2)
+        stage.validate(slow)  # (starts its read, which waits for the gate)
+        running.join([slow], control)
+        assert [r.request_id for r in running.stepping] == ["x"] and running.pending == [slow]
+        for _ in range(3):  # the running row steps meanwhile
+            started = time.monotonic()
+            assert running.step(control, {"x", "y"}) and running.leave(control) is None
+            assert time.monotonic() - started < 10
+        assert not pool.ready(slow.params.loras)
+        gate.set()
+        _wait_read(pool, slow.params.loras)
+        assert running.leave(control) is None and not running.pending  # (joined at it)
+        assert [r.request_id for r in running.stepping] == ["x", "y"]
+        parts = []
+        for _ in range(10):
+            if not running.requests:
+                break
+            running.step(control, {"x", "y"})
+            if (part := running.leave(control)) is not None:
+                parts.append(part)
+        outs = [o for p in parts for o in p.finish(p.requests)]
+        assert sorted(o.request_id for o in outs) == ["x", "y"]
+        assert all(o.error is None for o in outs)
+    finally:
+        gate.set()
+        running.set.let_go()
+        shutil.os.remove(path)
+    assert not pool.pins
+
+
+def test_a_corrupt_file_read_while_its_request_waits_fails_that_request_alone(
+    stage, files, monkeypatch
+):
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = f"{files['dir']}/rotten.safetensors"
+    with open(path, "wb") as f:
+        f.write(b"\x00" * 40)
+    gate = _gated(pool, monkeypatch)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    running = OwnLoopSet(stage.runtime, defer_reads=True)
+    try:
+        running.join([_req("x", num_inference_steps=4)], control)
+        bad = _req("y", (LoraRef("rotten"),))
+        stage.validate(bad)  # (its read is under way: no verdict yet)
+        running.join([bad], control)
+        gate.set()
+        _wait_read(pool, bad.params.loras)
+        assert running.step(control, {"x", "y"})
+        part = running.leave(control)
+        assert part is not None and [r.request_id for r in part.requests] == ["y"]
+        (out,) = part.finish(part.requests)
+        assert out.error is not None and out.error.code == "lora_unusable"
+        assert out.error.message.startswith(
+            "stage 'diffusion': LoRA 'rotten': rotten.safetensors cannot be read as safetensors"
+        )
+        assert [r.request_id for r in running.requests] == ["x"]  # (x steps on)
+        with pytest.raises(InvalidRequestError) as info:  # (its verdict is kept: now at once)
+            stage.validate(_req("z", (LoraRef("rotten"),)))
+        assert info.value.code == "lora_unusable"
+    finally:
+        gate.set()
+        running.set.let_go()
+        import os
+
+        os.remove(path)
+    assert not pool.pins

@@ -17,11 +17,9 @@ with the forward."""
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 
@@ -33,6 +31,7 @@ from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.params import LoraRef
 from vllm_omni_like.stages.diffusion.lora_files import AdapterWeights, LoraError, read_adapter
 from vllm_omni_like.stages.diffusion.lora_layers import LoraContext, LoraLinear, Target, wrap
+from vllm_omni_like.stages.diffusion.lora_reads import Key, LoraReads, key_of
 
 logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
 Selection = tuple[tuple[int, float], ...]  # a row's (slot, scale) of each adapter it uses
@@ -60,7 +59,9 @@ class LoraPool:
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident, least recently used first
         self.free = list(range(self.max_loras, 0, -1))
         self.pins: Counter[int] = Counter()
-        self.host: OrderedDict[tuple[Any, ...], AdapterWeights] = OrderedDict()
+        self.version: dict[int, Key] = {}  # each written slot's file, as it was read
+        self.stale: set[int] = set()  # slots of a file changed since, until no row holds them
+        self.reads = LoraReads(self._read_file, HOST_KEPT * self.max_loras)
         self.loads = 0  # adapters written to the device (the benchmark's cold loads)
         self.written: Callable[[int], None] = lambda slot: None  # (the other ranks' copy)
 
@@ -71,30 +72,36 @@ class LoraPool:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}", param="lora")
         return found
 
+    def key(self, name: str) -> Key:
+        """Adapter `name`'s file as it is now (LoraError where it is gone)."""
+        return key_of(self.spec(name))
+
     def read(self, name: str) -> AdapterWeights:
-        """Adapter `name` read and checked (kept on the host while its file is unchanged)."""
-        spec = self.spec(name)
-        try:
-            stat = os.stat(spec.path)
-        except OSError as exc:
-            raise LoraError(f"LoRA {name!r}: {exc.strerror}: {spec.path}") from None
-        key = (spec, stat.st_mtime_ns, stat.st_size)
-        if key in self.host:
-            self.host.move_to_end(key)
-            return self.host[key]
+        """Adapter `name` read and checked (kept on the host while its file is unchanged; a
+        read under way on the read thread is waited for)."""
+        return self.reads.result(self.key(name))
+
+    def _read_file(self, spec: LoraSpec) -> AdapterWeights:
         pipe_class, experts = self.reader
+        return read_adapter(spec, pipe_class, experts, self.targets, self.known, self.max_rank)
+
+    def ready(self, refs: tuple[LoraRef, ...]) -> bool:
+        """Whether each of a request's adapters is read (or failed), as its file is now: its
+        rows may join without waiting for a file."""
         try:
-            weights = read_adapter(
-                spec, pipe_class, experts, self.targets, self.known, self.max_rank
-            )
-        except LoraError:
-            raise
-        except Exception as exc:  # (a malformed file: its metadata, alphas, a converter's error)
-            raise LoraError(f"LoRA {name!r}: unreadable ({type(exc).__name__}: {exc})") from None
-        self.host[key] = weights
-        while len(self.host) > HOST_KEPT * self.max_loras:
-            self.host.popitem(last=False)
-        return weights
+            return all(self.reads.ready(self.key(ref.name)) for ref in refs)
+        except (LoraError, InvalidRequestError):
+            return True  # (the join says why)
+
+    def wait(self, refs: tuple[LoraRef, ...], timeout: float) -> None:
+        """Until one of these adapters' reads is done, or `timeout` seconds passed."""
+        keys = []
+        for ref in refs:
+            try:
+                keys.append(self.key(ref.name))
+            except (LoraError, InvalidRequestError):
+                return
+        self.reads.wait_any(keys, timeout)
 
     def check_registered(self, stage: str) -> None:
         """Each registered adapter read and checked now: a start-up error where one fails."""
@@ -117,8 +124,16 @@ class LoraPool:
                 "(--max-loras)",
                 param="lora",
             )
-        for ref in refs:
-            self.usable(ref.name, stage)
+        for ref in refs:  # read on the read thread; where done already, its verdict now
+            try:
+                key = self.key(ref.name)
+            except LoraError as exc:
+                raise InvalidRequestError(
+                    str(exc), stage=stage, param="lora", code="lora_unusable"
+                ) from None
+            self.reads.start(key)
+            if self.reads.ready(key):
+                self.usable(ref.name, stage)
 
     def usable(self, name: str, stage: str | None = None) -> AdapterWeights:
         """`read`, a file that cannot be used being the request's 400 (`lora_unusable`)."""
@@ -158,6 +173,9 @@ class LoraPool:
             self.pins[slot] -= 1
             if self.pins[slot] <= 0:
                 del self.pins[slot]
+                if slot in self.stale:  # (its file changed: no name leads to it any more)
+                    self.stale.discard(slot)
+                    self.free.append(slot)
 
     def evict(self, name: str) -> bool:
         """Adapter `name` off the device now, unless a running row holds it; whether it went."""
@@ -169,6 +187,7 @@ class LoraPool:
         return True
 
     def _slot(self, name: str) -> int:
+        key = self._current(name)
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
@@ -190,8 +209,24 @@ class LoraPool:
         except BaseException:
             self.free.append(slot)  # (cleared by the next write into it)
             raise
-        self.slots[name] = slot
+        self.slots[name], self.version[slot] = slot, key
         return slot
+
+    def _current(self, name: str) -> Key:
+        """Adapter `name`'s file now; a resident slot of it read before the file changed is
+        no longer its (freed now, or once the running rows that hold it leave)."""
+        try:
+            key = self.key(name)
+        except LoraError as exc:
+            raise InvalidRequestError(str(exc), param="lora", code="lora_unusable") from None
+        slot = self.slots.get(name)
+        if slot is not None and self.version.get(slot) != key:
+            del self.slots[name]
+            if self.pins[slot]:
+                self.stale.add(slot)
+            else:
+                self.free.append(slot)
+        return key
 
     @torch.inference_mode()
     def _write(self, slot: int, weights: AdapterWeights) -> None:
