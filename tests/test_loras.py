@@ -96,8 +96,8 @@ def test_registration_by_flag_and_by_yaml(tmp_path):
         ),
         (
             {"lora_dir": "/m", "cfg_parallel": True, "devices": ("cpu", "cpu")},
-            "stage 'd': LoRA adapters on a CFG-parallel stage are not built yet: its ranks run "
-            "the pipeline's call, not our own loop (sequence parallelism runs them)",
+            "stage 'd': LoRA adapters on a CFG-parallel stage are not built yet: its rank 1 "
+            "holds no LoRA pool (a sequence-parallel stage's ranks do)",
         ),
         (
             {"max_lora_rank": 0},

@@ -153,10 +153,10 @@ def check_loras(
         return specs
     if kind != "diffusion" and ":" not in kind:  # (a stage class of one's own may take them)
         raise ConfigError(f"{where} run on a diffusion stage, not on a {kind!r} stage")
-    if cfg_parallel:  # (its ranks run the pipeline's call, which runs no adapter)
+    if cfg_parallel:  # (rank 1 would need the pool's slots and each branch's rows)
         raise ConfigError(
-            f"{where} on a CFG-parallel stage are not built yet: its ranks run the pipeline's "
-            "call, not our own loop (sequence parallelism runs them)"
+            f"{where} on a CFG-parallel stage are not built yet: its rank 1 holds no LoRA pool "
+            "(a sequence-parallel stage's ranks do)"
         )
     if len(specs) > max_loras:
         raise ConfigError(f"{where}: {len(specs)} registered but max_loras is {max_loras}")
