@@ -57,7 +57,7 @@ def test_a_missing_file_and_a_bounded_wait(tmp_path):
         key_of(LoraSpec("c", str(tmp_path / "c.safetensors")))
     path = tmp_path / "d.safetensors"
     path.write_bytes(b"d")
-    gate = threading.Event()
+    gate, before = threading.Event(), set(threading.enumerate())
     reader = LoraReads(lambda s: (gate.wait(30), _weights(s.name))[1], kept=1)
     key = key_of(LoraSpec("d", str(path)))
     reader.start(key)
@@ -67,4 +67,9 @@ def test_a_missing_file_and_a_bounded_wait(tmp_path):
     gate.set()
     reader.wait_any([key], 30)
     assert reader.ready(key) and reader.result(key).name == "d"
+    mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("lora-")]
+    reader.close()  # (its thread ends: nothing outlives the stage)
+    for thread in mine:
+        thread.join(5)
+    assert len(mine) == 1 and not mine[0].is_alive()
     os.remove(path)

@@ -79,6 +79,10 @@ class LoraReads:
         if running:
             wait(running, timeout, return_when=FIRST_COMPLETED)
 
+    def close(self) -> None:
+        """The read thread ends (a read under way ends first; none waiting starts)."""
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
     def _read(self, key: Key) -> None:
         spec = key[0]
         try:

@@ -216,6 +216,8 @@ class DiffusionStage(Stage):
         return OwnLoopSet(self.runtime, defer_reads=True)  # (rows wait for their LoRA files)
 
     def close(self) -> None:
+        if self.runtime.denoise.loras is not None:
+            self.runtime.denoise.loras.reads.close()
         for ranks in (self.runtime.cfg_ranks, self.runtime.seq_ranks):
             if ranks is not None:
                 ranks.link.close()
