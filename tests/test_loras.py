@@ -92,17 +92,17 @@ def test_registration_by_flag_and_by_yaml(tmp_path):
         ),
         (
             {"lora_dir": "/m", "kind": "llm"},
-            "stage 'd': LoRA adapters run on a diffusion stage of one rank (not CFG-parallel "
-            "or sequence parallel yet), not on a 'llm' stage",
+            "stage 'd': LoRA adapters run on a diffusion stage, not on a 'llm' stage",
         ),
         (
             {"lora_dir": "/m", "cfg_parallel": True, "devices": ("cpu", "cpu")},
-            "stage 'd': LoRA adapters run on a diffusion stage of one rank (not CFG-parallel "
-            "or sequence parallel yet), not on a 'diffusion' stage with several ranks",
+            "stage 'd': LoRA adapters on a CFG-parallel stage are not built yet: its rank 1 "
+            "holds no LoRA pool (a sequence-parallel stage's ranks do)",
         ),
         (
             {"max_lora_rank": 0},
-            "stage 'd': LoRA adapters: max_loras and max_lora_rank must be >= 1",
+            "stage 'd': LoRA adapters: max_loras, max_lora_rank and max_loras_per_request must "
+            "be >= 1",
         ),
         ({"lora_dir": ""}, "stage 'd': LoRA adapters: lora_dir is empty"),
     ],

@@ -15,7 +15,7 @@ from vllm_omni_like.compile_choices import (
     check_compile,
 )
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.loras import LoraSpec, check_loras
+from vllm_omni_like.loras import PER_REQUEST, LoraSpec, check_loras
 from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, check_speed
 from vllm_omni_like.stage_options import parse_options
 
@@ -180,8 +180,7 @@ class StageConfig:
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
-    # "fp8": the denoisers' linear layers (but those their family keeps) run rowwise dynamic FP8
-    # matmuls, their weights quantized as they load (stages/diffusion/fp8.py)
+    # "fp8": the denoisers' linear layers (their family's) run rowwise FP8 matmuls (fp8.py)
     quantization: str = "none"
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
     # by all of them) instead of the whole denoiser: "auto" does so with fp8 or a step cache
@@ -195,14 +194,14 @@ class StageConfig:
     # with compile: where compiled graphs persist across starts and restarts ("": the cache
     # dir's inductor/, or TORCHINDUCTOR_CACHE_DIR; `serve`: <storage dir>/compile-cache)
     compile_cache: str = ""
-    # a batch's VAE decode runs on the worker's finisher thread (a second CUDA stream) while
-    # the next batch denoises
+    # a batch's VAE decode on the worker's finisher thread (a second CUDA stream), beside steps
     decode_overlap: bool = True
     # LoRA adapters (loras.py): registered, and `lora_dir`'s at run time; a pool of `max_loras`
     loras: tuple[LoraSpec, ...] = ()
     lora_dir: str | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
+    max_loras_per_request: int = PER_REQUEST  # a row's adapters: its slot tensor's width
     # what a request may ask of the model; None: the model's own (models/limits.py)
     max_side: int | None = None
     max_pixels: int | None = None
@@ -252,8 +251,9 @@ class StageConfig:
             raise ConfigError(f"stage {self.name!r}: replicas and sizes must be >= 1")
         self._check_choices()
         self._check_batching()
-        loras = (self.loras, self.lora_dir, self.max_loras, self.max_lora_rank)
-        object.__setattr__(self, "loras", check_loras(self.name, self.kind, self.leads, *loras))
+        sizes = (self.max_loras, self.max_lora_rank, self.max_loras_per_request)
+        where = (self.name, self.kind, self.cfg_parallel)
+        object.__setattr__(self, "loras", check_loras(*where, self.loras, self.lora_dir, *sizes))
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -73,6 +73,7 @@ STAGE_FLAGS = (
     "lora_dir",
     "max_loras",
     "max_lora_rank",
+    "max_loras_per_request",
     "cuda_graphs",
     "compile_cache",
     "max_side",

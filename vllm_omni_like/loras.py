@@ -19,9 +19,10 @@ from vllm_omni_like.errors import ConfigError
 
 SUFFIX = ".safetensors"  # the only format read: pickle formats (.ckpt, .pt, .bin) run code
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
-# adapters one request (one row) may combine: each row's update is gathered this many times
-# a layer (stages/diffusion/lora_layers.py), so the batch's shapes never depend on the mix
-PER_ROW = 2
+# adapters one request (one row) may combine, by default (`--max-loras-per-request`): each
+# row's update is gathered this many times a layer (stages/diffusion/lora_layers.py), so the
+# batch's shapes never depend on the mix (a row with fewer reads slot 0 for the rest)
+PER_REQUEST = 4
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -132,26 +133,30 @@ def served(specs: tuple[LoraSpec, ...], directory: str | None) -> list[str]:
 def check_loras(
     stage: str,
     kind: str,
-    leads: bool,
+    cfg_parallel: bool,
     given: Any,
     directory: str | None,
     max_loras: int,
     max_rank: int,
+    per_request: int = PER_REQUEST,
 ) -> tuple[LoraSpec, ...]:
     """A stage's registered adapters, checked against where they run and its pool's size."""
     specs = parse_loras(stage, given)
     where = f"stage {stage!r}: LoRA adapters"
-    if max_loras < 1 or max_rank < 1:
-        raise ConfigError(f"{where}: max_loras and max_lora_rank must be >= 1")
+    if max_loras < 1 or max_rank < 1 or per_request < 1:
+        raise ConfigError(
+            f"{where}: max_loras, max_lora_rank and max_loras_per_request must be >= 1"
+        )
     if directory is not None and not directory.strip():  # ("" would be the server's cwd)
         raise ConfigError(f"{where}: lora_dir is empty")
     if not specs and directory is None:
         return specs
-    if kind != "diffusion" or leads:
-        several = " with several ranks" if leads else ""
+    if kind != "diffusion" and ":" not in kind:  # (a stage class of one's own may take them)
+        raise ConfigError(f"{where} run on a diffusion stage, not on a {kind!r} stage")
+    if cfg_parallel:  # (rank 1 would need the pool's slots and each branch's rows)
         raise ConfigError(
-            f"{where} run on a diffusion stage of one rank (not CFG-parallel or sequence "
-            f"parallel yet), not on a {kind!r} stage{several}"
+            f"{where} on a CFG-parallel stage are not built yet: its rank 1 holds no LoRA pool "
+            "(a sequence-parallel stage's ranks do)"
         )
     if len(specs) > max_loras:
         raise ConfigError(f"{where}: {len(specs)} registered but max_loras is {max_loras}")

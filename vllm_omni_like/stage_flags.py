@@ -212,6 +212,14 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="R",
     )
+    stage_flag(
+        g,
+        "max_loras_per_request",
+        "adapters one request may combine (each row's update gathers this many a layer: rows "
+        "with fewer read the empty slot for the rest)",
+        type=int,
+        metavar="K",
+    )
 
 
 def add_graph_args(g: Any) -> None:

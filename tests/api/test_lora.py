@@ -80,6 +80,19 @@ def test_an_unknown_adapter_is_a_400_naming_it(server):
         assert r.status_code == 400 and "'../a'" in r.json()["error"]["message"]
 
 
+def test_more_adapters_than_a_request_may_combine_is_a_400(server):
+    """`--max-loras-per-request` (4 by default): a fifth is refused at admission."""
+    with server.http() as http:
+        names = ["a", "good", "corrupt", "x1", "x2"]
+        r = _post(http, lora=[{"name": n} for n in names])
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"] == (
+            "a request takes at most 4 LoRA adapters (--max-loras-per-request), not 5"
+        )
+        assert err["param"] == "lora"
+
+
 def test_a_corrupt_file_fails_its_request_alone(server):
     with server.http() as http:
         pids = [[r["pids"] for r in s["replicas"]] for s in http.get("/health").json()["stages"]]

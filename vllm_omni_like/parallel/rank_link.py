@@ -7,6 +7,10 @@ memory) group the small objects that steer the exchange. A call's arguments trav
 (their structure, each tensor replaced by its slot) and the tensors after it; a tensor the
 previous call of the same pipeline call passed too (the very object: the prompt embeddings) is
 not sent again but named by its place in that call (`_Kept`), as the other rank still holds it.
+
+What every rank holds alike beside its models (a LoRA pool: `Replicated`) is kept alike by rank 0
+alone: what it sets around a forward travels with that forward's arguments, and each write into
+its buffers is copied into the others' as it is made, in the order of the forwards.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +46,23 @@ class _Slot:
 
 
 Spec = tuple[tuple[int, ...], str]
+
+
+class Replicated(Protocol):
+    """State beside the models that every rank of a replica holds alike (a LoRA pool), kept
+    alike by rank 0: each forward carries what rank 0 set around it, each write is copied."""
+
+    def state(self) -> Any:
+        """What the forward about to run reads beside its arguments (tensors, or None)."""
+
+    def around(self, state: Any) -> AbstractContextManager[Any]:
+        """Another rank: `state`, as rank 0 sent it, set around its forward."""
+
+    def buffers(self, key: Any) -> list[torch.Tensor]:
+        """Its buffers of `key` (a slot), contiguous, alike in order and shape on every rank."""
+
+    def on_write(self, send: Callable[[Any], None]) -> None:
+        """Rank 0: `send(key)` is called after each write into `key`'s buffers."""
 
 
 def tensor_spec(tensor: torch.Tensor) -> Spec:

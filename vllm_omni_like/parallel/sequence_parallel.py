@@ -19,12 +19,18 @@ worker (`RankDiverged`), and the executor restarts the replica as a whole; the p
 timeout is only a backstop behind the executor's death and stall detection. Tensors passed by
 the previous forward as the very same object (the prompt embeddings) are not sent again
 (parallel/rank_link.py's packing, as CFG-parallel's).
+
+What every rank holds alike beside its models (`Replicated`: the LoRA pool) stays alike: what rank
+0 sets around a forward (each model row's adapter slots and scales) goes in that forward's
+header and tensors, and each slot rank 0 writes (a row's adapter joining) is broadcast into the
+others' copies as it is written ("share"), in order with the forwards.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ from vllm_omni_like.parallel.branches import DenoiserWrapper
 from vllm_omni_like.parallel.rank_link import (
     Link,
     RankDiverged,
+    Replicated,
     pack_args,
     tensor_spec,
     unpack_args,
@@ -44,9 +51,12 @@ logger = logging.getLogger(__name__)
 class SequenceLeader:
     """Rank 0's side: hands each forward to the other ranks and runs its own share."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, replicated: Replicated | None = None) -> None:
         self.link = link
         self.passed: list[torch.Tensor] = []  # the previous forward's tensors (the others hold)
+        self.replicated = replicated
+        if replicated is not None:
+            replicated.on_write(self.share)
 
     def forward(self, name: str, model: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """`model(*args, **kwargs)` on every rank (the others run their denoiser `name`)."""
@@ -54,7 +64,8 @@ class SequenceLeader:
         tensors: list[torch.Tensor] = []
         every: list[torch.Tensor] = []
         kept = {id(t): i for i, t in enumerate(self.passed)}
-        meta = pack_args((args, kwargs), tensors, every, kept)
+        state = None if self.replicated is None else self.replicated.state()
+        meta = pack_args((args, kwargs, state), tensors, every, kept)
         self.passed = every
         header = ("call", name, meta, [tensor_spec(t) for t in tensors])
         for peer in range(1, link.size):
@@ -71,6 +82,16 @@ class SequenceLeader:
                 f"rank 0: a sequence-parallel forward failed: {type(exc).__name__}: {exc}"
             ) from exc
 
+    def share(self, key: Any) -> None:
+        """The replicated state's buffers of `key`, just written here, into every rank's."""
+        assert self.replicated is not None
+        buffers = self.replicated.buffers(key)
+        header = ("share", key, [tensor_spec(t) for t in buffers])
+        for peer in range(1, self.link.size):
+            self.link.send_obj(header, peer)
+        for t in buffers:
+            self.link.broadcast(t)
+
     def end(self, batch_id: int) -> None:
         """Batch `batch_id` needs no more forwards: the other ranks stop serving it."""
         for peer in range(1, self.link.size):
@@ -83,10 +104,11 @@ class SequenceFollower:
     first); an end for a batch other than the one served is kept, and that batch, when its turn
     comes, is over at once."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, replicated: Replicated | None = None) -> None:
         self.link = link
         self.ended: set[int] = set()  # batches rank 0 ended before this rank served them
         self.held: list[torch.Tensor] = []  # the previous forward's tensors
+        self.replicated = replicated
 
     def serve(self, models: dict[str, Callable[..., Any]], batch_id: int) -> None:
         """Run rank 0's forwards on `models` (by name) until it ends batch `batch_id`. Any
@@ -104,22 +126,37 @@ class SequenceFollower:
                 case ("call", name, meta, specs) if name in models:
                     tensors = [self._received(shape, dtype) for shape, dtype in specs]
                     every: list[torch.Tensor] = []
-                    args, kwargs = unpack_args(meta, tensors, every, self.held)
+                    args, kwargs, state = unpack_args(meta, tensors, every, self.held)
                     self.held = every
-                    self._run(models[name], name, args, kwargs)
-                    del args, kwargs, tensors
+                    self._run(models[name], name, args, kwargs, state)
+                    del args, kwargs, tensors, state
+                case ("share", key, specs):
+                    self._share(key, specs)
                 case other:
                     raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
 
-    def _run(self, model: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> None:
+    def _run(
+        self, model: Callable[..., Any], name: str, args: tuple, kwargs: dict, state: Any
+    ) -> None:
+        replicated = self.replicated
+        around = nullcontext() if replicated is None else replicated.around(state)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), around:
                 model(*args, **kwargs)
         except Exception:  # (the worker exits on it: its traceback goes to the log first)
             logger.exception(
                 "rank %d: a sequence-parallel forward of %s failed", self.link.rank, name
             )
             raise
+
+    def _share(self, key: Any, specs: list) -> None:
+        """Rank 0's buffers of `key` into this rank's, as it wrote them."""
+        buffers = [] if self.replicated is None else self.replicated.buffers(key)
+        if [tensor_spec(t) for t in buffers] != specs:
+            raise RankDiverged(f"rank 0 shares {key!r} in buffers this rank does not hold alike")
+        with torch.inference_mode():
+            for t in buffers:
+                self.link.broadcast(t)
 
     def _received(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.link.device)

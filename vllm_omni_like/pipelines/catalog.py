@@ -58,6 +58,7 @@ DIFFUSION_ONLY = (
     "lora_dir",
     "max_loras",
     "max_lora_rank",
+    "max_loras_per_request",
     "cuda_graphs",
 )  # overrides of every stage that only
 # diffusion stages take (an LLM stage in front keeps its own)

@@ -9,7 +9,7 @@ from typing import Any
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.engine import AsyncOmni
 from vllm_omni_like.errors import InvalidRequestError
-from vllm_omni_like.loras import PER_ROW, resolve, served
+from vllm_omni_like.loras import resolve, served
 from vllm_omni_like.params import LoraRef
 
 
@@ -43,14 +43,16 @@ def lora_refs(
     refs += [LoraRef(item.name, item.scale) for item in items or []]
     if not refs:
         return ()
-    if len(refs) > PER_ROW:
+    stage = lora_stage(engine, pipeline)
+    if stage is not None and len(refs) > stage.max_loras_per_request:
         raise InvalidRequestError(
-            f"a request takes at most {PER_ROW} LoRA adapters, not {len(refs)}", param="lora"
+            f"a request takes at most {stage.max_loras_per_request} LoRA adapters "
+            f"(--max-loras-per-request), not {len(refs)}",
+            param="lora",
         )
     names = [r.name for r in refs]
     if len(set(names)) < len(names):
         raise InvalidRequestError("a LoRA adapter is named twice", param="lora")
-    stage = lora_stage(engine, pipeline)
     for ref in refs:
         if stage is None or resolve(ref.name, stage.loras, stage.lora_dir) is None:
             raise InvalidRequestError(

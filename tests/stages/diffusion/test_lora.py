@@ -141,6 +141,41 @@ def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(stage, files, na
     assert _psnr(ours, theirs) >= 35
 
 
+def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(stage, files):
+    """More than two adapters a row (`--max-loras-per-request`, 4 by default): three at their
+    scales equal diffusers' load_lora_weights of each, set_adapters with those weights and
+    fuse_lora, at the same seed; a fifth is refused by the stage too."""
+    scales = {"a": 1.0, "b": 0.8, "kohya": 0.5}
+    refs = tuple(LoraRef(n, s) for n, s in scales.items())
+    ours = _run(stage, [_req("x", refs, seed=12), _req("base", seed=12)])
+    rt, pipe = stage.runtime, _pipe()
+    import warnings
+
+    with warnings.catch_warnings():  # (peft: "multiple adapters in the model", as asked)
+        warnings.simplefilter("ignore", UserWarning)
+        for name in scales:
+            pipe.load_lora_weights(files[name], adapter_name=name)
+    pipe.set_adapters(list(scales), adapter_weights=list(scales.values()))
+    pipe.fuse_lora(adapter_names=list(scales))
+    with torch.inference_mode():
+        out = pipe(
+            "a red circle",
+            num_inference_steps=STEPS,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(12),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    theirs = (out.images[0] * 255).round().astype(int)
+    assert _psnr(ours["x"][0], theirs) >= 35
+    assert _psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
+    five = tuple(LoraRef(n) for n in ("a", "b", "kohya", "c", "fast"))
+    with pytest.raises(InvalidRequestError) as info:
+        stage.validate(_req("y", five))
+    assert str(info.value) == "at most 4 LoRA adapters a request (--max-loras-per-request)"
+
+
 def test_a_lightning_adapter_runs_its_steps_and_guidance_on_its_rows_only(stage):
     rt = stage.runtime
     with torch.inference_mode():
@@ -191,12 +226,23 @@ def test_a_request_naming_an_unknown_or_broken_adapter_fails_validation_alone(st
         f.write(b"\x00" * 40)
     try:
         with pytest.raises(InvalidRequestError, match=r"broken\.safetensors cannot be read") as e:
-            stage.validate(_req("x", (LoraRef("broken"),)))
+            _verdict(stage, _req("x", (LoraRef("broken"),)))
         assert e.value.code == "lora_unusable"
     finally:
         import os
 
         os.remove(broken)
+
+
+def _verdict(stage: DiffusionStage, request: StageRequest) -> None:
+    """Validation once the request's adapter files are read (its first validation starts the
+    reads, off this thread, and judges only those already done)."""
+    import contextlib
+
+    with contextlib.suppress(InvalidRequestError):
+        stage.validate(request)
+    _wait_read(stage.runtime.denoise.loras, request.params.loras)
+    stage.validate(request)
 
 
 def test_a_malformed_adapter_is_its_requests_400_and_the_worker_stays(stage, files):
@@ -210,7 +256,7 @@ def test_a_malformed_adapter_is_its_requests_400_and_the_worker_stays(stage, fil
     )
     try:
         with pytest.raises(InvalidRequestError, match=r"'bad': unreadable \(JSONDecodeError") as e:
-            stage.validate(_req("x", (LoraRef("bad"),)))
+            _verdict(stage, _req("x", (LoraRef("bad"),)))
         assert e.value.code == "lora_unusable"
     finally:
         import os
@@ -384,3 +430,253 @@ def test_a_file_broken_after_its_validation_fails_its_join_alone(stage, files):
         assert not stage.runtime.denoise.loras.pins
     finally:
         os.remove(path)
+
+
+def _expert_files(tmp_path) -> dict[str, str]:
+    """A two-expert Wan's adapters: `both` (`transformer.` keys: into both experts, as
+    diffusers' load_lora_weights then again with load_into_transformer_2), and `each` (its
+    `transformer.` keys into the first expert, its `transformer_2.` keys into the second)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        tiny_wan22_experts_path(), subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    both = write_peft(
+        tmp_path / "both.safetensors", low_rank(model, 1, 4, ends, 0.5), "transformer"
+    )
+    first, second = low_rank(model, 2, 4, ends, 0.5), low_rank(model, 3, 2, ends[1:], 0.5)
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(
+        write_peft(tmp_path / "1.safetensors", first, "transformer")
+    )
+    for key, value in safetensors.torch.load_file(
+        write_peft(tmp_path / "2.safetensors", second, "transformer_2")
+    ).items():
+        tensors[key] = value
+    each = str(tmp_path / "each.safetensors")
+    safetensors.torch.save_file(tensors, each)
+    return {
+        "both": both,
+        "each": each,
+        "1": str(tmp_path / "1.safetensors"),
+        "2": str(tmp_path / "2.safetensors"),
+    }
+
+
+def _video_req(rid: str, loras=(), seed: int = 1) -> StageRequest:
+    p = GenerationParams(
+        seed=seed,
+        num_inference_steps=2,
+        num_frames=5,
+        guidance_scale=4.0,
+        loras=loras,
+        width=64,
+        height=64,
+    )
+    return StageRequest(rid, "a red circle moving right", p, mode="text2video")
+
+
+def _videos(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    for r in batch:
+        stage.validate(r)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    outs = stage.begin(batch, control).finish(batch)
+    return {o.request_id: o.video.frames.astype(int) for o in outs}
+
+
+def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
+    """Wan2.2-A14B's shape: one pool over both experts' layers; a file's `transformer.` keys in
+    both, or its `transformer_2.` keys in the second; each row equals diffusers' loads of the
+    same into each expert + fuse_lora at the same seed, in one batch beside the base (two
+    steps: one of each expert)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    files = _expert_files(tmp_path)
+    path = tiny_wan22_experts_path()
+    stage = _lora_stage(path, (f"both={files['both']}", f"each={files['each']}"), 4)
+    try:
+        batch = [
+            _video_req("both", (LoraRef("both"),)),
+            _video_req("base"),
+            _video_req("each", (LoraRef("each", 0.8),)),
+        ]
+        together = _videos(stage, batch)
+    finally:
+        stage.close()
+    for name, loads, scale in (
+        ("both", ((files["both"], False), (files["both"], True)), 1.0),
+        ("each", ((files["1"], False), (_renamed(files["2"]), True)), 0.8),
+    ):
+        pipe = diffusers.WanPipeline.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
+        pipe.set_progress_bar_config(disable=True)
+        for file, second in loads:
+            pipe.load_lora_weights(file, load_into_transformer_2=second)
+        pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=scale)
+        with torch.inference_mode():
+            out = pipe(
+                "a red circle moving right",
+                max_sequence_length=pipe.tokenizer.model_max_length,  # (the stage's text)
+                num_inference_steps=2,
+                num_frames=5,
+                guidance_scale=4.0,
+                width=64,
+                height=64,
+                generator=torch.Generator().manual_seed(1),
+                output_type="np",
+            )
+        theirs = (out.frames[0] * 255).round().astype(int)
+        assert _psnr(together[name], theirs) >= 35, name
+    assert np.abs(together["both"] - together["base"]).mean() > 5
+
+
+def _renamed(path: str) -> dict[str, torch.Tensor]:
+    """A `transformer_2.` file's keys as `transformer.` (diffusers loads a second expert's
+    adapter from those, with load_into_transformer_2)."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(path)
+    return {k.replace("transformer_2.", "transformer.", 1): v for k, v in tensors.items()}
+
+
+def test_a_resident_adapter_whose_file_changed_is_written_again_for_the_next_request(stage, files):
+    """A --lora-dir file changed on disk (size, mtime): the next request that names it gets it
+    read and written again, into another slot while a running row holds the old one (which is
+    freed when that row lets go)."""
+    import os
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = os.path.join(files["dir"], "swap.safetensors")
+    unet = _pipe().unet
+    write_peft(path, low_rank(unet, 7, 2))
+    try:
+        before = _run(stage, [_req("x", (LoraRef("swap"),), seed=9)])["x"]
+        held = pool.acquire((LoraRef("swap"),))  # (a running row holds the first version)
+        loads = pool.loads
+        write_peft(path, low_rank(unet, 8, 4))  # (another rank: another size)
+        again = pool.acquire((LoraRef("swap"),))
+        assert pool.loads == loads + 1 and again[0][0] != held[0][0]
+        assert held[0][0] not in pool.free  # (still held)
+        pool.release(held)
+        assert held[0][0] in pool.free and not pool.stale  # (freed once let go)
+        pool.release(again)
+        after = _run(stage, [_req("x", (LoraRef("swap"),), seed=9)])["x"]
+        assert pool.loads == loads + 1  # (resident now: not written a third time)
+        assert np.abs(after - before).mean() > 1  # (the new file's weights)
+    finally:
+        os.remove(path)
+        pool.evict("swap")
+
+
+def _gated(pool, monkeypatch):
+    """The pool's reads wait for the returned event before reading (a slow disk)."""
+    import threading
+
+    gate, real = threading.Event(), pool.reads.read
+    monkeypatch.setattr(pool.reads, "read", lambda spec: (gate.wait(60), real(spec))[1])
+    return gate
+
+
+def _wait_read(pool, refs) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not pool.ready(refs):
+        assert time.monotonic() < deadline, "the read did not end within 60 s"
+        pool.wait(refs, 0.5)
+
+
+def test_a_slow_read_does_not_stall_the_running_rows(stage, files, monkeypatch):
+    """A request whose --lora-dir file is still being read waits in the running set while the
+    rows already in it step (each step bounded); it joins at the boundary after its read."""
+    import shutil
+    import time
+
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = f"{files['dir']}/slow.safetensors"
+    shutil.copy(files["c"], path)
+    gate = _gated(pool, monkeypatch)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    running = OwnLoopSet(stage.runtime, defer_reads=True)
+    try:
+        running.join([_req("x", num_inference_steps=6)], control)
+        slow = _req("y", (LoraRef("slow"),), num_inference_steps=2)
+        stage.validate(slow)  # (starts its read, which waits for the gate)
+        running.join([slow], control)
+        assert [r.request_id for r in running.stepping] == ["x"] and running.pending == [slow]
+        for _ in range(3):  # the running row steps meanwhile
+            started = time.monotonic()
+            assert running.step(control, {"x", "y"}) and running.leave(control) is None
+            assert time.monotonic() - started < 10
+        assert not pool.ready(slow.params.loras)
+        gate.set()
+        _wait_read(pool, slow.params.loras)
+        assert running.leave(control) is None and not running.pending  # (joined at it)
+        assert [r.request_id for r in running.stepping] == ["x", "y"]
+        parts = []
+        for _ in range(10):
+            if not running.requests:
+                break
+            running.step(control, {"x", "y"})
+            if (part := running.leave(control)) is not None:
+                parts.append(part)
+        outs = [o for p in parts for o in p.finish(p.requests)]
+        assert sorted(o.request_id for o in outs) == ["x", "y"]
+        assert all(o.error is None for o in outs)
+    finally:
+        gate.set()
+        running.set.let_go()
+        shutil.os.remove(path)
+    assert not pool.pins
+
+
+def test_a_corrupt_file_read_while_its_request_waits_fails_that_request_alone(
+    stage, files, monkeypatch
+):
+    from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
+
+    pool = stage.runtime.denoise.loras
+    assert pool is not None
+    path = f"{files['dir']}/rotten.safetensors"
+    with open(path, "wb") as f:
+        f.write(b"\x00" * 40)
+    gate = _gated(pool, monkeypatch)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    running = OwnLoopSet(stage.runtime, defer_reads=True)
+    try:
+        running.join([_req("x", num_inference_steps=4)], control)
+        bad = _req("y", (LoraRef("rotten"),))
+        stage.validate(bad)  # (its read is under way: no verdict yet)
+        running.join([bad], control)
+        gate.set()
+        _wait_read(pool, bad.params.loras)
+        assert running.step(control, {"x", "y"})
+        part = running.leave(control)
+        assert part is not None and [r.request_id for r in part.requests] == ["y"]
+        (out,) = part.finish(part.requests)
+        assert out.error is not None and out.error.code == "lora_unusable"
+        assert out.error.message.startswith(
+            "stage 'diffusion': LoRA 'rotten': rotten.safetensors cannot be read as safetensors"
+        )
+        assert [r.request_id for r in running.requests] == ["x"]  # (x steps on)
+        with pytest.raises(InvalidRequestError) as info:  # (its verdict is kept: now at once)
+            stage.validate(_req("z", (LoraRef("rotten"),)))
+        assert info.value.code == "lora_unusable"
+    finally:
+        gate.set()
+        running.set.let_go()
+        import os
+
+        os.remove(path)
+    assert not pool.pins

@@ -36,7 +36,7 @@ def _load(path: str):
 def _pool(model, pipe_class, prefix, specs, rank=8, slots=2):
     context, known = LoraContext(), module_names(model)
     targets = wrap(model, LORA_LAYERS, slots + 1, rank, context, torch.float32)
-    pool = LoraPool(specs, None, targets, known, (pipe_class, prefix), (slots, rank), context)
+    pool = LoraPool(specs, None, targets, known, (pipe_class, (prefix,)), (slots, rank, 2), context)
     return pool, context
 
 
@@ -116,7 +116,7 @@ def test_fp8_linear_layers_take_the_same_wrapper():
 def _read(path, model, pipe_class, prefix="unet", rank=8):
     context, known = LoraContext(), module_names(model)
     targets = wrap(model, LORA_LAYERS, 2, rank, context, torch.float32)
-    return read_adapter(LoraSpec("x", str(path)), pipe_class, prefix, targets, known, rank)
+    return read_adapter(LoraSpec("x", str(path)), pipe_class, (prefix,), targets, known, rank)
 
 
 @pytest.mark.parametrize("which", ["sd15", "sdxl"])
@@ -208,6 +208,18 @@ BLOCK = "down_blocks.0.attentions.0.transformer_blocks.0"
 )
 def test_what_is_not_supported_is_refused_by_name(tmp_path, tensors, match, rank):
     _refusal(tmp_path, {k: torch.randn(*s) for k, s in tensors.items()}, match, rank=rank)
+
+
+def test_a_second_experts_keys_on_a_model_of_one_are_refused_by_name(tmp_path):
+    """`transformer_2.` keys (a Wan2.2-A14B adapter's low-noise half) on a model of one expert."""
+    pipe = _load(ensure_tiny_model("tiny-video"))
+    weights = low_rank(pipe.transformer, 1, 4, ends=("attn1.to_q",))
+    path = write_peft(tmp_path / "a14b.safetensors", weights, prefix="transformer_2")
+    with pytest.raises(LoraError) as info:
+        _read(path, pipe.transformer, type(pipe), "transformer")
+    assert str(info.value) == (
+        "LoRA 'x': key 'transformer_2.blocks.0.attn1.to_q.lora_A.weight' is not of the transformer"
+    )
 
 
 def test_a_pickle_file_is_refused_unread_and_a_broken_one_named(tmp_path):

@@ -85,7 +85,7 @@ def load_runtime(
     precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
     # 5. our own loop (its LoRA pool); sequence parallelism: rank 0's forwards on every rank
     denoise = _own_loop(config, adapter, device, text, buckets, loras)
-    seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter)
+    seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter, loras)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
     cfg, cfg_ranks = _guidance(config, ranks, link, tracer, pipe, adapter, family.modes[0] in own)
     # 7. what runs beside the steps (rank 0): the batch probe, edit pipelines, side stream
@@ -150,10 +150,16 @@ def _split_sequence(config: StageConfig, ranks: Ranks, link: Link | None, adapte
 
 
 def _sequence_ranks(
-    config: StageConfig, ranks: Ranks, link: Link | None, pipe: Any, adapter: Adapter
+    config: StageConfig,
+    ranks: Ranks,
+    link: Link | None,
+    pipe: Any,
+    adapter: Adapter,
+    loras: LoraPool | None,
 ) -> SequenceRanks | None:
     """Rank 0's denoisers (and a patch-parallel VAE's decode) hand each call to the other
-    ranks, which keep only those models (compiled or not) and serve them."""
+    ranks, which keep only those models (compiled or not) and serve them; the LoRA pool's
+    slots and each forward's rows go with them (every rank holds the pool)."""
     if link is None or config.sequence_parallel == 1:
         return None
     models: dict[str, Any] = {expert.name: expert.model for expert in adapter.experts()}
@@ -162,8 +168,8 @@ def _sequence_ranks(
         models[f"{vae}.decode"] = getattr(pipe, vae).decode
     if ranks.rank > 0:
         cfg_parallel.keep_only(pipe, adapter.keep_for_branches() | ({vae} if vae else set()))
-        return SequenceRanks(link, None, SequenceFollower(link), models)
-    leader = SequenceLeader(link)
+        return SequenceRanks(link, None, SequenceFollower(link, loras), models)
+    leader = SequenceLeader(link, loras)
     for name, model in models.items():
         owner, _, method = name.partition(".")
         if method:  # (a component's method: its decode)
@@ -306,7 +312,7 @@ def _denoisers(
     compiled in; returns the precision the stage runs, its LoRA pool and the batch buckets
     compiled."""
     precision = _quantize(config, adapter, device, dtype)
-    loras = lora_pool.build(config, adapter, dtype)
+    loras = lora_pool.build(config, adapter, dtype, leader=ranks.rank == 0)
     _split_sequence(config, ranks, link, adapter)
     return precision, loras, _compile(config, options, adapter)
 

@@ -14,6 +14,12 @@ a module is peft's: alpha / rank (alpha from the file's alphas, else its peft me
 `lora_alpha` and `alpha_pattern`, else the rank: scale 1; `use_rslora`: alpha / sqrt(rank));
 it is folded into B here.
 
+A model of two experts (Wan2.2-A14B: `transformer`, `transformer_2`) takes diffusers' Wan files:
+their `transformer.` keys go into both experts (as diffusers' `load_lora_weights` of the file,
+then again with `load_into_transformer_2=True`), unless the file also has `transformer_2.` keys:
+then each prefix's keys go into its own expert (one file for both, Lightning's two halves merged).
+Its modules are then named by expert (`transformer_2.blocks.0.attn1.to_q`).
+
 An adapter may carry the steps and guidance it was distilled for in its safetensors metadata
 (`default_steps`, `default_guidance_scale`); a registration's (`loras:` in YAML) win.
 """
@@ -56,28 +62,43 @@ class AdapterWeights:
 def read_adapter(
     spec: LoraSpec,
     pipe_class: type,
-    prefix: str,
+    experts: tuple[str, ...],
     targets: dict[str, Target],
     known: set[str],
     max_rank: int,
 ) -> AdapterWeights:
-    """`spec`'s file as weights for the denoiser `prefix` (unet, transformer), whose LoRA layers
-    are `targets` and modules `known`; LoraError where it cannot be used."""
+    """`spec`'s file as weights for the denoisers `experts` (unet, transformer; two: Wan2.2's),
+    whose LoRA layers are `targets` and modules `known` (two experts: named `expert.module`);
+    LoraError where it cannot be used."""
     raw, meta = _load(spec)
-    denoiser, alphas, peft_meta = _convert(spec.name, raw, pipe_class, prefix, meta)
-    modules = _modules(spec.name, denoiser)
     layers = {}
-    for module, (a, b) in sorted(modules.items()):
-        _check_module(spec.name, module, a, b, targets, known, max_rank)
-        scale = _alpha(module, a.shape[0], alphas, peft_meta) / a.shape[0]
-        if peft_meta.get("use_rslora"):
-            scale = scale * math.sqrt(a.shape[0])  # alpha / sqrt(rank)
-        layers[module] = (a.float(), b.float() * scale)
+    for expert, prefix in _experts_of(spec.name, raw, experts):
+        denoiser, alphas, peft_meta = _convert(spec.name, raw, pipe_class, (prefix, experts), meta)
+        named = "" if len(experts) == 1 else expert + "."
+        for module, (a, b) in sorted(_modules(spec.name, denoiser).items()):
+            _check_module(spec.name, named + module, a, b, targets, known, max_rank)
+            scale = _alpha(module, a.shape[0], alphas, peft_meta) / a.shape[0]
+            if peft_meta.get("use_rslora"):
+                scale = scale * math.sqrt(a.shape[0])  # alpha / sqrt(rank)
+            layers[named + module] = (a.float(), b.float() * scale)
     if not layers:
         raise LoraError(f"LoRA {spec.name!r}: its file adapts none of the denoiser's layers")
     steps, guidance = _defaults(spec, meta)
     rank = max(a.shape[0] for a, _ in layers.values())
     return AdapterWeights(spec.name, layers, rank, steps, guidance)
+
+
+def _experts_of(
+    name: str, raw: dict[str, torch.Tensor], experts: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    """(expert, the file's key prefix it takes): the first expert's prefix into every expert,
+    unless the file names the others' too (see the module's docstring)."""
+    if len(experts) == 1:
+        return [(experts[0], experts[0])]
+    named = [e for e in experts[1:] if any(k.startswith(e + ".") for k in raw)]
+    if not named:
+        return [(e, experts[0]) for e in experts]
+    return [(e, e) for e in experts if e == experts[0] or e in named]
 
 
 def _load(spec: LoraSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -103,10 +124,16 @@ def _load(spec: LoraSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def _convert(
-    name: str, raw: dict[str, torch.Tensor], pipe_class: type, prefix: str, meta: dict[str, str]
+    name: str,
+    raw: dict[str, torch.Tensor],
+    pipe_class: type,
+    where: tuple[str, tuple[str, ...]],
+    meta: dict[str, str],
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, Any]]:
-    """The denoiser's keys in peft form (diffusers' converters), the alphas by module and the
-    peft metadata of the denoiser; a text encoder's keys, or keys of no part, refused."""
+    """The keys of prefix `where[0]` in peft form (diffusers' converters), the alphas by module
+    and the peft metadata of that denoiser; a text encoder's keys, or keys of no denoiser of
+    the model (`where[1]`), refused."""
+    prefix, experts = where
     from diffusers.utils import convert_unet_state_dict_to_peft
 
     convert = getattr(pipe_class, "lora_state_dict", None)
@@ -127,9 +154,10 @@ def _convert(
             "only the denoiser's attention and MLP layers"
         )
     own = {k: v for k, v in state.items() if k.startswith(prefix + ".")}
-    if len(own) < len(state):
-        stray = sorted(set(state) - set(own))[0]
-        raise LoraError(f"LoRA {name!r}: key {stray!r} is not of the {prefix}")
+    if len(own) < len(state):  # (keys of another expert are read with it)
+        stray = sorted(k for k in set(state) - set(own) if k.split(".")[0] not in experts)
+        if stray:
+            raise LoraError(f"LoRA {name!r}: key {stray[0]!r} is not of the {prefix}")
     denoiser = convert_unet_state_dict_to_peft({k[len(prefix) + 1 :]: v for k, v in own.items()})
     by_module = {}
     for key, value in (alphas or {}).items():

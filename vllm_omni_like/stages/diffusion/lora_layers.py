@@ -5,11 +5,11 @@ low-rank update gathered from a device pool by the row's adapter index.
 `Fp8Linear` (fp8.py): the one wrapper of a linear layer both take - and holds its slice of the
 pool: `lora_a` (slots, parts x rank, in) and `lora_b` (slots, out, parts x rank), slot 0 all
 zeros (a row without an adapter). A forward reads the batch's `LoraContext`: each model row's
-adapter slots (rows, PER_ROW), a device tensor, and their scales; the update is two batched
-matmuls over the rows' gathered A and B, so a new mix of adapters is new values in the same
-tensors: nothing recompiles. An adapter's weights are written into its slot in place
-(lora_pool.py), ranks below the pool's padded with zeros (the same product); its alpha / rank
-is folded into B as it is written. The base weights are never touched.
+adapter slots (rows, K: `--max-loras-per-request`), a device tensor, and their scales; the
+update is two batched matmuls over the rows' gathered A and B, so a new mix of adapters is new
+values in the same tensors: nothing recompiles. An adapter's weights are written into its slot
+in place (lora_pool.py), ranks below the pool's padded with zeros (the same product); its
+alpha / rank is folded into B as it is written. The base weights are never touched.
 
 A fused projection (diffusers' `fuse_qkv_projections`: `to_qkv`, a cross-attention's `to_kv`,
 the added `to_added_qkv`) takes a fused B: its parts' A stacked on the rank axis and their B
@@ -43,8 +43,8 @@ class LoraContext:
     the denoisers (None: no adapter step; the base layers alone)."""
 
     def __init__(self) -> None:
-        self.index: torch.Tensor | None = None  # (rows, PER_ROW) int64: each row's slots
-        self.scale: torch.Tensor | None = None  # (rows, PER_ROW): each slot's scale
+        self.index: torch.Tensor | None = None  # (rows, K) int64: each row's slots
+        self.scale: torch.Tensor | None = None  # (rows, K): each slot's scale
 
     @contextlib.contextmanager
     def rows(self, lora: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:

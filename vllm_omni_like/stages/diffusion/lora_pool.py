@@ -7,25 +7,31 @@ fails that request alone) and kept there, a few at a time; it reaches the device
 that uses it joins the set: written in place into a free slot (or the least recently used one
 no row holds), between two steps, so the replica never stops and no graph is compiled again.
 A row holds its slots from its join until it leaves (`acquire` / `release`); slot 0 is no
-adapter (zeros)."""
+adapter (zeros).
+
+Over the ranks of a sequence-parallel replica every rank holds the pool (parallel/rank_link.py's
+`Replicated`): rank 0 alone reads files and decides which adapter goes where; each slot it writes
+is copied into the others' as it is written, and each forward's rows (slots, scales) travel
+with the forward."""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter, OrderedDict
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError, InvalidRequestError, UnavailableError
-from vllm_omni_like.loras import PER_ROW, LoraSpec, resolve
+from vllm_omni_like.loras import LoraSpec, resolve
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.params import LoraRef
 from vllm_omni_like.stages.diffusion.lora_files import AdapterWeights, LoraError, read_adapter
 from vllm_omni_like.stages.diffusion.lora_layers import LoraContext, LoraLinear, Target, wrap
+from vllm_omni_like.stages.diffusion.lora_reads import Key, LoraReads, key_of
 
 logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
 Selection = tuple[tuple[int, float], ...]  # a row's (slot, scale) of each adapter it uses
@@ -40,21 +46,24 @@ class LoraPool:
         directory: str | None,
         targets: dict[str, Target],
         known: set[str],
-        reader: tuple[type, str],  # the pipeline's class (its converter), the denoiser's prefix
-        sizes: tuple[int, int],  # max_loras, max_lora_rank
+        reader: tuple[type, tuple[str, ...]],  # the pipeline's class (its converter), experts
+        sizes: tuple[int, int, int],  # max_loras, max_lora_rank, max_loras_per_request
         context: LoraContext,
     ) -> None:
         self.specs, self.directory = specs, directory
         self.targets, self.known, self.reader = targets, known, reader
-        self.max_loras, self.max_rank = sizes
+        self.max_loras, self.max_rank, self.per_row = sizes
         self.context = context
         unique = {id(t.layer): t.layer for t in targets.values()}  # (a fused one: once)
         self.layers: list[LoraLinear] = list(unique.values())
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident, least recently used first
         self.free = list(range(self.max_loras, 0, -1))
         self.pins: Counter[int] = Counter()
-        self.host: OrderedDict[tuple[Any, ...], AdapterWeights] = OrderedDict()
+        self.version: dict[int, Key] = {}  # each written slot's file, as it was read
+        self.stale: set[int] = set()  # slots of a file changed since, until no row holds them
+        self.reads = LoraReads(self._read_file, HOST_KEPT * self.max_loras)
         self.loads = 0  # adapters written to the device (the benchmark's cold loads)
+        self.written: Callable[[int], None] = lambda slot: None  # (the other ranks' copy)
 
     # ---- names to weights ------------------------------------------------------------------
     def spec(self, name: str) -> LoraSpec:
@@ -63,30 +72,36 @@ class LoraPool:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}", param="lora")
         return found
 
+    def key(self, name: str) -> Key:
+        """Adapter `name`'s file as it is now (LoraError where it is gone)."""
+        return key_of(self.spec(name))
+
     def read(self, name: str) -> AdapterWeights:
-        """Adapter `name` read and checked (kept on the host while its file is unchanged)."""
-        spec = self.spec(name)
+        """Adapter `name` read and checked (kept on the host while its file is unchanged; a
+        read under way on the read thread is waited for)."""
+        return self.reads.result(self.key(name))
+
+    def _read_file(self, spec: LoraSpec) -> AdapterWeights:
+        pipe_class, experts = self.reader
+        return read_adapter(spec, pipe_class, experts, self.targets, self.known, self.max_rank)
+
+    def ready(self, refs: tuple[LoraRef, ...]) -> bool:
+        """Whether each of a request's adapters is read (or failed), as its file is now: its
+        rows may join without waiting for a file."""
         try:
-            stat = os.stat(spec.path)
-        except OSError as exc:
-            raise LoraError(f"LoRA {name!r}: {exc.strerror}: {spec.path}") from None
-        key = (spec, stat.st_mtime_ns, stat.st_size)
-        if key in self.host:
-            self.host.move_to_end(key)
-            return self.host[key]
-        pipe_class, prefix = self.reader
-        try:
-            weights = read_adapter(
-                spec, pipe_class, prefix, self.targets, self.known, self.max_rank
-            )
-        except LoraError:
-            raise
-        except Exception as exc:  # (a malformed file: its metadata, alphas, a converter's error)
-            raise LoraError(f"LoRA {name!r}: unreadable ({type(exc).__name__}: {exc})") from None
-        self.host[key] = weights
-        while len(self.host) > HOST_KEPT * self.max_loras:
-            self.host.popitem(last=False)
-        return weights
+            return all(self.reads.ready(self.key(ref.name)) for ref in refs)
+        except (LoraError, InvalidRequestError):
+            return True  # (the join says why)
+
+    def wait(self, refs: tuple[LoraRef, ...], timeout: float) -> None:
+        """Until one of these adapters' reads is done, or `timeout` seconds passed."""
+        keys = []
+        for ref in refs:
+            try:
+                keys.append(self.key(ref.name))
+            except (LoraError, InvalidRequestError):
+                return
+        self.reads.wait_any(keys, timeout)
 
     def check_registered(self, stage: str) -> None:
         """Each registered adapter read and checked now: a start-up error where one fails."""
@@ -98,16 +113,27 @@ class LoraPool:
 
     def check_request(self, refs: tuple[LoraRef, ...], stage: str) -> None:
         """A request's adapters, each read and checked: its 400 where one cannot be used."""
-        if len(refs) > PER_ROW:
-            raise InvalidRequestError(f"at most {PER_ROW} LoRA adapters a request", param="lora")
+        if len(refs) > self.per_row:
+            raise InvalidRequestError(
+                f"at most {self.per_row} LoRA adapters a request (--max-loras-per-request)",
+                param="lora",
+            )
         if len({ref.name for ref in refs}) > self.max_loras:  # (never servable: not a 503)
             raise InvalidRequestError(
                 f"{len(refs)} LoRA adapters in one request but the pool holds {self.max_loras} "
                 "(--max-loras)",
                 param="lora",
             )
-        for ref in refs:
-            self.usable(ref.name, stage)
+        for ref in refs:  # read on the read thread; where done already, its verdict now
+            try:
+                key = self.key(ref.name)
+            except LoraError as exc:
+                raise InvalidRequestError(
+                    str(exc), stage=stage, param="lora", code="lora_unusable"
+                ) from None
+            self.reads.start(key)
+            if self.reads.ready(key):
+                self.usable(ref.name, stage)
 
     def usable(self, name: str, stage: str | None = None) -> AdapterWeights:
         """`read`, a file that cannot be used being the request's 400 (`lora_unusable`)."""
@@ -147,6 +173,9 @@ class LoraPool:
             self.pins[slot] -= 1
             if self.pins[slot] <= 0:
                 del self.pins[slot]
+                if slot in self.stale:  # (its file changed: no name leads to it any more)
+                    self.stale.discard(slot)
+                    self.free.append(slot)
 
     def evict(self, name: str) -> bool:
         """Adapter `name` off the device now, unless a running row holds it; whether it went."""
@@ -158,6 +187,7 @@ class LoraPool:
         return True
 
     def _slot(self, name: str) -> int:
+        key = self._current(name)
         if name in self.slots:
             self.slots.move_to_end(name)
             return self.slots[name]
@@ -175,11 +205,28 @@ class LoraPool:
             slot = self.slots.pop(idle)
         try:
             self._write(slot, weights)
+            self.written(slot)
         except BaseException:
             self.free.append(slot)  # (cleared by the next write into it)
             raise
-        self.slots[name] = slot
+        self.slots[name], self.version[slot] = slot, key
         return slot
+
+    def _current(self, name: str) -> Key:
+        """Adapter `name`'s file now; a resident slot of it read before the file changed is
+        no longer its (freed now, or once the running rows that hold it leave)."""
+        try:
+            key = self.key(name)
+        except LoraError as exc:
+            raise InvalidRequestError(str(exc), param="lora", code="lora_unusable") from None
+        slot = self.slots.get(name)
+        if slot is not None and self.version.get(slot) != key:
+            del self.slots[name]
+            if self.pins[slot]:
+                self.stale.add(slot)
+            else:
+                self.free.append(slot)
+        return key
 
     @torch.inference_mode()
     def _write(self, slot: int, weights: AdapterWeights) -> None:
@@ -191,12 +238,27 @@ class LoraPool:
             target.layer.write(slot, target.part, a.to(dtype), b.to(dtype))
         self.loads += 1
 
+    # ---- the same pool on every rank (parallel/rank_link.py's Replicated) --------------------
+    def state(self) -> LoraRows | None:
+        index, scale = self.context.index, self.context.scale
+        return None if index is None or scale is None else (index, scale)
+
+    def around(self, state: LoraRows | None) -> AbstractContextManager[None]:
+        return self.context.rows(state)
+
+    def buffers(self, slot: int) -> list[torch.Tensor]:
+        """Slot `slot` of every layer, A then B, in the layers' order (alike on every rank)."""
+        return [t for layer in self.layers for t in (layer.lora_a[slot], layer.lora_b[slot])]
+
+    def on_write(self, send: Callable[[int], None]) -> None:
+        self.written = send
+
     # ---- a forward's rows --------------------------------------------------------------------
     def rows(self, selections: list[Selection], device: torch.device) -> LoraRows:
-        """The model rows' slots (rows, PER_ROW) and float32 scales on the device (slot 0, scale
-        0: no adapter)."""
-        index = torch.zeros(len(selections), PER_ROW, dtype=torch.int64)
-        scale = torch.zeros(len(selections), PER_ROW, dtype=torch.float32)
+        """The model rows' slots (rows, max_loras_per_request) and float32 scales on the device
+        (slot 0, scale 0: no adapter)."""
+        index = torch.zeros(len(selections), self.per_row, dtype=torch.int64)
+        scale = torch.zeros(len(selections), self.per_row, dtype=torch.float32)
         for i, selection in enumerate(selections):
             for k, (slot, value) in enumerate(selection):
                 index[i, k], scale[i, k] = slot, value
@@ -207,22 +269,28 @@ def module_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_modules()}
 
 
-def build(config: StageConfig, adapter: Adapter, dtype: torch.dtype) -> LoraPool | None:
+def build(
+    config: StageConfig, adapter: Adapter, dtype: torch.dtype, leader: bool = True
+) -> LoraPool | None:
     """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
-    `--max-loras` slots of `--max-lora-rank` (and slot 0, none), the registered adapters read
-    and checked against the base now."""
+    `--max-loras` slots of `--max-lora-rank` (and slot 0, none), `--max-loras-per-request` a
+    row, the registered adapters read and checked against the base now (by rank 0: the other
+    ranks' slots are copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
-    experts = adapter.experts()
-    if len(experts) > 1:
-        raise ConfigError(f"stage {config.name!r}: LoRA adapters on two experts are not built yet")
-    model, context = experts[0].model, LoraContext()
-    known = module_names(model)
-    sizes = config.max_loras, config.max_lora_rank
-    targets = wrap(model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
-    reader = type(adapter.pipe), experts[0].name
+    experts, context = adapter.experts(), LoraContext()
+    sizes = config.max_loras, config.max_lora_rank, config.max_loras_per_request
+    targets: dict[str, Target] = {}
+    known: set[str] = set()
+    for expert in experts:  # (two experts, Wan2.2-A14B's: one pool over both, named by expert)
+        named = "" if len(experts) == 1 else expert.name + "."
+        known |= {named + m for m in module_names(expert.model)}
+        wrapped = wrap(expert.model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
+        targets |= {named + m: t for m, t in wrapped.items()}
+    reader = type(adapter.pipe), tuple(e.name for e in experts)
     pool = LoraPool(config.loras, config.lora_dir, targets, known, reader, sizes, context)
-    pool.check_registered(config.name)
+    if leader:
+        pool.check_registered(config.name)
     logger.info(
         "stage %s: LoRA pool of %d adapters of rank %d over %d layers (%s registered)",
         config.name,

@@ -8,7 +8,13 @@ own loop is a set that nothing joins (own_loop.py), so both run the same maths.
 Rows that end are held for their **decode group**: their latents decode together once
 `decode_group_rows` of them have ended, or the first of them ended `decode_group_ms` ago, or
 the set drained (a decode of 8 rows costs far less than 8 of one). A held request is still in
-the set (`requests`) until its group is handed over, so its group's end follows its result."""
+the set (`requests`) until its group is handed over, so its group's end follows its result.
+
+A request whose LoRA adapter files are still being read (lora_reads.py: its validation started
+the reads, on their own thread) waits in the set, `pending`, without stepping: it joins at the
+first step boundary after its reads are done, so the rows already in the set keep stepping
+meanwhile; a file that cannot be used fails that request alone (its 400, handed over as a
+result at that boundary)."""
 
 from __future__ import annotations
 
@@ -16,18 +22,25 @@ import time
 
 import torch
 
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.stages.base import Deferred, RowStepper, StageControl
 from vllm_omni_like.stages.diffusion.row_tensors import text_dtype
 from vllm_omni_like.stages.diffusion.rows import DenoiseSet, Left
 from vllm_omni_like.stages.diffusion.runtime import DiffusionRuntime
+from vllm_omni_like.stages.isolation import bisect_isolated
 from vllm_omni_like.wire import StageRequest
 
 _now = time.monotonic  # (a test's fake clock replaces it)
+READ_WAIT_S = 0.05  # a set of pending requests alone waits this long for a read, then looks again
 
 
 class OwnLoopSet(RowStepper):
-    def __init__(self, runtime: DiffusionRuntime) -> None:
+    def __init__(self, runtime: DiffusionRuntime, defer_reads: bool = False) -> None:
         self.runtime = runtime
+        # requests waiting for their LoRA files' reads (`defer_reads`: a running set's; a
+        # whole batch waits for them at its join, with nothing beside it)
+        self.defer_reads = defer_reads and runtime.denoise.loras is not None
+        self.pending: list[StageRequest] = []
         self.set = DenoiseSet(runtime.denoise)
         self.frames = 0
         # from the first join until the set drains: one batch of the stage's timeline (shared
@@ -40,13 +53,25 @@ class OwnLoopSet(RowStepper):
     @property
     def requests(self) -> list[StageRequest]:
         held = [r for left in self.held for r in left.requests if r.request_id not in self.dropped]
-        return self.set.requests + held
+        return self.set.requests + held + self.pending
 
     @property
     def stepping(self) -> list[StageRequest]:
         return self.set.requests  # (not the held ones: their rows ended)
 
     def join(self, batch: list[StageRequest], control: StageControl) -> None:
+        pool = self.runtime.denoise.loras
+        if self.defer_reads and pool is not None:
+            waiting = [r for r in batch if not pool.ready(r.params.loras)]
+            if waiting:
+                ready = [r for r in batch if r not in waiting]
+                if ready:
+                    self._join(ready, control)
+                self.pending += waiting  # (after the join: a join that raises adds nothing)
+                return
+        self._join(batch, control)
+
+    def _join(self, batch: list[StageRequest], control: StageControl) -> None:
         rt, d, p = self.runtime, self.runtime.defaults, batch[0].params
         frames = (p.num_frames or d.frames) if rt.is_video else 1
         width, height = rt.size_of(batch[0])
@@ -72,6 +97,11 @@ class OwnLoopSet(RowStepper):
         self.set.join(rows, embeds, latents, conditioning)
 
     def step(self, control: StageControl, only: set[str] | None = None) -> bool:
+        pool = self.runtime.denoise.loras
+        if self.set.empty:  # (pending requests alone: nothing steps while their files are read)
+            if self.pending and pool is not None:
+                pool.wait(tuple(ref for r in self.pending for ref in r.params.loras), READ_WAIT_S)
+            return False
         requests = self.set.requests
         live = {r.request_id for r in control.live(requests)}
 
@@ -107,10 +137,46 @@ class OwnLoopSet(RowStepper):
             if not self.held:
                 self.held_since = _now()
             self.held.append(left)
+        failed = self._join_read(control)
         part = self._decode_group(control) if self.held else None
         if self.set.empty:
             self.drained()
+        if failed:  # (their errors, handed over beside what ended at this boundary)
+            errors = Deferred.done([r for r, _ in failed], [out for _, out in failed])
+            if part is None:
+                return errors
+            both = part.requests + errors.requests
+
+            def finish(requests: list[StageRequest]) -> list[StageOutput]:
+                mine = {r.request_id for r in errors.requests}
+                theirs = [r for r in requests if r.request_id not in mine]
+                outs = part.finish(theirs) if theirs else []
+                return outs + errors.finish([r for r in requests if r.request_id in mine])
+
+            return Deferred(both, finish)
         return part
+
+    def _join_read(self, control: StageControl) -> list[tuple[StageRequest, StageOutput]]:
+        """The pending requests whose reads are done join now, one at a time (an aborted one
+        leaves); those whose join fails (a file that cannot be used: 400 lora_unusable, every
+        slot held: 503 lora_pool_full) fail alone: returned with their error outputs."""
+        pool = self.runtime.denoise.loras
+        if not self.pending or pool is None:
+            return []
+        live = {r.request_id for r in control.live(self.pending)}
+        ready = [r for r in self.pending if r.request_id in live and pool.ready(r.params.loras)]
+        self.pending = [r for r in self.pending if r.request_id in live and r not in ready]
+        failed: list[tuple[StageRequest, StageOutput]] = []
+
+        def join(live: list[StageRequest]) -> list[StageOutput]:
+            self._join(live, control)
+            return []
+
+        for request in ready:  # (alone: its failure is its own, classified as a culprit's)
+            outs: list[StageOutput] = []
+            bisect_isolated(self.runtime.name, [request], control, join, outs.append)
+            failed += [(request, out) for out in outs]
+        return failed
 
     def _decode_group(self, control: StageControl) -> Deferred | None:
         """The held rows as one decode, once their group is complete (see above)."""
@@ -149,6 +215,7 @@ class OwnLoopSet(RowStepper):
 
     def drop(self, request_ids: set[str]) -> None:
         self.set.remove(request_ids)
+        self.pending = [r for r in self.pending if r.request_id not in request_ids]
         self.dropped |= {r.request_id for h in self.held for r in h.requests} & request_ids
         if self.set.empty and not self.held:  # (held rows: the next leave hands them over)
             self.drained()

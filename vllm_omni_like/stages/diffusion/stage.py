@@ -220,9 +220,13 @@ class DiffusionStage(Stage):
 
     def stepper(self, mode: Mode) -> RowStepper | None:
         """Our own loop's modes run as a running set (running_set.py); a pipeline call cannot."""
-        return OwnLoopSet(self.runtime) if mode in self.stepped_modes() else None
+        if mode not in self.stepped_modes():
+            return None
+        return OwnLoopSet(self.runtime, defer_reads=True)  # (rows wait for their LoRA files)
 
     def close(self) -> None:
+        if self.runtime.denoise.loras is not None:
+            self.runtime.denoise.loras.reads.close()
         for ranks in (self.runtime.cfg_ranks, self.runtime.seq_ranks):
             if ranks is not None:
                 ranks.link.close()
