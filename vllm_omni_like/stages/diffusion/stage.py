@@ -207,7 +207,7 @@ class DiffusionStage(Stage):
         return graphs.labels(), graphs.memory()
 
     def stepped_modes(self) -> tuple[Mode, ...]:
-        return tuple(sorted(self.runtime.own)) if self.runtime.cfg_ranks is None else ()
+        return tuple(sorted(self.runtime.own))
 
     def stepper(self, mode: Mode) -> RowStepper | None:
         """Our own loop's modes run as a running set (running_set.py); a pipeline call cannot."""
