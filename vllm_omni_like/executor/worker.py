@@ -398,7 +398,7 @@ def run_worker(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
     )
     _process_local_locks()
-    ranks = Ranks(rank, config.workers_per_replica, rendezvous)
+    ranks = Ranks(rank, config.workers_per_replica, rendezvous, config.sequence_parallel)
     worker = _Worker(channel, config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)

@@ -52,23 +52,28 @@ def split_sequence(config: StageConfig, ranks: Ranks, link: Link | None, adapter
     """Sequence parallelism: the family's split of its denoisers' tokens over the ranks."""
     if link is None or config.sequence_parallel == 1:
         return
-    heads = adapter.split_sequence(SequenceShards(ranks.rank, ranks.size, link.group))
-    if (note := heads_note(heads, ranks.size)) is not None:
+    shards = SequenceShards(link.rank - link.leader, link.sequence, link.group)
+    heads = adapter.split_sequence(shards)
+    if (note := heads_note(heads, link.sequence)) is not None:
         logger.warning("stage %s: %s", config.name, note)
 
 
 def sequence_ranks(
     config: StageConfig, ranks: Ranks, link: Link | None, pipe: Any, adapter: Adapter
 ) -> SequenceRanks | None:
-    """Rank 0's denoisers (and a patch-parallel VAE's decode) hand each call to the other
-    ranks, which keep only those models (compiled or not) and serve them."""
+    """A group's leader's denoisers (and rank 0's patch-parallel VAE decode) hand each call to
+    the group's other ranks, which keep only those models (compiled or not) and serve them.
+    The leaders: rank 0, and with CFG-parallel the unconditional branch's group's (rank 1's
+    side of CFG-parallel, which leads its group's forwards as rank 0 leads its own)."""
     if link is None or config.sequence_parallel == 1:
         return None
     models: dict[str, Any] = {expert.name: expert.model for expert in adapter.experts()}
-    vae = adapter.split_decode(Bands(ranks.rank, ranks.size, link.group))
+    vae = None
+    if link.leader == 0:  # (the unconditional branch's group decodes nothing)
+        vae = adapter.split_decode(Bands(link.rank, link.sequence, link.group))
     if vae is not None:
         models[f"{vae}.decode"] = getattr(pipe, vae).decode
-    if ranks.rank > 0:
+    if link.rank != link.leader:
         cfg_parallel.keep_only(pipe, adapter.keep_for_branches() | ({vae} if vae else set()))
         return SequenceRanks(link, None, SequenceFollower(link), models)
     leader = SequenceLeader(link)
@@ -99,6 +104,8 @@ def guidance(
     if link is None or not config.cfg_parallel:
         batched = config.batched_cfg and adapter.family.modes[0] in pipeline_modes
         return (adapter.batched_cfg() if batched else None), None
+    if link.rank != link.leader:  # (a sequence-parallel group's other rank: its leader's)
+        return None, None
     denoiser = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
     if ranks.rank > 0:
         cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
