@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import queue
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -53,27 +54,39 @@ def _reference(
     """One rank, in this process: the same groups through its running set, each later group
     joining after as many steps of the first as it did on the two ranks (`joined`), the
     branches in two forwards as the ranks run them (a forward of both rounds otherwise: one
-    batch of twice the rows; tests/stages/diffusion/test_step.py bounds that); the final
-    latents in `where`."""
+    batch of twice the rows; tests/stages/diffusion/test_step.py bounds that), on a rank's
+    share of the cores; the final latents in `where`."""
     config = _config(model, device="cpu", batched_cfg=False)
     stage = create_stage(config)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, rank_threads(2):
         mp.setenv(PROBE_ENV, str(where))
         stage.load("cpu")
-    control = StageControl(FaultInjector((), config.name))
-    rowset = stage.stepper(groups[0][0].mode)
-    assert rowset is not None
-    rowset.join(groups[0], control)
-    pending = dict(enumerate(groups[1:], 2))
-    for step in range(1, 1000):  # (bounded: every row ends within its steps)
-        for batch_id in [b for b in pending if joined[b] == step - 1]:
-            rowset.join(pending.pop(batch_id), control)
-        if rowset.set.empty:
-            break
-        rowset.step(control)
-        rowset.leave(control)  # (the probe keeps each row's latents as it leaves)
+        control = StageControl(FaultInjector((), config.name))
+        rowset = stage.stepper(groups[0][0].mode)
+        assert rowset is not None
+        rowset.join(groups[0], control)
+        pending = dict(enumerate(groups[1:], 2))
+        for step in range(1, 1000):  # (bounded: every row ends within its steps)
+            for batch_id in [b for b in pending if joined[b] == step - 1]:
+                rowset.join(pending.pop(batch_id), control)
+            if rowset.set.empty:
+                break
+            rowset.step(control)
+            rowset.leave(control)  # (the probe keeps each row's latents as it leaves)
     stage.close()
     assert not pending and rowset.set.empty
+
+
+@contextlib.contextmanager
+def rank_threads(ranks: int) -> Iterator[None]:
+    """The CPU threads one of a replica's `ranks` ranks computes with (each takes its share of
+    the cores, parallel/rank_link.py): a matmul's rounding may depend on them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // ranks))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cfg_parallel(model: str, groups: list[list[StageRequest]], join_at: int, where: Path, **kw):

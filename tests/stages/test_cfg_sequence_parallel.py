@@ -18,6 +18,7 @@ import torch
 from tests.models.tiny_mmdit import tiny_flux_path
 from tests.models.tiny_wan22 import tiny_wan22_ti2v_path
 from tests.stages.sequence_probe import PROBE_ENV
+from tests.stages.test_cfg_parallel_loop import rank_threads
 from tests.stages.test_sequence_parallel import (
     _config,
     _pixels,
@@ -50,10 +51,11 @@ def test_config_takes_devices_2n_by_2n():
 
 def _reference(model: str, requests: list[StageRequest], where: Path) -> dict[str, StageOutput]:
     """One rank, in this process, each request alone, its branches in two forwards as the two
-    groups run them (one forward of both rounds otherwise: a batch of twice the rows)."""
+    groups run them (one forward of both rounds otherwise: a batch of twice the rows), on a
+    rank's share of the cores."""
     config = _config(model, device="cpu", batched_cfg=False)
     stage = create_stage(config)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, rank_threads(4):
         mp.setenv(PROBE_ENV, str(where))
         stage.load("cpu")
         control = StageControl(FaultInjector((), config.name))
