@@ -144,7 +144,7 @@ class StageConfig:
     cfg_parallel: bool = False
     # one request's denoiser forwards over N ranks (N devices) of one replica, each holding 1/N
     # of the latent tokens (parallel/sequence_parallel.py, Ulysses attention): N workers per
-    # replica, devices taken N by N; 1: off
+    # replica, devices taken N by N (with cfg_parallel: 2N, a group of N a branch); 1: off
     sequence_parallel: int = 1
     max_batch_size: int = 8
     # when an idle replica takes its next batch (engine/batching.py): "request" waits up to
@@ -315,7 +315,7 @@ class StageConfig:
         where = f"stage {self.name!r}: cfg_parallel"
         if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
             raise ConfigError(f"{where} runs diffusion stages only, not {self.kind!r}")
-        if self.workers_per_replica not in (1, 2):
+        if self.workers_per_replica not in (1, 2, 2 * self.sequence_parallel):  # (2 x N: its)
             raise ConfigError(f"{where} runs 2 workers per replica")
         object.__setattr__(self, "workers_per_replica", 2)
         if len(devices) % 2:
@@ -331,33 +331,29 @@ class StageConfig:
             raise ConfigError(f"{where} must be an integer >= 1 (ranks per replica), not {n!r}")
         if n == 1:
             return
-        if self.cfg_parallel:
-            raise ConfigError(
-                f"{where} {n} with cfg_parallel: CFG-parallel x sequence parallel (2 x {n} "
-                "ranks) is not built yet; choose one"
-            )
+        ranks = 2 * n if self.cfg_parallel else n  # (with CFG-parallel: a group of n a branch)
         if self.kind != "diffusion" and ":" not in self.kind:  # or the user's own Stage
             raise ConfigError(f"{where} runs diffusion stages only, not {self.kind!r}")
-        if self.workers_per_replica not in (1, n):
-            raise ConfigError(f"{where} {n} runs {n} workers per replica")
-        object.__setattr__(self, "workers_per_replica", n)
+        if self.workers_per_replica not in (1, 2 if self.cfg_parallel else n, ranks):
+            raise ConfigError(f"{where} {n} runs {ranks} workers per replica")
+        object.__setattr__(self, "workers_per_replica", ranks)
         # every rank decodes (a patch-parallel VAE) as it denoises: on the main thread, between
         # steps, where the ranks' exchanges keep one order - not beside the next steps
         object.__setattr__(self, "decode_overlap", False)
         if not devices and self.device != "cpu":
             raise ConfigError(
-                f"{where} {n}: a replica's {n} ranks need {n} devices: name them with "
-                f"--devices (devices: in YAML), {n} per replica, or run on --device cpu"
+                f"{where} {n}: a replica's {ranks} ranks need {ranks} devices: name them with "
+                f"--devices (devices: in YAML), {ranks} per replica, or run on --device cpu"
             )
-        if len(devices) % n:
-            raise ConfigError(f"{where} {n} takes devices {n} by {n}, not {len(devices)}")
-        for start in range(0, len(devices), n):
-            group = devices[start : start + n]
+        if len(devices) % ranks:
+            raise ConfigError(f"{where} {n} takes devices {ranks} by {ranks}, not {len(devices)}")
+        for start in range(0, len(devices), ranks):
+            group = devices[start : start + ranks]
             gpus = [d for d in group if d != "cpu"]
-            if 0 < len(gpus) < n:
+            if 0 < len(gpus) < ranks:
                 raise ConfigError(f"{where} {n}: a replica's ranks are all GPUs or all CPU")
             if len(set(gpus)) != len(gpus):
-                raise ConfigError(f"{where} {n}: a replica's ranks need {n} GPUs, not {group}")
+                raise ConfigError(f"{where} {n}: a replica's ranks need {ranks} GPUs, not {group}")
 
 
 def parse_size(text: str) -> tuple[int, int]:

@@ -46,8 +46,8 @@ def _check_cache(config: Any, where: str, diffusion: bool) -> None:
         raise ConfigError(f"{where}: --cache-threshold must be >= 0, not {config.cache_threshold}")
     if config.cfg_parallel or config.sequence_parallel > 1:
         raise ConfigError(
-            f"{where}: not with --cfg-parallel or --sequence-parallel yet (CFG-parallel ranks "
-            "run the pipeline's call, not our loop's rows; a sequence's shares would each "
+            f"{where}: not with --cfg-parallel or --sequence-parallel yet (a CFG-parallel rank 1 "
+            "would need its unconditional rows' caches; a sequence's shares would each "
             "measure a change of their own)"
         )
     if config.cuda_graphs == "on" or config.loras or config.lora_dir:

@@ -44,7 +44,8 @@ def add_parallel_args(g: Any) -> None:
         "tokens and the whole model, attention exchanging heads for tokens (Ulysses), and "
         "(Wan) decoding a band of each video: lower latency for one large video or image; "
         "--devices are taken N by N, --replicas defaults to their number / N; its decodes do "
-        "not overlap the next steps (--decode-overlap is off); not with --cfg-parallel yet",
+        "not overlap the next steps (--decode-overlap is off); with --cfg-parallel, 2 x N "
+        "ranks (a group of N for each guidance branch, --devices taken 2N by 2N)",
         type=int,
         metavar="N",
     )

@@ -20,6 +20,7 @@ from tests.models.tiny_qwen import tiny_qwen_image_edit_path, tiny_qwen_image_pa
 from tests.models.tiny_sdxl import tiny_sdxl_path
 from tests.models.tiny_wan22 import tiny_wan21_i2v_path, tiny_wan22_ti2v_path
 from tests.models.tiny_z_image import tiny_z_image_path
+from tests.stages.cfg_probe import local_branches
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import registry
 from vllm_omni_like.models.adapter import Guidance, adapter_for
@@ -381,7 +382,7 @@ class LocalLeader:
         return local(), self.model(*args, **kwargs)[0]
 
 
-def test_the_cfg_parallel_split_reproduces_one_rank(case):
+def test_the_cfg_parallel_split_of_a_pipeline_call_reproduces_one_rank(case):
     # one forward, or branches of two lengths: no split
     if case.name in ("flux", "qwen-image", "qwen-image-edit", "z-image"):
         with pytest.raises(ValueError, match="CFG-parallel does not run"):
@@ -389,10 +390,30 @@ def test_the_cfg_parallel_split_reproduces_one_rank(case):
         return
     one_rank = _run(case.stage(), case.request())
     stage = case.stage(batched_cfg=False)
-    stage.runtime.own = set()  # CFG-parallel ranks run the pipeline's call (registry.loops_for)
+    stage.runtime.own = set()  # (a mode that runs the pipeline's call: the generic family's)
     model = getattr(stage.runtime.pipe, stage.runtime.adapter.denoiser_name)
     leader = LocalLeader(model)
     stage.runtime.cfg = stage.runtime.adapter.split_cfg(leader)
     split = _run(stage, case.request())
     assert leader.calls == STEPS  # one exchange a step
+    assert np.abs(split.astype(int) - one_rank.astype(int)).max() <= 1
+
+
+def test_our_loops_cfg_parallel_split_reproduces_one_rank(case):
+    """Our own loop on CFG-parallel (rank 1's side in this process: `ServedBranches` over the
+    same stage's loop): each step's unconditional forward goes to rank 1, once a step, and the
+    output is one rank's (both branches in one forward) - each family's guidance (SD's CFG,
+    Qwen-Image's rescaled true CFG, Z-Image's, Wan's) applied on rank 0 alike."""
+    request = case.request()
+    request = dataclasses.replace(
+        request, params=dataclasses.replace(request.params, guidance_scale=4.0)
+    )
+    stage = case.stage(batched_cfg=False)
+    rt = stage.runtime
+    if rt.adapter.guidance in (Guidance.DISTILLED, Guidance.NONE):  # (FLUX.1: no branches)
+        return
+    leader = local_branches(stage)
+    split = _run(stage, request)
+    assert leader.calls == STEPS  # one exchange a step
+    one_rank = _run(case.stage(), request)
     assert np.abs(split.astype(int) - one_rank.astype(int)).max() <= 1

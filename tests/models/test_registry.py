@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from vllm_omni_like.models.limits import describe_stage
 from vllm_omni_like.models.registry import (
     ARCHITECTURES,
     FAMILIES,
@@ -15,7 +16,7 @@ from vllm_omni_like.models.registry import (
     family_of,
     loops_for,
 )
-from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path
+from vllm_omni_like.pipelines.catalog import ARCH_OPTIONS, arch_path, resolve
 
 IMAGE_VAE = {"block_out_channels": [128, 256, 512, 512]}
 VIDEO_VAE = {"scale_factor_spatial": 8, "scale_factor_temporal": 4}
@@ -106,9 +107,9 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     ti2v = {"text2video": ("own", None), "image2video": ("own", None)}
     assert loops_for(arch_path("wan2.2-ti2v-5b")) == ti2v  # (one shape group)
     assert loops_for(arch_path("wan2.1-t2v-1.3b")) == {"text2video": ("own", None)}
-    assert loops_for(arch_path("wan2.1-t2v-1.3b"), cfg_parallel=True) == {
-        "text2video": ("pipeline", "CFG-parallel ranks run the pipeline's call")
-    }
+    # (a replica of several ranks runs the same loops: CFG-parallel, sequence parallel)
+    served = resolve("tiny-video", cfg_parallel=True, devices=(0, 1))[0].stages[-1]
+    assert describe_stage(served)["loops"] == {"text2video": "own"}
     # (schedulers whose steps draw noise, keep three outputs or warm up by Runge-Kutta: ours)
     for i, (scheduler, config) in enumerate(
         [

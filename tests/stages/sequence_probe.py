@@ -58,17 +58,22 @@ class SequenceProbeStage(DiffusionStage):
         vae = getattr(rt.pipe, "vae", None)
         if vae is not None:
             vae.decoder.register_forward_hook(rows)
-        if self.ranks.rank > 0:
-            return
-        defer = rt.defer
+        if self.ranks.rank == 0:
+            keep_latents(rt, where)
 
-        def keep(batch, media, seeds, frames, decoder):  # type: ignore[no-untyped-def]
-            row = 0
-            for r in batch:
-                rows = rt.rows_of(r)
-                path = os.path.join(where, f"{r.request_id}.pt")
-                torch.save(media[row : row + rows].float().cpu().clone(), path)
-                row += rows
-            return defer(batch, media, seeds, frames, decoder)
 
-        rt.defer = keep  # type: ignore[method-assign]
+def keep_latents(rt: Any, where: str) -> None:
+    """Rank 0 (or one rank): each request's final latents, before the VAE, to
+    `<where>/<request id>.pt` (float32)."""
+    defer = rt.defer
+
+    def keep(batch, media, seeds, frames, decoder):  # type: ignore[no-untyped-def]
+        row = 0
+        for r in batch:
+            rows = rt.rows_of(r)
+            path = os.path.join(where, f"{r.request_id}.pt")
+            torch.save(media[row : row + rows].float().cpu().clone(), path)
+            row += rows
+        return defer(batch, media, seeds, frames, decoder)
+
+    rt.defer = keep

@@ -1,6 +1,8 @@
 """CFG-parallel (parallel/cfg_parallel.py) on the CPU: two gloo ranks per replica in real worker
-processes. The same images and videos as one rank at the same seed; a rank that dies or stops
-mid-step takes its replica down at once, which restarts whole, and the request re-runs."""
+processes, rank 0 running our own loop (tests/stages/test_cfg_parallel_loop.py: its latents
+against one rank's, the families, joins). The same images and videos as one rank at the same
+seed; a rank that dies or stops mid-step takes its replica down at once, which restarts whole,
+and the request re-runs."""
 
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def test_images_equal_one_rank_and_rank_0_computes_half_the_batch(cfgp, referenc
 
 @pytest.mark.drill  # (the suite's time; tests/models/ checks Wan's split in one process)
 def test_a_video_equals_one_rank(tmp_path, monkeypatch):
-    """Wan: the pipeline's second (unconditional) call is rank 1's. Compiled (dynamo's eager
+    """Wan: each step's unconditional forward is rank 1's. Compiled (dynamo's eager
     backend: real tracing, no C compiler): rank 0's warm-up at load drives rank 1's. Both
     ranks write their timelines (stages/trace.py): rank 0 a step's end per step, rank 1 each
     branch's start and end."""
@@ -173,9 +175,16 @@ def test_a_video_equals_one_rank(tmp_path, monkeypatch):
         "diffusion-rank1-timeline.jsonl",
     ]
     lines = (tmp_path / "diffusion-rank0-timeline.jsonl").read_text().splitlines()
-    (leader,) = [json.loads(line) for line in lines]  # the warm-up is no batch of its own
-    # (CFG-parallel ranks run the pipeline's call: no running set, so no "joined" mark)
-    assert leader["labels"] == ["begin"] + ["local", "local_done", "step"] * 4 + ["synced"]
+    # our own loop's running set: the warm-up's two batches (without guidance: rank 0 alone;
+    # with it), then the request's, each from its rows' join
+    plain, guided, leader = [json.loads(line) for line in lines]
+    assert plain["labels"] == ["begin", "joined", "step", "step", "synced"]
+    assert guided["labels"] == ["begin", "joined"] + ["local", "local_done", "step"] * 2 + [
+        "synced"
+    ]
+    assert leader["labels"] == ["begin", "joined"] + ["local", "local_done", "step"] * 4 + [
+        "synced"
+    ]
     assert leader["ms"] == sorted(leader["ms"]) and leader["ms"][0] == 0
     lines = (tmp_path / "diffusion-rank1-timeline.jsonl").read_text().splitlines()
     warm_up, served = [json.loads(line) for line in lines]

@@ -57,8 +57,8 @@ def test_config_takes_devices_n_by_n_and_refuses_what_does_not_fit():
         ({"sequence_parallel": 2, "device": "cpu", "kind": "llm"}, "diffusion stages only"),
         ({"sequence_parallel": 2, "device": "cpu", "workers_per_replica": 3}, "2 workers"),
         (
-            {"sequence_parallel": 2, "cfg_parallel": True, "devices": (0, 1, 2, 3)},
-            r"CFG-parallel x sequence parallel \(2 x 2 ranks\) is not built yet",
+            {"sequence_parallel": 2, "cfg_parallel": True, "devices": tuple(range(6))},
+            "4 by 4, not 6",
         ),
     ):
         with pytest.raises(ConfigError, match=why):
@@ -123,7 +123,7 @@ def _sequence_parallel(
     finally:
         pids = ex.pids
         ex.shutdown()
-    assert len(pids) == n and not any(psutil.pid_exists(p) for p in pids)
+    assert len(pids) == config.workers_per_replica and not any(psutil.pid_exists(p) for p in pids)
     return msgs
 
 

@@ -41,13 +41,16 @@ def faults(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def sequence_engine(faults: Path, n: int, retries: int) -> Iterator[AsyncOmni]:
-    """tiny-video on one replica of `n` ranks running the fault stage; restarts without
-    back-off, so that each test finds it ready again within a load's time."""
+def sequence_engine(
+    faults: Path, n: int, retries: int, cfg_parallel: bool = False
+) -> Iterator[AsyncOmni]:
+    """tiny-video on one replica of `n` ranks (2 x `n` with `cfg_parallel`) running the fault
+    stage; restarts without back-off, so that each test finds it ready again within a load's
+    time."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stage_pool, "RESTART_BACKOFF_S", (0.0,))
         mp.setenv(FAULT_ENV, str(faults))  # (the workers and their restarts inherit it)
-        stage_kw = {**KW, "sequence_parallel": n}
+        stage_kw = {**KW, "sequence_parallel": n, "cfg_parallel": cfg_parallel}
         with engine(
             "tiny-video",
             stage_kw=stage_kw,
@@ -214,6 +217,19 @@ def test_four_ranks_one_killed_during_an_all_to_all_and_the_request_re_runs(faul
     request re-runs there (`--max-request-retries 1`) to one rank's video."""
     with sequence_engine(faults, 4, retries=1) as eng:
         out, took = fail_mid_exchange(eng, faults, 4, 2, "kill", seed=6)
+        assert took <= KILL_BOUND_S, f"every rank gone after {took:.2f}s"
+        want = reference(GenerationParams(num_inference_steps=4, seed=6, **SIZE), "text2video")
+        assert np.abs(_frames(out) - want.video.frames.astype(int)).max() <= 1
+
+
+@pytest.mark.drill  # (four ranks on two cores)
+def test_cfg_parallel_x_sequence_parallel_a_rank_killed_during_an_all_to_all(faults, reference):
+    """CFG-parallel x sequence parallel, 2 x 2 ranks: rank 3 (of the unconditional branch's
+    group, led by rank 2) SIGKILLed in its group's all-to-all while ranks 0 and 1 are in
+    theirs: all four gone within 1 s, four new ones; the request re-runs there to one rank's
+    video."""
+    with sequence_engine(faults, 2, retries=1, cfg_parallel=True) as eng:
+        out, took = fail_mid_exchange(eng, faults, 4, 3, "kill", seed=6)
         assert took <= KILL_BOUND_S, f"every rank gone after {took:.2f}s"
         want = reference(GenerationParams(num_inference_steps=4, seed=6, **SIZE), "text2video")
         assert np.abs(_frames(out) - want.video.frames.astype(int)).max() <= 1

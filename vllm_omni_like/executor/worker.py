@@ -230,6 +230,8 @@ class _Worker:
         parts: list[Deferred | StageOutput] = [part] if part is not None else []
         job = Job(-1, list(owners), now, self.control.max_model_batch, parts)
         job.owners, job.groups = owners, ended
+        for group in ended:  # (CFG-parallel's rank 1 served their steps: it serves the next)
+            self._guard(self._end_branches, group.batch_id)
         job.phases["denoise"] = max((now - g.started for g in ended), default=0.0)
         self._hand_over(job)
 
@@ -396,7 +398,7 @@ def run_worker(
         level=logging.INFO, format=f"%(asctime)s [{config.name}:{rank}] %(levelname)s %(message)s"
     )
     _process_local_locks()
-    ranks = Ranks(rank, config.workers_per_replica, rendezvous)
+    ranks = Ranks(rank, config.workers_per_replica, rendezvous, config.sequence_parallel)
     worker = _Worker(channel, config, ranks, device, faults)
     if not worker.load():
         sys.exit(1)

@@ -159,7 +159,7 @@ def describe_stage(stage: StageConfig) -> StageFamily | None:
         return None
     check_quantization(stage.name, family, stage.quantization)  # (a start-up error)
     check_step_cache(stage.name, family, stage.cache)
-    loops = loops_for(model_path(stage), stage.cfg_parallel)
+    loops = loops_for(model_path(stage))
     return {
         "family": family.name,
         "loop": loops[family.modes[0]][0],

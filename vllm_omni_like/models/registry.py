@@ -56,10 +56,11 @@ def family_of(path: str) -> Family:
     )
 
 
-def loops_for(path: str, cfg_parallel: bool = False) -> dict[Mode, tuple[Loop, str | None]]:
+def loops_for(path: str) -> dict[Mode, tuple[Loop, str | None]]:
     """Per mode of the model at `path`: which denoising loop its batches run, "own" or
     "pipeline" (the diffusers pipeline's call), and why not our own (None where it is).
-    The API process (batching, `/health`, `/metrics`) and the worker decide alike."""
+    The API process (batching, `/health`, `/metrics`) and the worker decide alike; a replica
+    of several ranks (CFG-parallel, sequence parallel) runs the same loops as one."""
     family = family_of(path)
     index = read_config(path, "model_index.json")
     scheduler = str((index.get("scheduler") or [None, ""])[1])
@@ -71,8 +72,6 @@ def loops_for(path: str, cfg_parallel: bool = False) -> dict[Mode, tuple[Loop, s
             # the only loop known for a pipeline no family claims)
             what = " (a diffusers pipeline no family claims)" if family.name == "generic" else ""
             why = f"{family.name}{what}: {mode} runs the pipeline's call"
-        elif cfg_parallel:
-            why = "CFG-parallel ranks run the pipeline's call"
         elif problem is not None:
             why = f"the model's scheduler: {problem}"
         loops[mode] = ("pipeline", why) if why else ("own", None)

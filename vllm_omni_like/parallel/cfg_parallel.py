@@ -1,11 +1,14 @@
 """CFG-parallel: the two guidance branches of every denoising step on two ranks (two GPUs).
 
-Rank 0 (the leader) runs the pipeline as one GPU would; its denoiser is wrapped so that at each
-step the unconditional branch's inputs go to rank 1, rank 0 computes the conditional branch
-meanwhile, then takes rank 1's output back, and the pipeline combines the two as it always
-does. Rank 1 runs no pipeline: between batches it waits on its worker's pipe (no collective is
-open while a replica idles, so none can time out), and during a batch it serves rank 0's calls
-until rank 0 says the batch's denoising ended (`end`).
+Rank 0 (the leader) runs our own loop and its running set as one GPU would (stages/diffusion/
+step.py): at each step the unconditional forward's inputs go to rank 1 (`LoopBranches`), rank 0
+computes the conditional forward meanwhile, then takes rank 1's output back and combines the
+two as the one-rank loop does. Where a mode runs the pipeline's call instead (the generic
+family), the pipeline's denoiser is wrapped to the same effect (`SplitCFG`, `PairCFG`). Rank 1
+runs no loop (`ServedBranches`: the loop's denoiser call, or the denoiser): between batches it
+waits on its worker's pipe (no collective is open while a replica idles, so none can time out),
+and during a batch it serves rank 0's calls until rank 0 says the batch's denoising ended
+(`end`; a running set's groups end in any order).
 
 Control flow is rank 0's alone: aborts, per-request errors, bisection and requests without
 guidance (run on rank 0 alone) need no agreement between the ranks, and the two cannot drift
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -121,7 +125,13 @@ class Leader:
 
     def settle(self) -> None:
         """Raise if any of rank 1's branches since `arm` failed (its log says how)."""
-        statuses, self.statuses, self.passed = self.statuses, [], []
+        self.passed = []
+        self.check()
+
+    def check(self) -> None:
+        """Raise if any of rank 1's branches since the last check failed (our own loop checks
+        each step's: a failed step is bisected; the tensors it passed stay rank 1's)."""
+        statuses, self.statuses = self.statuses, []
         codes = set(torch.cat(statuses).tolist()) if statuses else set()
         if OUT_OF_MEMORY in codes:
             raise PeerOutOfMemory("CFG-parallel rank 1 ran out of memory on its branch")
@@ -139,6 +149,10 @@ class Follower:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.outputs: dict[tuple, Spec] = {}
+        # the previous call's tensors (its kept ones come again, in the next batch too: our
+        # own loop's running set steps on across its batches' ends)
+        self.held: list[torch.Tensor] = []
+        self.ended: set[int] = set()  # batches rank 0 ended before this rank served them
 
     def serve(
         self, model: Any, batch_id: int, mark: Callable[[str], None] = lambda label: None
@@ -146,18 +160,26 @@ class Follower:
         """Run rank 0's branch calls on `model` until it ends batch `batch_id`. A call of a new
         shape answers with a status object (the output's shape); others with a status tensor
         and an output of the remembered shape (zeros after a failure, which rank 0's `settle`
-        reports). `mark` is called as each branch starts and ends (stages/trace.py)."""
+        reports). `mark` is called as each branch starts and ends (stages/trace.py). Rank 0
+        ends each batch once, in the order its batches end (a running set's short group may end
+        before a long one that came first): an end of another batch is kept, and that batch,
+        when its turn comes, is over at once."""
+        if batch_id in self.ended:
+            self.ended.discard(batch_id)
+            return
         link = self.link
-        held: list[torch.Tensor] = []  # the previous call's tensors (its kept ones come again)
         while True:
             match link.recv_obj():
-                case ("end", ended) if ended == batch_id:
-                    return
+                case ("end", ended):
+                    if ended == batch_id:
+                        return
+                    self.ended.add(ended)
+                    continue
                 case ("call", meta, specs, first):
                     tensors = [link.recv(shape, dtype) for shape, dtype in specs]
                     every: list[torch.Tensor] = []
-                    args, kwargs = unpack_args(meta, tensors, every, held)
-                    held = every
+                    args, kwargs = unpack_args(meta, tensors, every, self.held)
+                    self.held = every
                 case other:
                     raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
             key = shape_key(args, kwargs, every)
@@ -201,6 +223,53 @@ class Follower:
                 torch.cuda.empty_cache()
             logger.warning("CFG-parallel rank 1: the branch of batch %d raised %r", batch_id, exc)
             return code, None, f"{type(exc).__name__}: {exc}"
+
+
+LOOP_CALL = "loop_inputs"  # the keyword that marks our own loop's forward (not a denoiser's)
+
+
+@dataclass(frozen=True)
+class _OnHost:
+    """A tensor kept on the host (Z-Image's token counts) where the ranks' tensors go through
+    the device: it travels in the header."""
+
+    tensor: torch.Tensor
+
+
+class LoopBranches:
+    """Rank 0 of our own loop (stages/diffusion/step.py): a step's unconditional forward, its
+    inputs padded to its bucket as a forward here pads them, runs on rank 1 while the
+    conditional one runs here; rank 1's status is checked before the step goes on, so a
+    failed branch fails the step (which the running set bisects), not a later one."""
+
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+
+    def alongside(self, local: Callable[[], T], inputs: dict, at: list[float] | None) -> tuple:
+        """`local()` here while rank 1 runs `inputs` (host timesteps `at`); both outputs."""
+        device = self.leader.link.device
+        host = lambda t: _OnHost(t) if t.device != device else t  # noqa: E731
+        sent = map_leaves(inputs, lambda v: host(v) if isinstance(v, torch.Tensor) else v)
+        self.leader.statuses.clear()  # (a failed step's, whose status nobody read)
+        mine, theirs = self.leader.alongside(local, (), {LOOP_CALL: sent, "at": at})
+        self.leader.check()
+        return mine, theirs
+
+
+class ServedBranches:
+    """What rank 1 runs for rank 0: our own loop's unconditional forward (`loop`: the
+    adapter's call on its inputs, stages/diffusion/step.py) or, where a mode runs the
+    pipeline's call, the denoiser's branch (`denoiser`)."""
+
+    def __init__(self, denoiser: Any, loop: Callable[[dict, list[float] | None], Any]) -> None:
+        self.denoiser = denoiser
+        self.loop = loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if LOOP_CALL not in kwargs:
+            return self.denoiser(*args, **kwargs)
+        unwrap = lambda v: v.tensor if isinstance(v, _OnHost) else v  # noqa: E731
+        return (self.loop(map_leaves(kwargs[LOOP_CALL], unwrap), kwargs["at"]),)
 
 
 class SplitCFG(DenoiserWrapper):

@@ -1,6 +1,7 @@
-"""The ranks of a replica rank 0 leads, point to point between rank 0 and each other rank, and
-collectives over all of them: CFG-parallel's two (parallel/cfg_parallel.py runs the exchange
-over it), sequence parallelism's N (parallel/sequence_parallel.py).
+"""The ranks of a replica rank 0 leads, point to point between rank 0 (or a group's leader) and
+each other rank, and collectives over a group: CFG-parallel's two (parallel/cfg_parallel.py
+runs the exchange over it), sequence parallelism's N (parallel/sequence_parallel.py), and both
+at once: two groups of N, the second led by rank N, rank 0's CFG-parallel partner.
 
 torch.distributed (NCCL on CUDA, gloo on the CPU) carries the tensors, and a second, gloo (host
 memory) group the small objects that steer the exchange. A call's arguments travel as a header
@@ -76,9 +77,11 @@ def shape_key(args: tuple, kwargs: dict, every: list[torch.Tensor]) -> tuple:
 
 
 class Link:
-    """The ranks of one replica: rank 0 and each other rank point to point (`peer`: the other
-    rank of two, or rank 0 for the others; rank 0 of more names its peer), and collectives
-    over all of them (`collectives`: their connections made at the start too)."""
+    """The ranks of one replica: rank 0 and each other rank point to point, and collectives
+    over a sequence-parallel group (`collectives`: their connections made at the start too).
+    `peer`, the default one: rank 0's CFG-parallel partner (rank 1, or the second group's
+    leader), that partner's rank 0, any other rank its group's leader (`leader`; rank 0 and
+    the second group's leader name their group's `members`)."""
 
     def __init__(
         self, ranks: Ranks, device: torch.device, timeout_s: float, collectives: bool = False
@@ -87,7 +90,13 @@ class Link:
             raise ValueError(f"a link needs 2 ranks or more and a rendezvous, not {ranks}")
         self.rank = ranks.rank
         self.size = ranks.size
-        self.peer = 1 if ranks.rank == 0 else 0
+        n = self.sequence = ranks.sequence  # (1: no sequence parallelism)
+        self.leader = ranks.rank - ranks.rank % n  # this rank's group's leader
+        self.members = tuple(range(self.leader, self.leader + n))
+        if ranks.rank == 0:
+            self.peer = n if ranks.size > n else 1
+        else:
+            self.peer = 0 if ranks.rank == self.leader else self.leader
         self.device = device
         self._codes: dict[int, torch.Tensor] = {}
         if device.type == "cuda":  # (NCCL's connections come with the first exchanges below)
@@ -105,31 +114,46 @@ class Link:
         )
         # objects go host to host (gloo), whatever the tensors' backend
         self._objects = dist.new_group(backend="gloo", timeout=timeout)
+        self._group = dist.group.WORLD  # (one group of sequence parallelism: every rank)
+        if n < ranks.size:  # every rank makes every group, in one order
+            made = [
+                dist.new_group(list(range(s, s + n)), timeout=timeout)
+                for s in range(0, ranks.size, n)
+            ]
+            self._group = made[ranks.rank // n]
         self._handshake(collectives)
 
     def _handshake(self, collectives: bool) -> None:
         """The first exchanges set up the connections between the ranks: here, not in a
         request: objects, then tensors (NCCL makes a pair's at its first send), then the
-        collectives' (at the first one)."""
-        others = range(1, self.size) if self.rank == 0 else (0,)
-        for peer in others:
-            if self.rank == 0:
-                self.send_obj(("hello", 0), peer)
-            if self.recv_obj(peer) != ("hello", peer):
-                raise RankDiverged(f"rank {peer} did not answer the handshake")
-            if self.rank > 0:
-                self.send_obj(("hello", self.rank), peer)
-            if self.rank == 0:
-                self.send(self.code(0), peer)
-            elif self.recv((1,), "int64", peer).item() != 0:
-                raise RankDiverged("rank 0's first tensor was not the handshake")
+        collectives' (at the first one). The pairs that exchange - rank 0 and each other rank,
+        a later group's leader and its members - in one order on every rank."""
+        n = self.sequence
+        pairs = [(0, r) for r in range(1, self.size)]
+        pairs += [(s, r) for s in range(n, self.size, n) for r in range(s + 1, s + n)]
+        for first, second in pairs:
+            if self.rank in (first, second):
+                self._greet(second if self.rank == first else first, self.rank == first)
         if collectives:
             self.broadcast(self.code(0).clone())
 
+    def _greet(self, peer: int, first: bool) -> None:
+        if first:
+            self.send_obj(("hello", self.rank), peer)
+        if self.recv_obj(peer) != ("hello", peer):
+            raise RankDiverged(f"rank {peer} did not answer the handshake")
+        if not first:
+            self.send_obj(("hello", self.rank), peer)
+        if first:
+            self.send(self.code(0), peer)
+        elif self.recv((1,), "int64", peer).item() != 0:
+            raise RankDiverged(f"rank {peer}'s first tensor was not the handshake")
+
     @property
     def group(self) -> Any:
-        """Every rank's (device) process group, for collectives."""
-        return dist.group.WORLD
+        """This rank's sequence-parallel (device) process group, for collectives: every rank,
+        or (CFG-parallel x sequence parallel) its branch's group."""
+        return self._group
 
     def _io(self, what: str, peer: int | str, run: Callable[[], T]) -> T:
         try:
@@ -138,8 +162,9 @@ class Link:
             raise RankDiverged(f"rank {self.rank}: {what} {peer} failed: {exc}") from exc
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """`tensor` from rank 0 to every rank (each other rank's `tensor` receives it)."""
-        self._io("broadcast with", "every rank", lambda: dist.broadcast(tensor, src=0))
+        """`tensor` from the group's leader to its every rank (the others' `tensor` receive it)."""
+        run = lambda: dist.broadcast(tensor, src=self.leader, group=self._group)  # noqa: E731
+        self._io("broadcast with", "every rank", run)
 
     def send_obj(self, obj: object, peer: int | None = None) -> None:
         """A small object, host to host: one fixed-size message (a longer one in a second)."""

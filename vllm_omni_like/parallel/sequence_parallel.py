@@ -11,7 +11,8 @@ every rank runs the same forward on the same inputs, its adapter's hooks splitti
 other ranks (followers) run no loop: between batches they wait on their worker's pipe (no
 collective is open while a replica idles), and during a batch they serve rank 0's forwards
 until rank 0 ends it. No control decision needs a vote: the followers only ever do what the
-header says.
+header says. With CFG-parallel beside it, rank N leads a second group the same way, through
+the unconditional forwards rank 0 hands it (`Link.members`: a leader's group).
 
 A forward's collectives bind the ranks together: a rank that fails inside one (out of memory
 included) leaves the others waiting in it, so any failure once the header went out ends the
@@ -68,7 +69,7 @@ class SequenceLeader:
         meta = pack_args((args, kwargs, state), tensors, every, kept)
         self.passed = every
         header = ("call", name, meta, [tensor_spec(t) for t in tensors])
-        for peer in range(1, link.size):
+        for peer in link.members[1:]:
             link.send_obj(header, peer)
         try:
             for t in tensors:
@@ -94,7 +95,7 @@ class SequenceLeader:
 
     def end(self, batch_id: int) -> None:
         """Batch `batch_id` needs no more forwards: the other ranks stop serving it."""
-        for peer in range(1, self.link.size):
+        for peer in self.link.members[1:]:
             self.link.send_obj(("end", batch_id), peer)
 
 

@@ -33,7 +33,7 @@ def plain_stage():
 
 
 def _compiled_stage(
-    max_batch: int, buckets: tuple[int, ...], model: str = "tiny-image"
+    max_batch: int, buckets: tuple[int, ...], model: str = "tiny-image", **config
 ) -> DiffusionStage:
     """A tiny model compiled with the eager backend (real dynamo tracing and guards, no C
     compiler needed), loaded: its buckets compiled and warmed up."""
@@ -46,6 +46,7 @@ def _compiled_stage(
             max_batch_size=max_batch,
             batch_buckets=buckets,
             options={"compile_backend": "eager"},
+            **config,
         )
     )
     stage.load("cpu")
@@ -106,6 +107,34 @@ def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     assert counters["stats"]["unique_graphs"] > graphs
     err = capfd.readouterr().err
     assert "Recompiling" in err and "size mismatch" in err
+
+
+@pytest.mark.slow
+def test_a_compiled_cfg_parallel_split_never_recompiles_for_new_row_mixes(capfd):
+    """CFG-parallel's split of our loop (rank 1's side in this process: tests/stages/
+    cfg_probe.py), compiled, buckets 1 and 4: each step's unconditional forward is padded to a
+    bucket as the conditional one is, so mixes of rows with and without guidance, joined at
+    other steps, run on the warm-up's graphs on both sides."""
+    from torch._dynamo.utils import counters
+
+    from tests.stages.cfg_probe import local_branches
+    from tests.stages.diffusion.test_running_set import _Harness, _req
+
+    stage = _compiled_stage(4, (1, 4), batched_cfg=False)  # (CFG-parallel's rank 0 runs so)
+    assert stage.runtime.denoise.buckets == (1, 4)  # (no bucket of CFG pairs: a branch a rank)
+    leader = local_branches(stage)
+    graphs = counters["stats"]["unique_graphs"]
+    h = _Harness(stage, group=(4, 0.0))
+    h.add(1, _req("a", 1, 5), _req("b", 2, 5, guidance_scale=1.0))  # 2 rows, 1 guided
+    h.steps(2)
+    h.add(2, _req("c", 3, 4, guidance_scale=3.0), _req("d", 4, 4, guidance_scale=9.0))
+    h.steps()
+    assert sorted(h.outputs) == ["a", "b", "c", "d"] and all(
+        o.error is None for o in h.outputs.values()
+    )
+    assert leader.calls == 6  # a step each: a's 5, then c's and d's last one
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+    assert "Recompiling" not in capfd.readouterr().err
 
 
 @pytest.mark.slow

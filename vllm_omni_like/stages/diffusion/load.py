@@ -19,32 +19,19 @@ from vllm_omni_like.models.limits import check_step_cache
 from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
-from vllm_omni_like.parallel import cfg_parallel
-from vllm_omni_like.parallel.branches import BatchedCFG
-from vllm_omni_like.parallel.patch_decode import Bands
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
-from vllm_omni_like.parallel.sequence_parallel import (
-    SequenceFollower,
-    SequenceLeader,
-    SequenceParallelCall,
-    SequenceParallelDenoiser,
-    heads_note,
-)
-from vllm_omni_like.parallel.ulysses import SequenceShards
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
-from vllm_omni_like.stages.diffusion import lora_pool, quantize
+from vllm_omni_like.stages.diffusion import lora_pool, quantize, ranks_load
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.lora_pool import LoraPool
 from vllm_omni_like.stages.diffusion.prompt_embeds import PromptEncoder
 from vllm_omni_like.stages.diffusion.runtime import (
-    CfgRanks,
     Defaults,
     DiffusionRuntime,
-    SequenceRanks,
     Speed,
 )
 from vllm_omni_like.stages.diffusion.step import DenoiseLoop
@@ -62,8 +49,6 @@ from vllm_omni_like.wire import Mode
 # the stage's logger: what the load says comes from the stage, under the name it always had
 logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
 
-CfgWrapper = BatchedCFG | cfg_parallel.SplitCFG  # a denoiser wrapped to run both branches
-
 
 def load_runtime(
     config: StageConfig, options: DiffusionOptions, ranks: Ranks, device_name: str
@@ -72,11 +57,11 @@ def load_runtime(
     # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
     path, device = _model_dir(config), resolve_device(device_name)
     dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
-    link = _connect_ranks(config, ranks, device)
+    link = ranks_load.connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call
     family, pipe, adapter = _load_pipeline(config, path, device, dtype)
-    loops, own = _choose_loops(config.name, path, family, config.cfg_parallel)
+    loops, own = _choose_loops(config.name, path, family)
     # 3. text, limits, what a request leaves unsaid
     text = _prompt_encoder(pipe, adapter, options, device)
     limits = model_limits.diffusion_limits(config)
@@ -85,9 +70,9 @@ def load_runtime(
     precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
     # 5. our own loop (its LoRA pool); sequence parallelism: rank 0's forwards on every rank
     denoise = _own_loop(config, adapter, device, text, buckets, loras)
-    seq_ranks = _sequence_ranks(config, ranks, link, pipe, adapter, loras)
+    seq_ranks = ranks_load.sequence_ranks(config, ranks, link, pipe, adapter, loras)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
-    cfg, cfg_ranks = _guidance(config, ranks, link, tracer, pipe, adapter, family.modes[0] in own)
+    cfg, cfg_ranks = ranks_load.guidance(config, ranks, link, tracer, adapter, denoise, own)
     # 7. what runs beside the steps (rank 0): the batch probe, edit pipelines, side stream
     probe, edit_pipes, side_stream = _beside(config, ranks, pipe, adapter, device, cfg)
     return DiffusionRuntime(
@@ -126,57 +111,6 @@ def _model_dir(config: StageConfig) -> str:
         path = ensure_tiny_model(path)
     check_model_dir(path, "model_index.json")
     return path
-
-
-def _connect_ranks(config: StageConfig, ranks: Ranks, device: torch.device) -> Link | None:
-    """CFG-parallel, sequence parallelism: meet the other ranks first (they load meanwhile);
-    the process group's timeout is a backstop behind the executor's death and stall
-    detection."""
-    if not config.leads:
-        return None
-    backstop = (
-        max(config.load_timeout, config.compile_timeout, config.cold_timeout) + config.stall_timeout
-    )
-    return Link(ranks, device, backstop, collectives=config.sequence_parallel > 1)
-
-
-def _split_sequence(config: StageConfig, ranks: Ranks, link: Link | None, adapter: Adapter) -> None:
-    """Sequence parallelism: the family's split of its denoisers' tokens over the ranks."""
-    if link is None or config.sequence_parallel == 1:
-        return
-    heads = adapter.split_sequence(SequenceShards(ranks.rank, ranks.size, link.group))
-    if (note := heads_note(heads, ranks.size)) is not None:
-        logger.warning("stage %s: %s", config.name, note)
-
-
-def _sequence_ranks(
-    config: StageConfig,
-    ranks: Ranks,
-    link: Link | None,
-    pipe: Any,
-    adapter: Adapter,
-    loras: LoraPool | None,
-) -> SequenceRanks | None:
-    """Rank 0's denoisers (and a patch-parallel VAE's decode) hand each call to the other
-    ranks, which keep only those models (compiled or not) and serve them; the LoRA pool's
-    slots and each forward's rows go with them (every rank holds the pool)."""
-    if link is None or config.sequence_parallel == 1:
-        return None
-    models: dict[str, Any] = {expert.name: expert.model for expert in adapter.experts()}
-    vae = adapter.split_decode(Bands(ranks.rank, ranks.size, link.group))
-    if vae is not None:
-        models[f"{vae}.decode"] = getattr(pipe, vae).decode
-    if ranks.rank > 0:
-        cfg_parallel.keep_only(pipe, adapter.keep_for_branches() | ({vae} if vae else set()))
-        return SequenceRanks(link, None, SequenceFollower(link, loras), models)
-    leader = SequenceLeader(link, loras)
-    for name, model in models.items():
-        owner, _, method = name.partition(".")
-        if method:  # (a component's method: its decode)
-            setattr(getattr(pipe, owner), method, SequenceParallelCall(model, name, leader))
-        else:
-            setattr(pipe, name, SequenceParallelDenoiser(model, name, leader))
-    return SequenceRanks(link, leader, None, models)
 
 
 def _check_text_encoder(config: StageConfig, path: str) -> None:
@@ -235,11 +169,11 @@ def _say_experts(name: str, adapter: Adapter) -> None:
 
 
 def _choose_loops(
-    name: str, path: str, family: Family, cfg_parallel: bool
+    name: str, path: str, family: Family
 ) -> tuple[dict[Mode, tuple[Loop, str | None]], set[Mode]]:
     """Per mode: our own denoising loop, or the pipeline's call and why (logged where the
     family's own loop would have run it); and the modes our own loop runs."""
-    loops = loops_for(path, cfg_parallel)
+    loops = loops_for(path)
     own = {mode for mode, (loop, _) in loops.items() if loop == "own"}
     for mode, (_, why) in loops.items():
         if mode in family.own_loop and why is not None:
@@ -313,7 +247,7 @@ def _denoisers(
     compiled."""
     precision = _quantize(config, adapter, device, dtype)
     loras = lora_pool.build(config, adapter, dtype, leader=ranks.rank == 0)
-    _split_sequence(config, ranks, link, adapter)
+    ranks_load.split_sequence(config, ranks, link, adapter)
     return precision, loras, _compile(config, options, adapter)
 
 
@@ -359,9 +293,10 @@ def _own_loop(
     guidance and without), each row with its LoRA adapters where the stage has a pool; with
     `--cache first-block`, its rows' step cache around the denoiser's blocks (compiled, where
     they are, before)."""
-    row_buckets = accel.model_row_buckets(adapter, buckets, config.batched_cfg)
+    batched = config.batched_cfg and not config.cfg_parallel  # (CFG-parallel: a branch a rank)
+    row_buckets = accel.model_row_buckets(adapter, buckets, batched)
     graphs = GraphRunner(backend_for(config, device), config.name)
-    loop = DenoiseLoop(adapter, device, text, row_buckets, config.batched_cfg, loras, graphs)
+    loop = DenoiseLoop(adapter, device, text, row_buckets, batched, loras, graphs)
     if config.cache == "first-block":
         stack = adapter.block_stack()  # (a family that has none refuses here: ConfigError)
         loop.cache = FirstBlockCache(stack, row_buckets, config.cache_decision == "lagged")
@@ -376,36 +311,13 @@ def _own_loop(
     return loop
 
 
-def _guidance(
-    config: StageConfig,
-    ranks: Ranks,
-    link: Link | None,
-    tracer: BatchTracer,
-    pipe: Any,
-    adapter: Adapter,
-    own_first: bool,
-) -> tuple[CfgWrapper | None, CfgRanks | None]:
-    """The denoiser's CFG wrapper (both branches in one forward of a pipeline that calls it
-    twice; or split over the ranks), and this rank's side of the CFG-parallel ranks (rank 1
-    keeps only what its denoiser needs). `own_first`: our own loop runs the family's first
-    mode (and batches the branches itself)."""
-    if link is None or not config.cfg_parallel:
-        return (adapter.batched_cfg() if config.batched_cfg and not own_first else None), None
-    branch_model = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
-    if ranks.rank > 0:
-        cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
-        return None, CfgRanks(link, None, cfg_parallel.Follower(link), branch_model)
-    leader = cfg_parallel.Leader(link, tracer.mark)
-    return adapter.split_cfg(leader), CfgRanks(link, leader, None, branch_model)
-
-
 def _beside(
     config: StageConfig,
     ranks: Ranks,
     pipe: Any,
     adapter: Adapter,
     device: torch.device,
-    cfg: CfgWrapper | None,
+    cfg: ranks_load.CfgWrapper | None,
 ) -> tuple[BatchDimProbe, dict[str, Any], torch.cuda.Stream | None]:
     """The batch probe, the edit pipelines and the side stream (a rank rank 0 leads, serving
     its denoiser only, needs none of them: its probe is attached to nothing)."""

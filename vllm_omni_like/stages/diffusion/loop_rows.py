@@ -74,6 +74,12 @@ class Plan:
     lora: LoraRows | None = None
     negative_lora: LoraRows | None = None
 
+    def cache_slots(self, branch: int = 0) -> list[tuple[RowCache | None, int]]:
+        """Each model row's step cache and branch: every row's conditional one (0), or the
+        unconditional one (1) of the rows with guidance."""
+        rows = self.group if branch == 0 else [self.group[j] for j in self.cfg]
+        return [(r.cache, branch) for r in rows]
+
 
 @dataclass(frozen=True)
 class Settings:

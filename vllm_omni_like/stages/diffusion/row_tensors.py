@@ -4,6 +4,8 @@ latent row (models/row_conditions.py); taken, padded and joined row by row."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_omni_like.models.columns import to_device
@@ -48,6 +50,11 @@ def pad_rows(value: Text, pad: int) -> Text:
 
 def pad_named(values: dict[str, torch.Tensor], pad: int) -> dict[str, torch.Tensor]:
     return {k: pad_tensor(v, pad) for k, v in values.items()}
+
+
+def pad_each(pad: int, *values: Any) -> tuple[Any, ...]:
+    """Each of `values` (rows-first tensors, named or not; None stays None), `pad` rows more."""
+    return tuple(None if v is None else pad_rows(v, pad) for v in values)
 
 
 def cat_rows(a: Text, b: Text) -> Text:

@@ -57,7 +57,7 @@ class DiffusionStage(Stage):
 
     def serve_branches(self, batch_id: int) -> None:
         """A rank > 0: serve rank 0's calls of batch `batch_id` (its CFG branches, or its
-        sequence-parallel forwards) until rank 0 ends it."""
+        sequence-parallel forwards; its group's leader's) until rank 0 (that leader) ends it."""
         rt = self.runtime
         with rt.tracer.batch():
             if rt.seq_ranks is not None and rt.seq_ranks.follower is not None:
@@ -67,6 +67,8 @@ class DiffusionStage(Stage):
                 "serve_branches on a stage that is no CFG-parallel rank 1"
             )
             rt.cfg_ranks.follower.serve(rt.cfg_ranks.branch_model, batch_id, rt.tracer.mark)
+            if rt.seq_ranks is not None and rt.seq_ranks.leader is not None:
+                rt.seq_ranks.leader.end(batch_id)  # (it led its group's forwards of the batch)
 
     def end_branches(self, batch_id: int) -> None:
         for ranks in (self.runtime.cfg_ranks, self.runtime.seq_ranks):
@@ -216,7 +218,7 @@ class DiffusionStage(Stage):
         return graphs.labels(), graphs.memory()
 
     def stepped_modes(self) -> tuple[Mode, ...]:
-        return tuple(sorted(self.runtime.own)) if self.runtime.cfg_ranks is None else ()
+        return tuple(sorted(self.runtime.own))
 
     def stepper(self, mode: Mode) -> RowStepper | None:
         """Our own loop's modes run as a running set (running_set.py); a pipeline call cannot."""

@@ -1,17 +1,14 @@
 """One denoising step of rows with their own steps, scheduler, guidance scale and seed.
 
-Our own denoising loop: every row with its own steps, scheduler and its state, guidance scale
-(CFG on or off) and seed, stepped together.
-
 A batch's text is encoded once on entry (each distinct prompt and negative prompt once); each
 row's noise comes from its own generator. Each step runs one forward over every live row's
 conditional branch and the unconditional branch of the rows with guidance (model rows: two per
-CFG row, one otherwise; a compiled denoiser pads them to its warmed-up bucket), combines each
-CFG row with its own scale, and steps every row with its own scheduler (models/row_schedulers.py:
-one vectorised update a kind, no `step()` per row). A row that ends its steps, or whose request
-is aborted, leaves the forward; the loop ends when none is left. What a row computes depends on
-its own inputs only, so it equals that row run alone (a batched matmul may round differently:
-tests/stages/diffusion/test_step.py bounds it). The latents go to the stage's deferred decode.
+CFG row, one otherwise; a compiled denoiser pads them to its warmed-up bucket; CFG-parallel: the
+unconditional rows' forward on rank 1 meanwhile, `branches`), combines each CFG row with its own
+scale, and steps every row with its own scheduler (models/row_schedulers.py: one vectorised
+update a kind, no `step()` per row). A row that ends its steps, or whose request is aborted,
+leaves the forward; the loop ends when none is left. A row equals that row run alone (a batched
+matmul may round differently: test_step.py bounds it). The latents go to the deferred decode.
 
 A row from an image (an instruction edit, image to video) carries its own conditioning, made
 once when it joins (`conditions`) and kept row by row beside the latents: each forward takes its
@@ -24,12 +21,11 @@ joins) and each forward hands the cache its model rows' (row, branch): the rows 
 whether to run the denoiser's blocks after the first (block_cache.py).
 
 A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
-slots and scales (the unconditional branch its row's) as device tensors; an adapter's own steps
-and guidance apply to its rows where the request leaves them unsaid.
+slots and scales (the unconditional branch its row's) as device tensors.
 
 What differs between families is the adapter's (models/adapter.py): `encode_text`, `noise`,
-`latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image
-(models/row_conditions.py) `condition`, `predict_conditioned`, `put_back`.
+`latent_dtype`, `predict`, `guide`, `scheduler`; for rows from an image `condition`,
+`predict_conditioned`, `put_back` (models/row_conditions.py).
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ from vllm_omni_like.models import row_schedulers as rs
 from vllm_omni_like.models.adapter import Adapter, Guidance
 from vllm_omni_like.models.columns import column, to_device
 from vllm_omni_like.models.row_conditions import Conditioning
+from vllm_omni_like.parallel.cfg_parallel import LoopBranches
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
@@ -57,9 +54,7 @@ from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
     cat_rows,
-    pad_named,
-    pad_rows,
-    pad_tensor,
+    pad_each,
     row_index,
     take,
     take_named,
@@ -95,6 +90,9 @@ class DenoiseLoop:
         # --cache first-block (block_cache.py; installed by the load), and its rows' threshold
         self.cache: FirstBlockCache | None = None
         self.cache_threshold = 0.0
+        # CFG-parallel's rank 0 (parallel/cfg_parallel.py, installed by the load): each step's
+        # unconditional forward on rank 1, beside the conditional one here
+        self.branches: LoopBranches | None = None
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(
@@ -306,39 +304,42 @@ class DenoiseLoop:
         scaled = rs.scale_input(states, latents)
         cfg, index = plan.cfg, plan.cfg_index
         uncond_rows = scaled if index is None else scaled[index]
-        cfg_states = [states[j] for j in cfg]
-        slots = [(r.cache, 0) for r in plan.group]  # (each model row's cache and branch)
-        cfg_slots = [(plan.group[j].cache, 1) for j in cfg]
         if cfg and self.batched_cfg:
             inputs = torch.cat([scaled, uncond_rows])
-            both = states + cfg_states
-            out = self._forward(
-                inputs, both, plan.texts, None, plan.conditioning, plan.lora, slots + cfg_slots
-            )
+            both = states + [states[j] for j in cfg]
+            slots = plan.cache_slots() + plan.cache_slots(1)
+            out = self._forward(inputs, both, plan.texts, None, plan.conditioning, plan.lora, slots)
             cond, uncond = out[: len(states)], out[len(states) :]
         else:
-            cond = self._forward(
-                scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora, slots
-            )
-            if not cfg:
+            cond, uncond = self._two_forwards(plan, scaled, uncond_rows)
+            if uncond is None:
                 return cond
-            assert plan.negatives is not None  # (a plan with guidance, two forwards)
-            negative = plan.negative_conditioning
-            uncond = self._forward(
-                uncond_rows,
-                cfg_states,
-                plan.negatives,
-                None,
-                negative,
-                plan.negative_lora,
-                cfg_slots,
-            )
         scale = plan.scale if plan.by_expert is None else self._expert_scale(plan, cond)
         if index is None:  # every row has guidance
             return self.adapter.guide(cond, uncond, scale)
         out = cond.clone()
         out[index] = self.adapter.guide(cond[index], uncond, scale)
         return out
+
+    def _two_forwards(
+        self, plan: Plan, scaled: torch.Tensor, uncond_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conditional forward of every row and the unconditional one of the rows with
+        guidance (None: no row has), one after the other; CFG-parallel (`branches`): the
+        unconditional one on rank 1 meanwhile, its inputs padded here as a forward pads them."""
+        states, cfg_states = [r.state for r in plan.group], [plan.group[j].state for j in plan.cfg]
+        slots = plan.cache_slots()
+        cond = (scaled, states, plan.texts, plan.embedded, plan.conditioning, plan.lora, slots)
+        if not plan.cfg:
+            return self._forward(*cond), None
+        assert plan.negatives is not None  # (a plan with guidance, two forwards)
+        uncond = (uncond_rows, cfg_states, plan.negatives, None, plan.negative_conditioning)
+        if self.branches is None:
+            negative = (plan.negative_lora, plan.cache_slots(1))
+            return self._forward(*cond), self._forward(*uncond, *negative)
+        inputs, at, _ = self._padded(*uncond)
+        mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at)
+        return mine, theirs[: len(cfg_states)]
 
     def _expert_scale(self, plan: Plan, like: torch.Tensor) -> float | torch.Tensor:
         """This step's scale of each guided row: its low-noise one where its timestep is under
@@ -368,24 +369,36 @@ class DenoiseLoop:
         one; `lora`: each model row's adapters; `slots`: each model row's step cache and
         branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
+        inputs, at, pad = self._padded(latents, states, text, guidance, conditioning)
+        if pad and lora is not None:
+            lora = pad_each(pad, *lora)
+        call = lambda given: self.run_denoiser(given, at)  # noqa: E731
+        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
+        with adapters, self._cached(slots, pad):
+            return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
+
+    def _padded(
+        self,
+        latents: torch.Tensor,
+        states: list[rs.Row],
+        text: Text,
+        guidance: torch.Tensor | None,
+        conditioning: Conditioning | None,
+    ) -> tuple[Inputs, list[float] | None, int]:
+        """A forward's inputs padded to the compiled bucket of its rows, its host timesteps
+        (two experts) and the rows of padding."""
+        rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
             times = times.contiguous()  # view of stride 0) would compile a second one
         pad = bucket_for(rows, self.buckets) - rows
         if pad:
-            latents, times = pad_tensor(latents, pad), pad_tensor(times, pad)
-            text = pad_rows(text, pad)
+            padded = pad_each(pad, latents, times, text, guidance, conditioning)
+            latents, times, text, guidance, conditioning = padded
             states = states + [states[-1]] * pad
-            guidance = None if guidance is None else pad_tensor(guidance, pad)
-            conditioning = None if conditioning is None else pad_named(conditioning, pad)
-            lora = None if lora is None else (pad_tensor(lora[0], pad), pad_tensor(lora[1], pad))
         at = [float(s.timestep) for s in states] if self.host_times else None
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
-        inputs |= {"guidance": guidance, "conditioning": conditioning}
-        call = lambda given: self._denoise(given, at)  # noqa: E731
-        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
-        with adapters, self._cached(slots, pad):
-            return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
+        return inputs | {"guidance": guidance, "conditioning": conditioning}, at, pad
 
     def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
         """The step cache's forward over these model rows (and `pad` rows of padding)."""
@@ -394,8 +407,9 @@ class DenoiseLoop:
         rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
         return self.cache.forward(rows + [None] * pad)
 
-    def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
-        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
+    def run_denoiser(self, inputs: Inputs, at: list[float] | None) -> Any:
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts); a
+        CFG-parallel rank 1 runs rank 0's unconditional forwards so."""
         latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
         if (conditioning := inputs["conditioning"]) is not None:
             return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
