@@ -372,9 +372,10 @@ class DenoiseLoop:
         at = [float(s.timestep) for s in states] if self.host_times else None
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
         inputs |= {"guidance": guidance, "conditioning": conditioning}
+        if lora is not None:  # (static inputs of a graph: copied in each step like the rest)
+            inputs["lora"] = {"index": lora[0], "scale": lora[1]}
         call = lambda given: self._denoise(given, at)  # noqa: E731
-        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
-        with adapters, self._cached(slots, pad):
+        with self._cached(slots, pad):
             return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
 
     def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
@@ -385,11 +386,15 @@ class DenoiseLoop:
         return self.cache.forward(rows + [None] * pad)
 
     def _denoise(self, inputs: Inputs, at: list[float] | None) -> Any:
-        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts)."""
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts), its
+        LoRA layers reading the rows' adapters from them (a graph's capture: its buffers)."""
         latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
-        if (conditioning := inputs["conditioning"]) is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
-        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
+        lora = inputs.get("lora")
+        rows = None if lora is None else (lora["index"], lora["scale"])
+        with nullcontext() if self.loras is None else self.loras.context.rows(rows):
+            if (conditioning := inputs["conditioning"]) is not None:
+                return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+            return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:
