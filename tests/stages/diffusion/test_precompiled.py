@@ -188,6 +188,7 @@ def test_a_compiled_stage_s_second_load_runs_its_denoiser_precompiled(tmp_path):
     images, counts = [], []
     for _ in range(2):
         before = dataclasses.replace(precompiled.COUNTS)
+        precompiled.LOADED.clear()  # (as a fresh process: nothing read yet)
         stage = DiffusionStage(config)
         stage.load("cpu")
         after = precompiled.COUNTS

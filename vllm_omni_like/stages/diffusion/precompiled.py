@@ -82,6 +82,9 @@ class Counts:
 
 
 COUNTS = Counts()
+# artifacts by path, each read once a process: every block of a kind shares its kind's (an
+# artifact holds no module - the module is an input -, and its guards run on each block's call)
+LOADED: dict[str, Any] = {}
 
 
 def available() -> bool:
@@ -119,13 +122,13 @@ class Precompiled:
 
     def _load(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         path = self.path(key)
+        if path in LOADED:
+            return LOADED[path]
         if not os.path.exists(path):
             return None
         try:
             with open(path, "rb") as f:
-                fn: Any = torch.compiler.load_compiled_function(
-                    f, external_data={"model": self.model}
-                )
+                fn: Any = torch.compiler.load_compiled_function(f)
             if (changed := stale_source(fn)) is not None:
                 raise RuntimeError(f"the source of {changed} changed since it was compiled")
             if not fn.guard_check(self.model, args, kwargs):
@@ -135,6 +138,7 @@ class Precompiled:
             return None
         fn.disable_guard_check()  # (checked before each call: a failed check runs dynamo's)
         COUNTS.loaded += 1
+        LOADED[path] = fn
         return fn
 
     def _compile(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -146,7 +150,7 @@ class Precompiled:
             )
             fn = compiled.aot_compile(((self.model, args, kwargs), {}))
             os.makedirs(self.directory, exist_ok=True)
-            fn.save_compiled_function(self.path(key), external_data={"model": self.model})
+            fn.save_compiled_function(path := self.path(key))  # (no module in it: an input)
         except Exception as exc:
             name = type(self.model).__name__
             if name not in COUNTS.warned:
@@ -159,6 +163,7 @@ class Precompiled:
             return None
         fn.disable_guard_check()
         COUNTS.saved += 1
+        LOADED[path] = fn
         return fn
 
     def _warn(self, message: str) -> None:
@@ -258,9 +263,18 @@ def stale_source(fn: Any) -> str | None:
     for source in fn._artifacts.source_info.inlined_sources:
         module = sys.modules.get(source.module)
         try:
-            now = inspect.getsource(module) if module is not None else None
-        except (OSError, TypeError):
-            now = None
-        if now != source.content:
+            if module is None:
+                return str(source.module)
+            if hasattr(source, "content"):  # (torch 2.13: the module's whole source)
+                if inspect.getsource(module) != source.content:
+                    return str(source.module)
+                continue
+            # (earlier: the checksum of the inlined function's lines)
+            from torch._dynamo.package import _hash_sourcelines
+
+            now = _hash_sourcelines(module, source.firstlineno, source.lastlineno)
+        except (OSError, TypeError, ImportError):
+            return str(source.module)
+        if now != source.checksum:
             return str(source.module)
     return None
