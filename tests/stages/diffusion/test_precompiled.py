@@ -42,7 +42,9 @@ import tiny_precompiled_model as tinymod
 torch.manual_seed(0)
 model = tinymod.Tiny().eval()
 compiled = torch.compile(model, backend="inductor", dynamic=False)
-precompiled.Precompile(sys.argv[1], "salt", "diffusion").install(compiled, "inductor", "default")
+precompiled.Precompile(sys.argv[1], "salt", "diffusion").install(
+    model, compiled, "inductor", "default"
+)
 outs = []
 with torch.no_grad():
     for rows in (1, 2):  # two compiled shapes, each called twice
@@ -101,13 +103,12 @@ def test_a_restart_loads_every_shape_without_a_trace_and_a_changed_source_compil
 
 
 def _paths(monkeypatch, **change) -> str:
-    model = torch.compile(torch.nn.Linear(4, 4), backend="eager")
+    plain = torch.nn.Linear(4, change.pop("shape", 4))
     salt = change.pop("salt", "bf16")
     if "version" in change:
         monkeypatch.setattr(torch, "__version__", change.pop("version"))
-    if "shape" in change:
-        model = torch.compile(torch.nn.Linear(4, change.pop("shape")), backend="eager")
-    runner = Precompiled(model, "/c", salt, {"backend": "inductor"}, "d")
+    model = torch.compile(plain, backend="eager")
+    runner = Precompiled(plain, model, "/c", salt, {"backend": "inductor"}, "d")
     return runner.path(precompiled.signature((torch.ones(2, 4),), {}))
 
 
@@ -147,7 +148,7 @@ def test_a_forward_that_cannot_be_precompiled_runs_dynamo_s_compile_with_one_war
     model = torch.compile(plain, backend="eager", dynamic=False)
     before = precompiled.COUNTS.fallbacks
     precompiled.COUNTS.warned.discard("_Breaks")
-    Precompile(str(tmp_path), "salt", "diffusion").install(model, "eager", "default")
+    Precompile(str(tmp_path), "salt", "diffusion").install(plain, model, "eager", "default")
     with torch.no_grad():  # (as a stage runs)
         for rows in (1, 2, 2):
             x = torch.randn(rows, 4)

@@ -136,7 +136,7 @@ def compile_models(
         module = getattr(owner, name)
         setattr(owner, name, compiled := torch.compile(module, **kwargs))
         if precompile is not None and id(module) in inside:
-            precompile.install(compiled, backend, mode)
+            precompile.install(module, compiled, backend, mode)
         names.setdefault(path_of(adapter.pipe, owner), []).append(name)
     # (a list of blocks once: "transformer.layers.0-29")
     spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}

@@ -97,9 +97,15 @@ class Precompiled:
     `directory`, else compiled ahead of time and saved there, else dynamo's own forward."""
 
     def __init__(
-        self, optimized: Any, directory: str, salt: str, options: dict[str, Any], stage: str
+        self,
+        model: torch.nn.Module,
+        optimized: Any,
+        directory: str,
+        salt: str,
+        options: dict[str, Any],
+        stage: str,
     ) -> None:
-        self.model: torch.nn.Module = optimized._orig_mod
+        self.model = model  # (what torch.compile wrapped in `optimized`)
         self.dynamo = optimized.forward  # (dynamo's compile of the module: the fallback)
         self.directory = os.path.join(directory, "precompiled")
         self.options = options  # torch.compile's backend and mode
@@ -178,14 +184,17 @@ class Precompile:
     salt: str  # the stage's compile choices
     stage: str
 
-    def install(self, optimized: Any, backend: str, mode: str) -> None:
-        """Run `optimized` (torch.compile's module) through its precompiled forwards."""
+    def install(self, model: torch.nn.Module, optimized: Any, backend: str, mode: str) -> None:
+        """Run `optimized` (torch.compile's module of `model`) through its precompiled
+        forwards."""
         options: dict[str, Any] = {"backend": backend}
         if backend == "inductor" and mode != "default":
             import torch._inductor
 
             options |= torch._inductor.list_mode_options(mode)
-        optimized.forward = Precompiled(optimized, self.directory, self.salt, options, self.stage)
+        optimized.forward = Precompiled(
+            model, optimized, self.directory, self.salt, options, self.stage
+        )
 
 
 def for_stage(config: StageConfig, backend: str) -> Precompile | None:
@@ -260,7 +269,7 @@ def _system() -> str:
 
 def stale_source(fn: Any) -> str | None:
     """The first module whose source changed since `fn`'s trace inlined it (None: none)."""
-    for source in fn._artifacts.source_info.inlined_sources:
+    for source in fn.source_info().inlined_sources:
         module = sys.modules.get(source.module)
         try:
             if module is None:
