@@ -201,3 +201,53 @@ def test_a_compiled_stage_s_second_load_runs_its_denoiser_precompiled(tmp_path):
     assert saved == 2 and loaded == 0, counts  # model rows 1 and 2 (guidance): two shapes
     assert saved_again == 0 and loaded_again == 2, counts
     np.testing.assert_array_equal(images[0], images[1])
+
+
+def test_an_unreadable_artifact_is_refused_with_a_warning_and_replaced(tmp_path, caplog):
+    """A file that is no artifact (a torn write, another format) is a warning naming it and a
+    compile whose artifact replaces it; the next process loads that one."""
+    caplog.set_level(logging.WARNING)
+    plain = torch.nn.Linear(4, 4)
+    model = torch.compile(plain, backend="eager", dynamic=False)
+    Precompile(str(tmp_path), "salt", "diffusion").install(plain, model, "eager", "default")
+    x = torch.randn(2, 4)
+    with torch.no_grad():  # (as the forward sees it)
+        path = model.forward.path(precompiled.signature((x,), {}))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"not an artifact")
+    saved = precompiled.COUNTS.saved
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))
+    (warning,) = [r.getMessage() for r in caplog.records if "precompiled" in r.getMessage()]
+    assert warning.startswith(
+        f"stage diffusion: the precompiled forward {os.path.basename(path)} is not usable ("
+    )
+    assert precompiled.COUNTS.saved == saved + 1 and os.path.getsize(path) > 100
+    precompiled.LOADED.clear()  # (as a fresh process)
+    again = torch.compile(plain, backend="eager", dynamic=False)
+    Precompile(str(tmp_path), "salt", "diffusion").install(plain, again, "eager", "default")
+    loaded = precompiled.COUNTS.loaded
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), plain(x))
+    assert precompiled.COUNTS.loaded == loaded + 1
+
+
+def test_an_artifact_that_cannot_be_saved_still_runs_in_its_process(tmp_path, caplog):
+    """The cache's directory cannot be made (a file in its place): the forward compiled ahead
+    of time runs in this process, one warning says it will be traced at each start."""
+    caplog.set_level(logging.WARNING)
+    (tmp_path / "precompiled").write_text("a file, not a directory")
+    plain = torch.nn.Linear(4, 3)
+    model = torch.compile(plain, backend="eager", dynamic=False)
+    precompiled.COUNTS.warned.discard("Linear")
+    Precompile(str(tmp_path), "salt", "diffusion").install(plain, model, "eager", "default")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))
+        torch.testing.assert_close(model(x), plain(x))
+        assert model.forward.fns[precompiled.signature((x,), {})] is not None  # (not dynamo's)
+    (warning,) = [r.getMessage() for r in caplog.records if "precompiled" in r.getMessage()]
+    assert warning.startswith("stage diffusion: Linear's forward cannot be precompiled (")
+    assert warning.endswith("it is traced at each start")
+    assert os.listdir(tmp_path) == ["precompiled"]  # (no temporary file left)

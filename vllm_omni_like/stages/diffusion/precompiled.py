@@ -28,6 +28,7 @@ ranks that hand each forward to others (config: `Precompile.wanted`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -77,7 +78,7 @@ class Counts:
 
     loaded: int = 0  # artifacts loaded: forwards that run without a trace
     saved: int = 0  # compiled ahead of time and saved
-    fallbacks: int = 0  # forwards left to dynamo's compile (a warning says why)
+    fallbacks: int = 0  # forwards not precompiled into the cache (a warning says why)
     warned: set[str] = field(default_factory=set)
 
 
@@ -155,22 +156,36 @@ class Precompiled:
                 call_module, backend=backend, fullgraph=True, dynamic=False, options=options
             )
             fn = compiled.aot_compile(((self.model, args, kwargs), {}))
-            os.makedirs(self.directory, exist_ok=True)
-            fn.save_compiled_function(path := self.path(key))  # (no module in it: an input)
         except Exception as exc:
-            name = type(self.model).__name__
-            if name not in COUNTS.warned:
-                COUNTS.warned.add(name)
-                self._warn(
-                    f"{name}'s forward cannot be precompiled ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}); it is traced at each start"
-                )
-            COUNTS.fallbacks += 1
+            self._cannot(exc)
             return None
         fn.disable_guard_check()
+        path = self.path(key)  # (no module in it: an input); written whole, then renamed:
+        temporary = f"{path}.{os.getpid()}.tmp"  # replicas share the directory
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fn.save_compiled_function(temporary)
+            os.replace(temporary, path)
+        except Exception as exc:  # (this process runs it; the next one compiles it again)
+            self._cannot(exc)
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            return fn
         COUNTS.saved += 1
         LOADED[path] = fn
         return fn
+
+    def _cannot(self, exc: Exception) -> None:
+        """One warning a module class: its forward is traced at each start."""
+        COUNTS.fallbacks += 1
+        name = type(self.model).__name__
+        if name not in COUNTS.warned:
+            COUNTS.warned.add(name)
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self._warn(
+                f"{name}'s forward cannot be precompiled ({type(exc).__name__}: {first}); "
+                "it is traced at each start"
+            )
 
     def _warn(self, message: str) -> None:
         logger.warning("stage %s: %s", self.stage, message)
