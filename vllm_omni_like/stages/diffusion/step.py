@@ -45,7 +45,7 @@ from vllm_omni_like.parallel.cfg_parallel import LoopBranches
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
-from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, Slot
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, cache_pass
 from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
@@ -370,11 +370,11 @@ class DenoiseLoop:
         branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
         inputs, at, pad = self._padded(latents, states, text, guidance, conditioning)
-        if pad and lora is not None:
-            lora = pad_each(pad, *lora)
+        if lora is not None:  # (static inputs of a graph: copied in each step like the rest)
+            index, scale = pad_each(pad, *lora) if pad else lora
+            inputs["lora"] = {"index": index, "scale": scale}
         call = lambda given: self.run_denoiser(given, at)  # noqa: E731
-        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
-        with adapters, self._cached(slots, pad):
+        with cache_pass(self.cache, slots, pad):
             return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
 
     def _padded(
@@ -400,20 +400,17 @@ class DenoiseLoop:
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
         return inputs | {"guidance": guidance, "conditioning": conditioning}, at, pad
 
-    def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
-        """The step cache's forward over these model rows (and `pad` rows of padding)."""
-        if self.cache is None or slots is None:
-            return nullcontext()
-        rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
-        return self.cache.forward(rows + [None] * pad)
-
     def run_denoiser(self, inputs: Inputs, at: list[float] | None) -> Any:
-        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts); a
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts), its
+        LoRA layers reading the rows' adapters from them (a graph's capture: its buffers); a
         CFG-parallel rank 1 runs rank 0's unconditional forwards so."""
         latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
-        if (conditioning := inputs["conditioning"]) is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
-        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
+        lora = inputs.get("lora")
+        rows = None if lora is None else (lora["index"], lora["scale"])
+        with nullcontext() if self.loras is None else self.loras.context.rows(rows):
+            if (conditioning := inputs["conditioning"]) is not None:
+                return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+            return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:
