@@ -37,6 +37,7 @@ CASES = [
     ("stable-diffusion-3", None),
     ("flux", None),
     ("qwen-image", None),  # (its video VAE: one frame, normalised by its mean and spread)
+    ("z-image", None),  # (float32 latents, its velocity negated)
 ]
 
 
@@ -152,7 +153,7 @@ def test_an_inpainting_edit_at_full_strength_starts_from_noise_alone(stages):
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, name
 
 
-FLOW = ["qwen-image"]  # (the families whose edits joined our own loop last)
+FLOW = ["qwen-image", "z-image"]  # (the families whose edits joined our own loop last)
 
 
 def _request(case: Case, rid: str, strength: float, mask: np.ndarray | None = None):
