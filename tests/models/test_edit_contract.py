@@ -54,10 +54,15 @@ def stages():
 
 
 def edit_request(
-    case: Case, scheduler: str | None, strength: float = STRENGTH, mask: np.ndarray | None = None
+    case: Case,
+    scheduler: str | None,
+    strength: float = STRENGTH,
+    mask: np.ndarray | None = None,
+    guidance: float | None = None,  # (None: the family's default)
 ) -> StageRequest:
     limits = case.limits()
     params = GenerationParams(
+        guidance_scale=guidance,
         seed=SEED,
         num_inference_steps=STEPS,
         width=limits.default_width,
@@ -69,7 +74,11 @@ def edit_request(
 
 
 def pipeline_edit(
-    case: Case, scheduler: str | None, strength: float = STRENGTH, mask: np.ndarray | None = None
+    case: Case,
+    scheduler: str | None,
+    strength: float = STRENGTH,
+    mask: np.ndarray | None = None,
+    guidance: float | None = None,
 ) -> np.ndarray:
     """The family's img2img (with a `mask`: inpainting) pipeline's call with the upload (and
     mask) resized to the output, as a user of diffusers makes it; its latents decoded by the
@@ -95,7 +104,7 @@ def pipeline_edit(
         generator=[torch.Generator().manual_seed(SEED)],
         output_type="latent",
         **adapter.text_kwargs(["a red circle"], [""], getattr(pipe, "tokenizer", None)),
-        **adapter.guidance_kwargs(family_of(case.path).default_guidance),
+        **adapter.guidance_kwargs(_or(guidance, family_of(case.path).default_guidance)),
     )
     if "width" in inspect.signature(edit.__call__).parameters:  # (SD's takes the image's)
         kwargs.update(width=size[0], height=size[1])
@@ -199,3 +208,18 @@ def test_an_inpainting_row_joining_a_busy_inpainting_set_is_the_inpainting_pipel
     for rid, strength in (("a", 1.0), ("b", STRENGTH)):
         want = pipeline_edit(case, None, strength, mask=MASK).astype(int)
         assert np.abs(h.pixels(rid) - want).max() <= 1, rid
+
+
+@DRILL
+@pytest.mark.parametrize("masked", [False, True])
+def test_z_image_edits_with_guidance_are_its_pipelines(stages, masked):
+    """Z-Image-Turbo runs without guidance by default; above 0 both branches run (the
+    negative prompt's own tokens) in its img2img and inpainting edits as in its pipelines."""
+    case, mask = case_of("z-image"), MASK if masked else None
+    got = _run(stages(case), edit_request(case, None, mask=mask, guidance=2.5))
+    want = pipeline_edit(case, None, mask=mask, guidance=2.5)
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
