@@ -2,6 +2,7 @@
 
     python bench/loop_equality.py --model sd15 --dtype fp16 --schedulers all
     python bench/loop_equality.py --model wan2.1-t2v-1.3b --dtype bf16 --frames 33
+    python bench/loop_equality.py --model qwen-image --dtype bf16 --edit inpaint
 
 One diffusion stage in this process (the shipped architecture, `--load-format dummy`). For each
 scheduler the family runs: a request through our loop, and the same request through the
@@ -12,7 +13,9 @@ the PSNR of each request's output in the batch against alone. For scale, the sam
 pipeline's own call: a request batched with another of the same settings against alone (how
 much a batch's other shapes of matmul move diffusers' own result). Prints one JSON line per
 figure and appends them to --out. `--no-batched-cfg`: our loop runs the two guidance branches
-in two forwards, as the Wan pipeline calls them.
+in two forwards, as the Wan pipeline calls them. `--edit img2img|inpaint`: every request an
+edit of a synthetic upload at strength 0.6 (inpaint: a mask over its middle), against the
+family's img2img or inpainting pipeline.
 """
 
 from __future__ import annotations
@@ -56,6 +59,20 @@ def run(stage: DiffusionStage, batch: list[StageRequest], own: bool) -> dict[str
     return {o.request_id: pixels(o) for o in outs}
 
 
+def edit_inputs(edit: str | None, width: int, height: int) -> tuple[np.ndarray | None, ...]:
+    """`--edit`'s upload (a colour gradient at the output's size) and, inpainting, its mask (the
+    middle half repainted); (None, None) without it."""
+    if edit is None:
+        return None, None
+    ys, xs = np.mgrid[0:height, 0:width]
+    upload = np.stack([xs * 255 // width, ys * 255 // height, (xs + ys) % 256], -1)
+    if edit == "img2img":
+        return upload.astype(np.uint8), None
+    mask = np.zeros((height, width), np.uint8)
+    mask[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255
+    return upload.astype(np.uint8), mask
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="sd15")
@@ -65,6 +82,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--size", default=None, help="WxH (default: the architecture's)")
     ap.add_argument("--no-batched-cfg", action="store_true")
+    ap.add_argument("--edit", choices=("img2img", "inpaint"), default=None)
     ap.add_argument("--out", default="bench/results/loop_equality.jsonl")
     args = ap.parse_args()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -89,18 +107,26 @@ def main() -> None:
     )
     names = rt.family.schedulers if args.schedulers == "all" else args.schedulers.split(",")
 
+    upload, mask = edit_inputs(args.edit, width, height)
+
     def request(rid: str, **params) -> StageRequest:
         params = {"width": width, "height": height, "num_inference_steps": args.steps, **params}
         if video:
             params["num_frames"] = args.frames
+        prompt = f"a photo of a cat, {rid}"
+        if upload is not None:
+            p = GenerationParams(strength=0.6, **params)
+            return StageRequest(rid, prompt, p, mode="edit", images=[upload], mask=mask)
         mode = "text2video" if video else "text2img"
-        return StageRequest(rid, f"a photo of a cat, {rid}", GenerationParams(**params), mode)
+        return StageRequest(rid, prompt, GenerationParams(**params), mode)
 
     lines = []
 
     def emit(**fields) -> None:
         line = {"model": args.model, "dtype": args.dtype, "device": device, **fields}
         line["batched_cfg"] = not args.no_batched_cfg
+        if args.edit:
+            line["edit"] = args.edit
         print(json.dumps(line), flush=True)
         lines.append(line)
 

@@ -102,6 +102,9 @@ def test_each_mode_says_which_loop_runs_it_and_why_not_our_own(tmp_path):
     }
     assert loops_for(arch_path("sdxl"))["text2img"] == ("own", None)  # (Euler: its own)
     assert loops_for(arch_path("qwen-image-edit")) == {"edit": ("own", None)}  # (instructions)
+    every = {mode: ("own", None) for mode in ("text2img", "edit", "inpaint")}
+    assert loops_for(arch_path("qwen-image")) == every  # (img2img, inpainting: #55)
+    assert loops_for(arch_path("z-image-turbo")) == every
     for i2v in ("wan2.1-i2v-14b", "wan2.2-i2v-a14b"):
         assert loops_for(arch_path(i2v)) == {"image2video": ("own", None)}
     ti2v = {"text2video": ("own", None), "image2video": ("own", None)}

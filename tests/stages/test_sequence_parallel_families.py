@@ -168,3 +168,23 @@ def test_a_compiled_replica_equals_one_rank(tmp_path, family):
     params = GenerationParams(seed=7, num_inference_steps=2, width=80, height=48)
     requests = [StageRequest("c", "a red circle", params, mode="text2img")]
     check_equal_to_one_rank(path, 2, requests, tmp_path, **compiled)
+
+
+@pytest.mark.drill
+@pytest.mark.timeout(600)  # (several ranks on a loaded 2-core machine)
+@pytest.mark.parametrize("family", ["qwen-image", "z-image"])
+def test_img2img_and_inpainting_edits_equal_one_rank(tmp_path, family):
+    """An img2img edit and an inpainting edit (#55: our own loop) split over 2 ranks: each
+    rank starts from the same latents (the upload's, noised at the strength's step), the
+    inpainting row's unmasked region put back after each step on every rank."""
+    import numpy as np
+
+    mask = np.zeros(EDIT_IMAGE.shape[:2], np.uint8)
+    mask[10:30, 20:60] = 255
+    params = GenerationParams(seed=5, num_inference_steps=4, width=80, height=48, strength=0.6)
+    requests = [
+        StageRequest("e", "a red circle", params, mode="edit", images=[EDIT_IMAGE]),
+        StageRequest("m", "a blue square", params, mode="edit", images=[EDIT_IMAGE], mask=mask),
+    ]
+    path = tiny_qwen_image_path() if family == "qwen-image" else tiny_z_image_path()
+    check_equal_to_one_rank(path, 2, requests, tmp_path)

@@ -1,9 +1,10 @@
 """What the transformer image families share in a worker (SD3, FLUX.1, Z-Image; Qwen-Image's
-packed latents): adapter parts, one place each."""
+packed latents; the flow-matching img2img and inpainting rules of all four): adapter parts, one
+place each."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,11 +34,24 @@ class ShiftedVAE(Adapter):
         return [(self.pipe, "transformer"), *vae_decoder_target(self.pipe)]
 
 
-class MMDiT(ShiftedVAE):
-    """SD3 and FLUX.1: edits through the family's img2img and inpaint pipelines, diffusers'
-    fused QKV projections."""
+class FlowEdits(Adapter):
+    """SD3, FLUX.1, Qwen-Image and Z-Image: image-to-image and inpainting edits on our own loop
+    as the family's flow-matching img2img and inpaint pipelines make them (their pipelines
+    sharing the model: the processors our rows' sources are made with, the call of a loop not
+    ours); a strength's steps by their `get_timesteps`."""
 
-    image_conditions = ("edit", "inpaint")
+    image_conditions: ClassVar[tuple[str, ...]] = ("edit", "inpaint")
+
+    def edit_pipelines(self, stage: str) -> dict[str, Any]:
+        return auto_edit_pipelines(self.pipe, stage)
+
+    def edit_steps(self, steps: int, strength: float) -> tuple[int, int]:
+        return image_latents.fractional_steps(steps, strength)  # (their img2img pipelines')
+
+
+class MMDiT(ShiftedVAE, FlowEdits):
+    """SD3 and FLUX.1: T5's text length, diffusers' fused QKV projections, the joint blocks."""
+
     t5_tokenizer: str  # the pipeline's attribute holding T5's tokenizer
     max_text_tokens: int  # the pipeline's T5 length (its default or its limit)
 
@@ -49,12 +63,6 @@ class MMDiT(ShiftedVAE):
         tokenizer = getattr(self.pipe, self.t5_tokenizer, None)
         length = getattr(tokenizer, "model_max_length", self.max_text_tokens)
         return min(int(length), self.max_text_tokens)
-
-    def edit_pipelines(self, stage: str) -> dict[str, Any]:
-        return auto_edit_pipelines(self.pipe, stage)
-
-    def edit_steps(self, steps: int, strength: float) -> tuple[int, int]:
-        return image_latents.fractional_steps(steps, strength)  # (their img2img pipelines')
 
     def fuse_qkv(self) -> bool:
         self.pipe.transformer.fuse_qkv_projections()

@@ -5,7 +5,8 @@ A 60-block MMDiT over 2x2-packed latent tokens of a causal video VAE run on one 
 from Qwen2.5-VL's last hidden states under a chat template whose system prompt is cut off:
 prompts keep their own token counts (padded within a batch, with a mask). True classifier-free
 guidance: the negative prompt runs its own forward at its own length, and the guided velocity
-is rescaled to the conditional one's norm per token.
+is rescaled to the conditional one's norm per token. Its img2img and inpainting edits
+(QwenImageImg2ImgPipeline, QwenImageInpaintPipeline) run on our own loop too.
 
 Qwen-Image-Edit (`EDIT_FAMILY`, its architecture `qwen-image-edit`): the same transformer and
 VAE; it edits an input image by instruction (no strength), on our own loop: Qwen2.5-VL reads the
@@ -24,7 +25,7 @@ def qwen_vae_factors(vae: Config) -> tuple[int, int | None]:
 
 FAMILY = Family(
     name="qwen-image",
-    pipelines=("QwenImagePipeline",),
+    pipelines=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
     output="image",
     size_base=16,  # QwenImagePipeline.check_inputs: the VAE's factor x the 2x2 packing
     default_guidance=4.0,  # the true CFG scale Qwen-Image is shown with
@@ -32,7 +33,8 @@ FAMILY = Family(
     fp8=True,
     step_cache=True,
     vae_factors=qwen_vae_factors,
-    own_loop=(Mode.TEXT2IMG,),
+    own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
+    inpaints=True,
     schedulers=("flow-euler",),
     native_side=1024,  # QwenImagePipeline.default_sample_size (128) x the VAE's factor
     presets={"qwen-image": {"default_steps": 50}},  # its published defaults

@@ -8,7 +8,10 @@ depend on its neighbours' lengths. A negative prompt not given is " " (what Qwen
 with: the pipeline runs true CFG only with a negative prompt). Latents: unpacked in our loop,
 packed per forward (models/packing.py), one frame of the video VAE. Guidance: true CFG, both
 branches in one forward (their lengths differ: the mask), the guided velocity rescaled per
-token to the conditional one's norm, as the pipeline does.
+token to the conditional one's norm, as the pipeline does. Edits (img2img, inpainting: models/
+mmdit.py `FlowEdits`) start from the upload's latents as QwenImageImg2ImgPipeline and
+QwenImageInpaintPipeline encode it: one frame through the video VAE, normalised by its mean and
+spread (`encode_image`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Decoder, Guidance
 from vllm_omni_like.models.block_stack import BlockStack, joint_stack
-from vllm_omni_like.models.mmdit import PackedLatents
+from vllm_omni_like.models.mmdit import FlowEdits, PackedLatents
 from vllm_omni_like.models.packing import pack, unpack
 from vllm_omni_like.models.qwen_image import FAMILY
 from vllm_omni_like.models.qwen_image.sequence_parallel import split_qwen_image
@@ -35,7 +38,7 @@ NO_NEGATIVE = " "
 _PER_ROW = ("encoder_hidden_states_mask", "temb")  # a block's arguments with a row each
 
 
-class QwenImageAdapter(PackedLatents):
+class QwenImageAdapter(PackedLatents, FlowEdits):
     family = FAMILY
     guidance = Guidance.TRUE_CFG
 
@@ -90,6 +93,20 @@ class QwenImageAdapter(PackedLatents):
             return_dict=False,
         )[0]
         return unpack(out, h, w)
+
+    def encode_image(self, pixels: torch.Tensor, generator: torch.Generator | None) -> Any:
+        """The pipelines' `_encode_vae_image`: the upload as one frame of the video VAE, its
+        sample drawn with the row's generator, `(x - mean) x (1 / std)`; (1, C, h, w)."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import (
+            retrieve_latents,
+        )
+
+        vae = self.pipe.vae
+        frame = pixels.to(vae.dtype).unsqueeze(2)
+        latents = retrieve_latents(vae.encode(frame), generator=generator)
+        mean, inverse_std = _statistics(vae, latents)
+        image: torch.Tensor = ((latents - mean) * inverse_std)[:, :, 0]
+        return image
 
     def guide(
         self, cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor
@@ -153,14 +170,19 @@ def _decode(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
     spread, then the post-processing."""
     vae = pipe.vae
     latents = latents.unsqueeze(2).to(vae.dtype)
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(
-        latents.device, latents.dtype
-    )
+    mean, inverse_std = _statistics(vae, latents)
     image = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
     pixels: torch.Tensor = pipe.image_processor.postprocess(image, output_type="pt")
     return pixels
+
+
+def _statistics(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The video VAE's per-channel latent mean and 1 / std, shaped and typed for the frames
+    `like` (B, C, 1, h, w), as the pipelines compute them."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, inverse_std
 
 
 ADAPTER = QwenImageAdapter

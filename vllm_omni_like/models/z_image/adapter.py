@@ -7,6 +7,9 @@ transformer each row's own tokens (its list input) without reading anything back
 device. Latents: float32, (rows, C, h, w) as the pipeline keeps them; a forward gives each row
 one frame in the transformer's dtype and its timestep as `(1000 - t) / 1000`; the velocity comes
 back negated, as the pipeline negates it. Guidance above 0: `cond + scale x (cond - uncond)`.
+Edits (img2img, inpainting: models/mmdit.py `FlowEdits`) start from the upload's latents as
+ZImageImg2ImgPipeline and ZImageInpaintPipeline encode it (`(x - shift) x scale`, the default
+`encode_image`), our float32 latents noised to the strength's first step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from vllm_omni_like.models.adapter import Guidance, vae_decoder_target
 from vllm_omni_like.models.block_stack import BlockStack
-from vllm_omni_like.models.mmdit import ShiftedVAE
+from vllm_omni_like.models.mmdit import FlowEdits, ShiftedVAE
 from vllm_omni_like.models.packing import latent_side
 from vllm_omni_like.models.text_buckets import pad_tokens, prompt_within, text_bucket
 from vllm_omni_like.models.z_image import FAMILY
@@ -38,7 +41,7 @@ MAX_TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 _LAYER_ARGS = ("attn_mask", "freqs_cis", "adaln_input", "noise_mask", "adaln_noisy", "adaln_clean")
 
 
-class ZImageAdapter(ShiftedVAE):
+class ZImageAdapter(ShiftedVAE, FlowEdits):
     family = FAMILY
     guidance = Guidance.TRUE_CFG  # (branches of their own lengths: one list a forward)
     cfg_above = 0.0  # ZImagePipeline guides at any scale above 0
