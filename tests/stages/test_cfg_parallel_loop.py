@@ -49,14 +49,15 @@ def _config(model: str, **kw) -> StageConfig:
 
 
 def _reference(
-    model: str, groups: list[list[StageRequest]], joined: dict[int, int], where: Path
+    model: str, groups: list[list[StageRequest]], joined: dict[int, int], where: Path, **both
 ) -> None:
     """One rank, in this process: the same groups through its running set, each later group
     joining after as many steps of the first as it did on the two ranks (`joined`), the
     branches in two forwards as the ranks run them (a forward of both rounds otherwise: one
     batch of twice the rows; tests/stages/diffusion/test_step.py bounds that), on a rank's
-    share of the cores; the final latents in `where`."""
-    config = _config(model, device="cpu", batched_cfg=False)
+    share of the cores; the final latents in `where`. `both`: the stage's settings on both
+    sides (LoRA adapters)."""
+    config = _config(model, device="cpu", batched_cfg=False, **both)
     stage = create_stage(config)
     with pytest.MonkeyPatch.context() as mp, rank_threads(2):
         mp.setenv(PROBE_ENV, str(where))
@@ -125,18 +126,24 @@ def _rows(where: Path, rank: int) -> list[int]:
 
 
 def check_equal_to_one_rank(
-    model: str, groups: list[list[StageRequest]], tmp: Path, join_at: int = 2, **kw
+    model: str,
+    groups: list[list[StageRequest]],
+    tmp: Path,
+    join_at: int = 2,
+    both: dict | None = None,
+    **kw,
 ) -> list[object]:
-    """Every request's latents within 1e-5 of one rank's; the rows each rank's forwards ran:
-    rank 1 the unconditional ones, rank 0 the others (together the one rank's)."""
+    """Every request's latents within 1e-5 of one rank's (`both`: the stage's settings on both
+    sides); the rows each rank's forwards ran: rank 1 the unconditional ones, rank 0 the
+    others (together the one rank's)."""
     one, split = tmp / "one", tmp / "split"
     one.mkdir()
     split.mkdir()
-    msgs = cfg_parallel(model, groups, join_at, split, **kw)
+    msgs = cfg_parallel(model, groups, join_at, split, **(both or {}), **kw)
     results = [m.output for m in msgs if isinstance(m, RequestResult)]
     assert all(out.error is None for out in results), results
     requests = [r for group in groups for r in group]
-    _reference(model, groups, _joined_after(msgs, len(groups)), one)
+    _reference(model, groups, _joined_after(msgs, len(groups)), one, **(both or {}))
     for r in requests:
         got, want = torch.load(split / f"{r.request_id}.pt"), torch.load(one / f"{r.request_id}.pt")
         assert got.shape == want.shape and (got - want).abs().max() <= TOLERANCE, r.request_id

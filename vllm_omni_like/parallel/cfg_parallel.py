@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,6 +42,7 @@ from vllm_omni_like.parallel.branches import BatchedCFG, DenoiserWrapper
 from vllm_omni_like.parallel.rank_link import (
     Link,
     RankDiverged,
+    Replicated,
     Spec,
     map_leaves,
     pack_args,
@@ -75,12 +77,20 @@ class Leader:
     scheduler, callbacks, launches) stays hidden behind the device's, as on one GPU. Their
     statuses are read once, in `settle`, after the pipeline call."""
 
-    def __init__(self, link: Link, mark: Callable[[str], None] = lambda label: None) -> None:
+    def __init__(
+        self,
+        link: Link,
+        mark: Callable[[str], None] = lambda label: None,
+        replicated: Replicated | None = None,
+    ) -> None:
         self.link = link
         self.mark = mark  # called as the local branch starts and ends (stages/trace.py)
         self.outputs: dict[tuple, Spec] = {}  # the output's spec for each shape of the inputs
         self.statuses: list[torch.Tensor] = []
         self.passed: list[torch.Tensor] = []  # the previous call's tensors, which rank 1 holds
+        self.replicated = replicated  # (the LoRA pool: each slot written here goes to rank 1)
+        if replicated is not None:
+            replicated.on_write(self.share)
 
     def arm(self) -> None:
         self.statuses, self.passed = [], []
@@ -138,6 +148,15 @@ class Leader:
         if FAILED in codes:
             raise PeerFailed("CFG-parallel rank 1's branch failed (its log in the server's)")
 
+    def share(self, key: Any) -> None:
+        """The replicated state's buffers of `key`, just written here, into rank 1's (before
+        any later call, which may read them)."""
+        assert self.replicated is not None
+        buffers = self.replicated.buffers(key)
+        self.link.send_obj(("share", key, [tensor_spec(t) for t in buffers]))
+        for t in buffers:
+            self.link.send(t)
+
     def end(self, batch_id: int) -> None:
         self.link.send_obj(("end", batch_id))
 
@@ -146,8 +165,9 @@ class Follower:
     """Rank 1's side: serves rank 0's branch calls batch after batch, remembering each shape
     of inputs' output spec as rank 0 does (see `Leader`)."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, replicated: Replicated | None = None) -> None:
         self.link = link
+        self.replicated = replicated  # (rank 0's slots copied into it, as it writes them)
         self.outputs: dict[tuple, Spec] = {}
         # the previous call's tensors (its kept ones come again, in the next batch too: our
         # own loop's running set steps on across its batches' ends)
@@ -180,6 +200,9 @@ class Follower:
                     every: list[torch.Tensor] = []
                     args, kwargs = unpack_args(meta, tensors, every, self.held)
                     self.held = every
+                case ("share", key, specs):
+                    self._share(key, specs)
+                    continue
                 case other:
                     raise RankDiverged(f"serving batch {batch_id}, rank 0 sent {other!r:.200}")
             key = shape_key(args, kwargs, every)
@@ -204,6 +227,18 @@ class Follower:
                 out = torch.zeros(expect[0], dtype=getattr(torch, expect[1]), device=link.device)
             link.send(out)
             del out, args, kwargs, tensors
+
+    def _share(self, key: Any, specs: list) -> None:
+        """Rank 0's buffers of `key` into this rank's, as it wrote them (then on into this
+        rank's sequence-parallel group's, where it leads one)."""
+        buffers = [] if self.replicated is None else self.replicated.buffers(key)
+        if [tensor_spec(t) for t in buffers] != specs:
+            raise RankDiverged(f"rank 0 shares {key!r} in buffers this rank does not hold alike")
+        with torch.inference_mode():
+            for t in buffers:
+                self.link.recv_into(t)
+        assert self.replicated is not None
+        self.replicated.copied(key)
 
     def _branch(
         self, model: Any, args: tuple, kwargs: dict, batch_id: int, mark: Callable[[str], None]
@@ -245,13 +280,17 @@ class LoopBranches:
     def __init__(self, leader: Leader) -> None:
         self.leader = leader
 
-    def alongside(self, local: Callable[[], T], inputs: dict, at: list[float] | None) -> tuple:
-        """`local()` here while rank 1 runs `inputs` (host timesteps `at`); both outputs."""
+    def alongside(
+        self, local: Callable[[], T], inputs: dict, at: list[float] | None, state: Any = None
+    ) -> tuple:
+        """`local()` here while rank 1 runs `inputs` (host timesteps `at`; `state`: what its
+        replicated state sets around it, the LoRA rows); both outputs."""
         device = self.leader.link.device
         host = lambda t: _OnHost(t) if t.device != device else t  # noqa: E731
         sent = map_leaves(inputs, lambda v: host(v) if isinstance(v, torch.Tensor) else v)
         self.leader.statuses.clear()  # (a failed step's, whose status nobody read)
-        mine, theirs = self.leader.alongside(local, (), {LOOP_CALL: sent, "at": at})
+        call = {LOOP_CALL: sent, "at": at, "state": state}
+        mine, theirs = self.leader.alongside(local, (), call)
         self.leader.check()
         return mine, theirs
 
@@ -259,17 +298,26 @@ class LoopBranches:
 class ServedBranches:
     """What rank 1 runs for rank 0: our own loop's unconditional forward (`loop`: the
     adapter's call on its inputs, stages/diffusion/step.py) or, where a mode runs the
-    pipeline's call, the denoiser's branch (`denoiser`)."""
+    pipeline's call, the denoiser's branch (`denoiser`); the forward's state (LoRA rows) set
+    around it in `replicated` (the LoRA pool)."""
 
-    def __init__(self, denoiser: Any, loop: Callable[[dict, list[float] | None], Any]) -> None:
+    def __init__(
+        self,
+        denoiser: Any,
+        loop: Callable[[dict, list[float] | None], Any],
+        replicated: Replicated | None = None,
+    ) -> None:
         self.denoiser = denoiser
         self.loop = loop
+        self.replicated = replicated
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if LOOP_CALL not in kwargs:
             return self.denoiser(*args, **kwargs)
         unwrap = lambda v: v.tensor if isinstance(v, _OnHost) else v  # noqa: E731
-        return (self.loop(map_leaves(kwargs[LOOP_CALL], unwrap), kwargs["at"]),)
+        state, on = kwargs["state"], self.replicated
+        with nullcontext() if on is None else on.around(state):
+            return (self.loop(map_leaves(kwargs[LOOP_CALL], unwrap), kwargs["at"]),)
 
 
 class SplitCFG(DenoiserWrapper):

@@ -49,7 +49,7 @@ from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCach
 from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
-from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows, padded
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -337,8 +337,9 @@ class DenoiseLoop:
         if self.branches is None:
             negative = (plan.negative_lora, plan.cache_slots(1))
             return self._forward(*cond), self._forward(*uncond, *negative)
-        inputs, at, _ = self._padded(*uncond)
-        mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at)
+        inputs, at, pad = self._padded(*uncond)
+        lora = padded(plan.negative_lora, pad)  # (rank 1 sets them around its forward)
+        mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at, lora)
         return mine, theirs[: len(cfg_states)]
 
     def _expert_scale(self, plan: Plan, like: torch.Tensor) -> float | torch.Tensor:
@@ -370,8 +371,7 @@ class DenoiseLoop:
         branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
         inputs, at, pad = self._padded(latents, states, text, guidance, conditioning)
-        if pad and lora is not None:
-            lora = pad_each(pad, *lora)
+        lora = padded(lora, pad)
         call = lambda given: self.run_denoiser(given, at)  # noqa: E731
         adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
         with adapters, self._cached(slots, pad):
