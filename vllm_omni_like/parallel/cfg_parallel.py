@@ -25,6 +25,10 @@ outside any compiled region. The header travels host to host: rank 1 reads it as
 the data it waits for (on the device), as rank 0 does; through the device group it would wait
 for rank 0's previous step to end, then for its own launches (measured: 5.5 ms a step on
 H200s).
+
+What both ranks hold alike beside the models (`Replicated`: the LoRA pool) stays alike: each
+slot rank 0 writes goes to rank 1 as it is written ("share"), in order with the calls, and each
+of our own loop's forwards carries what rank 1 sets around it (its rows' adapters).
 """
 
 from __future__ import annotations
