@@ -200,10 +200,7 @@ class Follower:
                     self.ended.add(ended)
                     continue
                 case ("call", meta, specs, first):
-                    tensors = [link.recv(shape, dtype) for shape, dtype in specs]
-                    every: list[torch.Tensor] = []
-                    args, kwargs = unpack_args(meta, tensors, every, self.held)
-                    self.held = every
+                    args, kwargs, every = self._received(meta, specs)
                 case ("share", key, specs):
                     self._share(key, specs)
                     continue
@@ -230,7 +227,15 @@ class Follower:
             if out is None:
                 out = torch.zeros(expect[0], dtype=getattr(torch, expect[1]), device=link.device)
             link.send(out)
-            del out, args, kwargs, tensors
+            del out, args, kwargs, every
+
+    def _received(self, meta: Any, specs: list) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """A call's arguments: its new tensors received, its kept ones the previous call's."""
+        tensors = [self.link.recv(shape, dtype) for shape, dtype in specs]
+        every: list[torch.Tensor] = []
+        args, kwargs = unpack_args(meta, tensors, every, self.held)
+        self.held = every
+        return args, kwargs, every
 
     def _share(self, key: Any, specs: list) -> None:
         """Rank 0's buffers of `key` into this rank's, as it wrote them (then on into this
