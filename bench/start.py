@@ -11,7 +11,8 @@ in `--cache-dir/<model>`, each part a server process of its own:
 - `cold`: the cache emptied first; the seconds from the process's start to /health 200
   (`cold_start_s`), and what its replica's worker said (`cold_worker_s`: load, compile,
   warm-up; its cache misses).
-- `warm`: the same over the cache `cold` left (`warm_start_s`, `warm_worker_s`, hits, misses).
+- `warm`: the same over the cache `cold` left (`warm_start_s`, `warm_worker_s`, hits, misses,
+  `warm_precompiled`: forwards loaded precompiled, `warm_traced`: graphs dynamo traced).
 - `restart`: a warm server; its replica's worker SIGKILLed, then the seconds until /health says
   the replica is ready again (`restart_to_ready_s`, polled every 50 ms) and what the engine
   measured (`restart_seconds` in /health, `vllm_omni_like_replica_restart_seconds`).
@@ -55,6 +56,8 @@ def started(server: Server, label: str) -> dict[str, Any]:
         f"{label}_worker_s": r.get("start_seconds"),
         f"{label}_cache_hits": cache.get("hits"),
         f"{label}_cache_misses": cache.get("misses"),
+        f"{label}_precompiled": cache.get("precompiled"),  # forwards loaded without a trace
+        f"{label}_traced": cache.get("traced"),  # graphs dynamo traced (0: none)
         f"{label}_cuda_graphs": len(r.get("cuda_graphs", [])),
     }
 
@@ -78,6 +81,8 @@ def restart(server: Server, timeout: float) -> dict[str, Any]:
                 "restart_worker_s": r.get("start_seconds"),
                 "restart_cache_hits": cache.get("hits"),
                 "restart_cache_misses": cache.get("misses"),
+                "restart_precompiled": cache.get("precompiled"),
+                "restart_traced": cache.get("traced"),
             }
         time.sleep(0.05)
     raise RuntimeError(f"the replica was not ready {timeout:.0f} s after its worker's death")

@@ -15,6 +15,8 @@ ALLOWED = {
     "torch._dynamo",  # torch.compile's documented config and reset (`torch._dynamo.config`)
     "torch._logging",  # `torch._logging.set_logs`: the documented switch for recompile logs
     "torch._scaled_mm",  # torch's one FP8 matmul (rowwise scales; torchao calls it too)
+    # a torch.compile mode as its options (the one way to give a mode beside guard_filter_fn)
+    "torch._inductor",
     # nn.Module's one hook under every .to() / .cuda() / .half(): an FP8 layer keeps its dtypes
     "super()._apply",
 }

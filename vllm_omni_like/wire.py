@@ -125,6 +125,8 @@ class StartReport:
     cache_misses: int = 0  # compiled anew (and saved to it)
     graphs: tuple[str, ...] = ()  # the buckets whose forward replays a CUDA graph
     graph_bytes: int = 0  # what their memory pool holds
+    precompiled: int = 0  # forwards loaded precompiled from it: no trace (precompiled.py)
+    traced: int = 0  # graphs dynamo traced at this start (0: every forward precompiled)
 
 
 @dataclass

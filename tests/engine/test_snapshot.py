@@ -84,8 +84,14 @@ def test_a_compiled_replica_s_health_names_its_compile_cache_and_graphs():
     from vllm_omni_like.engine.snapshot import ReplicaView
     from vllm_omni_like.wire import StartReport
 
-    start = StartReport(12.3456, "/s/compile-cache", 7, 0, ("2x4x64x64", "4x4x64x64"), 2**20)
+    start = StartReport(12.3456, "/s/compile-cache", 7, 0, ("2x4x64x64", "4x4x64x64"), 2**20, 5)
     body = ReplicaView(0, "cuda:0", "ready", 0, (11,), start, 4.5).health()
     assert body["start_seconds"] == 12.346 and body["restart_seconds"] == 4.5
-    assert body["compile_cache"] == {"dir": "/s/compile-cache", "hits": 7, "misses": 0}
+    assert body["compile_cache"] == {
+        "dir": "/s/compile-cache",
+        "hits": 7,
+        "misses": 0,
+        "precompiled": 5,
+        "traced": 0,
+    }
     assert body["cuda_graphs"] == ["2x4x64x64", "4x4x64x64"] and body["cuda_graph_bytes"] == 2**20

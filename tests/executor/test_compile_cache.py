@@ -47,7 +47,8 @@ def test_a_second_start_and_a_restarted_replica_load_every_graph_from_the_cache(
     """Real worker processes, inductor on the CPU (a tiny FLUX.1 compiled regionally: a block
     of each kind, one bucket). The first start compiles every graph and saves it; the second
     compiles nothing (every graph a cache hit) and makes the same image; a replica whose worker
-    is killed comes back ready from the cache, its restart's seconds in /metrics."""
+    is killed comes back ready from the cache, its restart's seconds in /metrics. The blocks'
+    forwards are precompiled: the warm start and the restart load them without a trace."""
     from tests.models.tiny_mmdit import tiny_flux_path
 
     path = tiny_flux_path()
@@ -65,13 +66,16 @@ def test_a_second_start_and_a_restarted_replica_load_every_graph_from_the_cache(
         cold = eng.orchestrator.pools[pipeline][0].replicas[0].start
         first = _image(eng, pipeline, "cold")
     assert cold is not None and cold.cache_dir == kw["compile_cache"]
-    assert cold.cache_misses > 0 and cold.cache_hits == 0, cold
+    assert cold.cache_misses > 0 and cold.cache_hits == 0, cold  # (the VAE decoder's graphs)
+    assert cold.precompiled == 0 and cold.traced > 0, cold  # the blocks' artifacts saved
     with engine(path, stage_kw=kw) as eng:
         pool = eng.orchestrator.pools[pipeline][0]
         warm = pool.replicas[0].start
         assert warm is not None and warm.cache_misses == 0, warm  # nothing compiled anew
         assert warm.cache_hits == cold.cache_misses
         assert warm.seconds < cold.seconds
+        # every block kind's forward loaded precompiled: only the VAE decoder is traced
+        assert warm.precompiled > 0 and warm.traced < cold.traced, (warm, cold)
         np.testing.assert_array_equal(_image(eng, pipeline, "warm"), first)
         killed = pool.replicas[0].executor.pids[0]
         os.kill(killed, signal.SIGKILL)
@@ -82,6 +86,7 @@ def test_a_second_start_and_a_restarted_replica_load_every_graph_from_the_cache(
         )
         again = pool.replicas[0].start
         assert again is not None and again.cache_misses == 0 and again.cache_hits > 0, again
+        assert again.precompiled == warm.precompiled and again.traced == warm.traced, again
         restart = pool.replicas[0].restart_seconds
         assert restart is not None and again.seconds <= restart
         np.testing.assert_array_equal(_image(eng, pipeline, "restarted"), first)

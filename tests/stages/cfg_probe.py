@@ -61,6 +61,6 @@ def local_branches(stage: DiffusionStage) -> LocalLeader:
     """`stage`'s own loop (loaded with `batched_cfg` off, as CFG-parallel's rank 0 is) hands
     each step's unconditional forward to rank 1's side, here, on its own denoiser."""
     loop = stage.runtime.denoise
-    leader = LocalLeader(ServedBranches(None, loop.run_denoiser, loop.loras))
+    leader = LocalLeader(ServedBranches(None, loop.run_denoiser))
     loop.branches = LoopBranches(leader)  # type: ignore[arg-type]  # (a Leader's stand-in)
     return leader

@@ -187,14 +187,13 @@ def _replicas(width: int):
     leader, follower = Leader(QueueLink(a, b), replicated=mine), Follower(QueueLink(b, a), theirs)
 
     def loop(inputs: dict, at: Any) -> torch.Tensor:
-        slot = int(theirs.rows[0].item())
-        return inputs["latents"] * theirs.slots[slot]
+        return inputs["latents"] * theirs.slots[int(inputs["slot"].item())]
 
     errors: list[BaseException] = []
 
     def serve() -> None:
         try:
-            follower.serve(ServedBranches(None, loop, theirs), 1)
+            follower.serve(ServedBranches(None, loop), 1)
         except BaseException as exc:
             errors.append(exc)
 
@@ -208,10 +207,10 @@ def test_a_slot_written_reaches_rank_1_before_the_forward_that_reads_it():
     ones = torch.ones(3)
     try:
         mine.write(1, 2.0)
-        _, out = branches.alongside(lambda: None, {"latents": ones}, None, torch.tensor([1]))
-        assert out.tolist() == [2.0] * 3 and theirs.rows is None  # (set around it only)
+        _, out = branches.alongside(lambda: None, {"latents": ones, "slot": torch.tensor(1)}, None)
+        assert out.tolist() == [2.0] * 3
         mine.write(2, 5.0)  # (a row joining mid-set: its slot, then the forward reading it)
-        _, out = branches.alongside(lambda: None, {"latents": ones}, None, torch.tensor([2]))
+        _, out = branches.alongside(lambda: None, {"latents": ones, "slot": torch.tensor(2)}, None)
         assert out.tolist() == [5.0] * 3 and theirs.passed == [1, 2]
     finally:
         branches.leader.end(1)

@@ -97,8 +97,9 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
     )
     cache = GaugeMetricFamily(
         f"{PREFIX}_replica_compile_cache_graphs",
-        "Compiled graphs a replica's last start loaded from the compile cache (hit) or "
-        "compiled anew (miss)",
+        "Compiled graphs a replica's last start loaded from the compile cache (hit), "
+        "compiled anew (miss), loaded as precompiled forwards without a trace (precompiled), "
+        "or traced by dynamo (traced)",
         labels=[*labels, "result"],
     )
     for stage in engine.orchestrator.snapshot.stages:
@@ -109,6 +110,8 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
                 if r.start.cache_dir:
                     cache.add_metric([*key, "hit"], r.start.cache_hits)
                     cache.add_metric([*key, "miss"], r.start.cache_misses)
+                    cache.add_metric([*key, "precompiled"], r.start.precompiled)
+                    cache.add_metric([*key, "traced"], r.start.traced)
             if r.restart_seconds is not None:
                 restart.add_metric(key, r.restart_seconds)
     return start, restart, cache

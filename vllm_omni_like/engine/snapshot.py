@@ -43,6 +43,8 @@ class ReplicaView:
                     "dir": self.start.cache_dir,
                     "hits": self.start.cache_hits,
                     "misses": self.start.cache_misses,
+                    "precompiled": self.start.precompiled,
+                    "traced": self.start.traced,
                 }
                 body["cuda_graphs"] = list(self.start.graphs)
                 body["cuda_graph_bytes"] = self.start.graph_bytes

@@ -96,17 +96,23 @@ def start_report(
         return StartReport(seconds)
     from torch._dynamo.utils import counters  # (only a compiled stage has torch)
 
+    from vllm_omni_like.stages.diffusion.precompiled import COUNTS
+
     inductor = counters["inductor"]
     hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    traced = counters["stats"]["unique_graphs"]
     where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
     logger.info(
-        "started in %.1fs: %d compiled graphs loaded from the compile cache %s, %d compiled",
+        "started in %.1fs: %d compiled graphs loaded from the compile cache %s, %d compiled; "
+        "%d forwards loaded precompiled (no trace), %d graphs traced",
         seconds,
         hits,
         where,
         misses,
+        COUNTS.loaded,
+        traced,
     )
-    return StartReport(seconds, where, hits, misses, *graphs)
+    return StartReport(seconds, where, hits, misses, *graphs, COUNTS.loaded, traced)
 
 
 def limit_memory(device: str, fraction: float | None) -> None:

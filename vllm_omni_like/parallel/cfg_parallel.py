@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -289,17 +288,14 @@ class LoopBranches:
     def __init__(self, leader: Leader) -> None:
         self.leader = leader
 
-    def alongside(
-        self, local: Callable[[], T], inputs: dict, at: list[float] | None, state: Any = None
-    ) -> tuple:
-        """`local()` here while rank 1 runs `inputs` (host timesteps `at`; `state`: what its
-        replicated state sets around it, the LoRA rows); both outputs."""
+    def alongside(self, local: Callable[[], T], inputs: dict, at: list[float] | None) -> tuple:
+        """`local()` here while rank 1 runs `inputs` (host timesteps `at`; its LoRA rows among
+        them); both outputs."""
         device = self.leader.link.device
         host = lambda t: _OnHost(t) if t.device != device else t  # noqa: E731
         sent = map_leaves(inputs, lambda v: host(v) if isinstance(v, torch.Tensor) else v)
         self.leader.statuses.clear()  # (a failed step's, whose status nobody read)
-        call = {LOOP_CALL: sent, "at": at, "state": state}
-        mine, theirs = self.leader.alongside(local, (), call)
+        mine, theirs = self.leader.alongside(local, (), {LOOP_CALL: sent, "at": at})
         self.leader.check()
         return mine, theirs
 
@@ -307,26 +303,17 @@ class LoopBranches:
 class ServedBranches:
     """What rank 1 runs for rank 0: our own loop's unconditional forward (`loop`: the
     adapter's call on its inputs, stages/diffusion/step.py) or, where a mode runs the
-    pipeline's call, the denoiser's branch (`denoiser`); the forward's state (LoRA rows) set
-    around it in `replicated` (the LoRA pool)."""
+    pipeline's call, the denoiser's branch (`denoiser`)."""
 
-    def __init__(
-        self,
-        denoiser: Any,
-        loop: Callable[[dict, list[float] | None], Any],
-        replicated: Replicated | None = None,
-    ) -> None:
+    def __init__(self, denoiser: Any, loop: Callable[[dict, list[float] | None], Any]) -> None:
         self.denoiser = denoiser
         self.loop = loop
-        self.replicated = replicated
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if LOOP_CALL not in kwargs:
             return self.denoiser(*args, **kwargs)
         unwrap = lambda v: v.tensor if isinstance(v, _OnHost) else v  # noqa: E731
-        state, on = kwargs["state"], self.replicated
-        with nullcontext() if on is None else on.around(state):
-            return (self.loop(map_leaves(kwargs[LOOP_CALL], unwrap), kwargs["at"]),)
+        return (self.loop(map_leaves(kwargs[LOOP_CALL], unwrap), kwargs["at"]),)
 
 
 class SplitCFG(DenoiserWrapper):

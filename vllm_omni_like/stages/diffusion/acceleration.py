@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter, Guidance
+from vllm_omni_like.stages.diffusion.precompiled import Precompile
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,17 @@ def pin_execution_device(pipe: Any, device: torch.device) -> None:
 
 
 # ---- torch.compile ----------------------------------------------------------------------
-def compile_models(adapter: Adapter, mode: str, backend: str, regional: bool = False) -> list[str]:
+def compile_models(
+    adapter: Adapter,
+    mode: str,
+    backend: str,
+    regional: bool = False,
+    precompile: Precompile | None = None,
+) -> list[str]:
     """Compile in place what the family's adapter names (its denoisers; a UNet pipeline's
     image VAE decoder too), each denoiser block by block where `regional`; returns what was
-    compiled. Shapes are static: batches are padded to buckets."""
+    compiled. Shapes are static: batches are padded to buckets. With `precompile`, the
+    denoisers' compiled modules run their precompiled forwards (precompiled.py)."""
     import torch._dynamo
 
     # every (size, bucket) pair is one graph; let all of them stay compiled
@@ -123,8 +131,12 @@ def compile_models(adapter: Adapter, mode: str, backend: str, regional: bool = F
     if backend == "inductor" and mode != "default":
         kwargs["mode"] = mode
     names: dict[str, list[str]] = {}  # what was compiled, by where it is
+    inside = {id(m) for e in adapter.experts() for m in e.model.modules()}  # the denoisers'
     for owner, name in regional_targets(adapter) if regional else adapter.compile_targets():
-        setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
+        module = getattr(owner, name)
+        setattr(owner, name, compiled := torch.compile(module, **kwargs))
+        if precompile is not None and id(module) in inside:
+            precompile.install(module, compiled, backend, mode)
         names.setdefault(path_of(adapter.pipe, owner), []).append(name)
     # (a list of blocks once: "transformer.layers.0-29")
     spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}

@@ -23,7 +23,7 @@ peers' decisions but through the sub-batch's size (a matmul's rounding).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,6 +303,16 @@ class CachedBlock(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.cache.call(self.block, self.position, args, kwargs)
+
+
+def cache_pass(
+    cache: FirstBlockCache | None, slots: list[tuple[RowCache | None, int]] | None, pad: int
+) -> AbstractContextManager[None]:
+    """The step cache's forward over these model rows (each one's cache and branch) and `pad`
+    rows of padding; nothing without a cache."""
+    if cache is None or slots is None:
+        return nullcontext()
+    return cache.forward([(c, b) if c is not None else None for c, b in slots] + [None] * pad)
 
 
 def _branch(run: _Pass, i: int) -> int:

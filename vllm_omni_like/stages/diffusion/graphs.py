@@ -2,12 +2,15 @@
 
 The step (step.py) hands every forward to a `GraphRunner` with its inputs as named tensors (the
 latents, each model row's timestep, the text - embeddings, masks, a family's named tensors -,
-a guidance embedding's scales, rows' own conditioning). While the stage warms up, a forward
+a guidance embedding's scales, rows' own conditioning, each model row's LoRA slots and scales
+where the stage has adapters). While the stage warms up, a forward
 whose inputs were seen before (the same names, shapes, strides and dtypes: one compiled bucket,
 its compiling and autotuning done at the first sight) is captured over static buffers, clones
 of those inputs; from then on each such forward copies its inputs into the buffers and replays.
-Rows joining and leaving, the padding to the bucket and each row's timestep are only new values
-in the same buffers: nothing is captured again. A forward that takes anything but tensors on
+Rows joining and leaving, the padding to the bucket, each row's timestep and its adapters are
+only new values in the same buffers: nothing is captured again (the LoRA pool's weights are
+written in place into tensors allocated once, lora_pool.py: a replay reads the slots' new
+weights). A forward that takes anything but tensors on
 the stage's device (Z-Image's token counts kept on the host, an expert chosen by host
 timesteps) runs the compiled forward, as does one whose capture failed (a warning says why) and
 a shape first seen after the warm-up. The guidance's combination and the row schedulers' update
@@ -235,10 +238,6 @@ def backend_for(config: StageConfig, device: torch.device) -> GraphBackend | Non
     CUDA's, or none. `on` on a device without CUDA is refused here, where the device is known."""
     if config.cuda_graphs == "on" and device.type != "cuda":
         raise ConfigError(f"stage {config.name!r}: --cuda-graphs on needs CUDA, not {device}")
-    if config.loras or config.lora_dir:  # (a graph replays the adapters' rows it captured)
-        if config.cuda_graphs == "on":
-            raise ConfigError(f"stage {config.name!r}: --cuda-graphs on with LoRA adapters")
-        return None
     if config.cuda_graphs == "off" or not config.compile or config.leads:
         return None
     if config.cache != "none":  # (auto: a step cache decides between the blocks, eager)

@@ -23,7 +23,7 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
-from vllm_omni_like.stages.diffusion import lora_pool, quantize, ranks_load
+from vllm_omni_like.stages.diffusion import lora_pool, precompiled, quantize, ranks_load
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
@@ -275,7 +275,10 @@ def _compile(config: StageConfig, options: DiffusionOptions, adapter: Adapter) -
     if not config.compile:
         return ()
     backend = options.compile_backend
-    compiled = accel.compile_models(adapter, config.compile_mode, backend, config.regional)
+    precompile = precompiled.for_stage(config, backend)
+    compiled = accel.compile_models(
+        adapter, config.compile_mode, backend, config.regional, precompile
+    )
     logger.info("stage %s: compiled %s (%s)", config.name, ", ".join(compiled), backend)
     configured = config.batch_buckets or options.batch_buckets
     return accel.buckets_for(config.max_batch_size, configured)

@@ -33,7 +33,6 @@ from vllm_omni_like.params import LoraRef
 from vllm_omni_like.stages.diffusion.lora_files import AdapterWeights, LoraError, read_adapter
 from vllm_omni_like.stages.diffusion.lora_layers import LoraContext, LoraLinear, Target, wrap
 from vllm_omni_like.stages.diffusion.lora_reads import Key, LoraReads, key_of
-from vllm_omni_like.stages.diffusion.row_tensors import pad_each
 
 logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
 Selection = tuple[tuple[int, float], ...]  # a row's (slot, scale) of each adapter it uses
@@ -269,14 +268,6 @@ class LoraPool:
             for k, (slot, value) in enumerate(selection):
                 index[i, k], scale[i, k] = slot, value
         return to_device(index, device), to_device(scale, device)
-
-
-def padded(lora: LoraRows | None, pad: int) -> LoraRows | None:
-    """A forward's LoRA rows and `pad` rows of padding (a bucket's)."""
-    if not pad or lora is None:
-        return lora
-    index, scale = pad_each(pad, *lora)
-    return index, scale
 
 
 def module_names(model: torch.nn.Module) -> set[str]:

@@ -118,7 +118,7 @@ def guidance(
     pool = denoise.loras  # (both ranks hold it: rank 0's slots go to rank 1 as it writes them)
     if ranks.rank > 0:
         cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
-        served = cfg_parallel.ServedBranches(denoiser, denoise.run_denoiser, pool)
+        served = cfg_parallel.ServedBranches(denoiser, denoise.run_denoiser)
         return None, CfgRanks(link, None, cfg_parallel.Follower(link, pool), served)
     leader = cfg_parallel.Leader(link, tracer.mark, pool)
     denoise.branches = cfg_parallel.LoopBranches(leader)

@@ -45,11 +45,11 @@ from vllm_omni_like.parallel.cfg_parallel import LoopBranches
 from vllm_omni_like.params import DEFAULT_STRENGTH
 from vllm_omni_like.stages.diffusion import edit_rows
 from vllm_omni_like.stages.diffusion.acceleration import bucket_for
-from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, Slot
+from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache, RowCache, cache_pass
 from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
-from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows, padded
+from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -337,9 +337,8 @@ class DenoiseLoop:
         if self.branches is None:
             negative = (plan.negative_lora, plan.cache_slots(1))
             return self._forward(*cond), self._forward(*uncond, *negative)
-        inputs, at, pad = self._padded(*uncond)
-        lora = padded(plan.negative_lora, pad)  # (rank 1 sets them around its forward)
-        mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at, lora)
+        inputs, at, _ = self._padded(*uncond, plan.negative_lora)  # (its rows: rank 1 sets them)
+        mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at)
         return mine, theirs[: len(cfg_states)]
 
     def _expert_scale(self, plan: Plan, like: torch.Tensor) -> float | torch.Tensor:
@@ -370,11 +369,9 @@ class DenoiseLoop:
         one; `lora`: each model row's adapters; `slots`: each model row's step cache and
         branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
-        inputs, at, pad = self._padded(latents, states, text, guidance, conditioning)
-        lora = padded(lora, pad)
+        inputs, at, pad = self._padded(latents, states, text, guidance, conditioning, lora)
         call = lambda given: self.run_denoiser(given, at)  # noqa: E731
-        adapters = nullcontext() if self.loras is None else self.loras.context.rows(lora)
-        with adapters, self._cached(slots, pad):
+        with cache_pass(self.cache, slots, pad):
             return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
 
     def _padded(
@@ -384,9 +381,11 @@ class DenoiseLoop:
         text: Text,
         guidance: torch.Tensor | None,
         conditioning: Conditioning | None,
+        lora: LoraRows | None = None,
     ) -> tuple[Inputs, list[float] | None, int]:
-        """A forward's inputs padded to the compiled bucket of its rows, its host timesteps
-        (two experts) and the rows of padding."""
+        """A forward's inputs padded to the compiled bucket of its rows (`lora`: its rows'
+        adapters, static inputs of a graph: copied in each step like the rest), its host
+        timesteps (two experts) and the rows of padding."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -398,22 +397,22 @@ class DenoiseLoop:
             states = states + [states[-1]] * pad
         at = [float(s.timestep) for s in states] if self.host_times else None
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
+        if lora is not None:
+            index, scale = pad_each(pad, *lora) if pad else lora
+            inputs["lora"] = {"index": index, "scale": scale}
         return inputs | {"guidance": guidance, "conditioning": conditioning}, at, pad
 
-    def _cached(self, slots: list[tuple[RowCache | None, int]] | None, pad: int) -> Any:
-        """The step cache's forward over these model rows (and `pad` rows of padding)."""
-        if self.cache is None or slots is None:
-            return nullcontext()
-        rows: list[Slot | None] = [(c, b) if c is not None else None for c, b in slots]
-        return self.cache.forward(rows + [None] * pad)
-
     def run_denoiser(self, inputs: Inputs, at: list[float] | None) -> Any:
-        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts); a
+        """The adapter's denoiser call on `inputs` (`at`: host timesteps, two experts), its
+        LoRA layers reading the rows' adapters from them (a graph's capture: its buffers); a
         CFG-parallel rank 1 runs rank 0's unconditional forwards so."""
         latents, times, text = inputs["latents"], inputs["times"], inputs["text"]
-        if (conditioning := inputs["conditioning"]) is not None:
-            return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
-        return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
+        lora = inputs.get("lora")
+        rows = None if lora is None else (lora["index"], lora["scale"])
+        with nullcontext() if self.loras is None else self.loras.context.rows(rows):
+            if (conditioning := inputs["conditioning"]) is not None:
+                return self.adapter.predict_conditioned(latents, times, text, conditioning, at)
+            return self.adapter.predict(latents, times, text, at=at, guidance=inputs["guidance"])
 
 
 def _or(value: float | None, default: float) -> float:
