@@ -95,11 +95,6 @@ def test_registration_by_flag_and_by_yaml(tmp_path):
             "stage 'd': LoRA adapters run on a diffusion stage, not on a 'llm' stage",
         ),
         (
-            {"lora_dir": "/m", "cfg_parallel": True, "devices": ("cpu", "cpu")},
-            "stage 'd': LoRA adapters on a CFG-parallel stage are not built yet: its rank 1 "
-            "holds no LoRA pool (a sequence-parallel stage's ranks do)",
-        ),
-        (
             {"max_lora_rank": 0},
             "stage 'd': LoRA adapters: max_loras, max_lora_rank and max_loras_per_request must "
             "be >= 1",

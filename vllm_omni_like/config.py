@@ -252,8 +252,8 @@ class StageConfig:
         self._check_choices()
         self._check_batching()
         sizes = (self.max_loras, self.max_lora_rank, self.max_loras_per_request)
-        where = (self.name, self.kind, self.cfg_parallel)
-        object.__setattr__(self, "loras", check_loras(*where, self.loras, self.lora_dir, *sizes))
+        where = (self.name, self.kind, self.loras, self.lora_dir)
+        object.__setattr__(self, "loras", check_loras(*where, *sizes))
         for key in ("max_side", "max_pixels", "max_frames", "max_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -133,7 +133,6 @@ def served(specs: tuple[LoraSpec, ...], directory: str | None) -> list[str]:
 def check_loras(
     stage: str,
     kind: str,
-    cfg_parallel: bool,
     given: Any,
     directory: str | None,
     max_loras: int,
@@ -153,11 +152,6 @@ def check_loras(
         return specs
     if kind != "diffusion" and ":" not in kind:  # (a stage class of one's own may take them)
         raise ConfigError(f"{where} run on a diffusion stage, not on a {kind!r} stage")
-    if cfg_parallel:  # (rank 1 would need the pool's slots and each branch's rows)
-        raise ConfigError(
-            f"{where} on a CFG-parallel stage are not built yet: its rank 1 holds no LoRA pool "
-            "(a sequence-parallel stage's ranks do)"
-        )
     if len(specs) > max_loras:
         raise ConfigError(f"{where}: {len(specs)} registered but max_loras is {max_loras}")
     return specs

@@ -22,6 +22,7 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.rank, self.size, self.device = 0, 2, torch.device("cpu")
+        self.members = (0, 1)  # (rank 0's group: both)
         self.objects: list[Any] = []
         self.tensors: list[torch.Tensor] = []
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -24,9 +25,11 @@ from tests.models.tiny_mmdit import tiny_sd3_path
 from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_wan22 import tiny_wan22_experts_path
 from tests.stages.cfg_probe import PROBE_ENV
+from tests.stages.test_sequence_parallel import _pixels
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.models.limits import describe_stage
+from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.stages.base import StageControl, create_stage
@@ -49,14 +52,15 @@ def _config(model: str, **kw) -> StageConfig:
 
 
 def _reference(
-    model: str, groups: list[list[StageRequest]], joined: dict[int, int], where: Path
-) -> None:
+    model: str, groups: list[list[StageRequest]], joined: dict[int, int], where: Path, **both
+) -> dict[str, StageOutput]:
     """One rank, in this process: the same groups through its running set, each later group
     joining after as many steps of the first as it did on the two ranks (`joined`), the
     branches in two forwards as the ranks run them (a forward of both rounds otherwise: one
     batch of twice the rows; tests/stages/diffusion/test_step.py bounds that), on a rank's
-    share of the cores; the final latents in `where`."""
-    config = _config(model, device="cpu", batched_cfg=False)
+    share of the cores; the final latents in `where`. `both`: the stage's settings on both
+    sides (LoRA adapters). Returns each request's output."""
+    config = _config(model, device="cpu", batched_cfg=False, **both)
     stage = create_stage(config)
     with pytest.MonkeyPatch.context() as mp, rank_threads(2):
         mp.setenv(PROBE_ENV, str(where))
@@ -65,16 +69,19 @@ def _reference(
         rowset = stage.stepper(groups[0][0].mode)
         assert rowset is not None
         rowset.join(groups[0], control)
-        pending = dict(enumerate(groups[1:], 2))
+        pending, outs = dict(enumerate(groups[1:], 2)), []
         for step in range(1, 1000):  # (bounded: every row ends within its steps)
             for batch_id in [b for b in pending if joined[b] == step - 1]:
                 rowset.join(pending.pop(batch_id), control)
             if rowset.set.empty:
                 break
             rowset.step(control)
-            rowset.leave(control)  # (the probe keeps each row's latents as it leaves)
+            # (the probe keeps each row's latents as it leaves)
+            if (part := rowset.leave(control)) is not None:
+                outs += part.finish(part.requests)
     stage.close()
     assert not pending and rowset.set.empty
+    return {out.request_id: out for out in outs}
 
 
 @contextlib.contextmanager
@@ -125,21 +132,29 @@ def _rows(where: Path, rank: int) -> list[int]:
 
 
 def check_equal_to_one_rank(
-    model: str, groups: list[list[StageRequest]], tmp: Path, join_at: int = 2, **kw
+    model: str,
+    groups: list[list[StageRequest]],
+    tmp: Path,
+    join_at: int = 2,
+    both: dict | None = None,
+    **kw,
 ) -> list[object]:
-    """Every request's latents within 1e-5 of one rank's; the rows each rank's forwards ran:
-    rank 1 the unconditional ones, rank 0 the others (together the one rank's)."""
+    """Every request's latents within 1e-5 of one rank's, its pixels within 1 level (`both`: the
+    stage's settings on both sides); the rows each rank's forwards ran: rank 1 the unconditional
+    ones, rank 0 the others (together the one rank's)."""
     one, split = tmp / "one", tmp / "split"
     one.mkdir()
     split.mkdir()
-    msgs = cfg_parallel(model, groups, join_at, split, **kw)
-    results = [m.output for m in msgs if isinstance(m, RequestResult)]
-    assert all(out.error is None for out in results), results
+    msgs = cfg_parallel(model, groups, join_at, split, **(both or {}), **kw)
+    results = {m.output.request_id: m.output for m in msgs if isinstance(m, RequestResult)}
+    assert all(out.error is None for out in results.values()), results
     requests = [r for group in groups for r in group]
-    _reference(model, groups, _joined_after(msgs, len(groups)), one)
+    ref = _reference(model, groups, _joined_after(msgs, len(groups)), one, **(both or {}))
     for r in requests:
-        got, want = torch.load(split / f"{r.request_id}.pt"), torch.load(one / f"{r.request_id}.pt")
-        assert got.shape == want.shape and (got - want).abs().max() <= TOLERANCE, r.request_id
+        rid = r.request_id
+        got, want = torch.load(split / f"{rid}.pt"), torch.load(one / f"{rid}.pt")
+        assert got.shape == want.shape and (got - want).abs().max() <= TOLERANCE, rid
+        assert np.abs(_pixels(results[rid]) - _pixels(ref[rid])).max() <= 1, rid
     assert sum(_rows(split, 0)) + sum(_rows(split, 1)) == sum(_rows(one, 0))
     return msgs
 

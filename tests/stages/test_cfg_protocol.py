@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 
 from vllm_omni_like.parallel import cfg_parallel
-from vllm_omni_like.parallel.cfg_parallel import Follower, Leader, PeerFailed
+from vllm_omni_like.parallel.cfg_parallel import (
+    Follower,
+    Leader,
+    LoopBranches,
+    PeerFailed,
+    ServedBranches,
+)
+from vllm_omni_like.parallel.rank_link import RankDiverged
 
 
 class QueueLink:
@@ -41,6 +50,9 @@ class QueueLink:
         assert kind == "tensor" and tuple(tensor.shape) == tuple(shape)
         assert tensor.dtype == getattr(torch, dtype)
         return tensor
+
+    def recv_into(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.copy_(self.recv(tuple(tensor.shape), str(tensor.dtype)[6:]))
 
     def code(self, value: int) -> torch.Tensor:
         return torch.full((1,), value, dtype=torch.int64)
@@ -129,3 +141,91 @@ def test_a_failed_first_call_teaches_nothing_and_a_later_failure_surfaces_at_set
     batches.put(3)
     pipeline_call(leader, 3, side=5, steps=2)  # and the replica serves on
     assert len(follow.objects) == 2
+
+
+class Pool:
+    """A replicated state of two slots of one buffer each (a LoRA pool's stand-in): `rows`, what
+    a forward runs with; `passed`, the slots copied in and passed on (to its group's)."""
+
+    def __init__(self, width: int = 3) -> None:
+        self.slots = {1: torch.zeros(width), 2: torch.zeros(width)}
+        self.senders: list = []
+        self.rows: Any = None
+        self.passed: list[int] = []
+
+    def write(self, slot: int, value: float) -> None:
+        self.slots[slot].fill_(value)
+        for send in self.senders:
+            send(slot)
+
+    def state(self) -> Any:
+        return self.rows
+
+    @contextmanager
+    def around(self, state: Any):
+        self.rows = state
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    def buffers(self, key: int) -> list[torch.Tensor]:
+        return [self.slots[key]]
+
+    def on_write(self, send) -> None:
+        self.senders.append(send)
+
+    def copied(self, key: int) -> None:
+        self.passed.append(key)
+
+
+def _replicas(width: int):
+    """Rank 0's pool and leader; rank 1's pool, follower serving our own loop's forwards (each
+    the slot its rows name, times its latents) in a thread, and the error it raised."""
+    a, b = queue.Queue(), queue.Queue()
+    mine, theirs = Pool(), Pool(width)
+    leader, follower = Leader(QueueLink(a, b), replicated=mine), Follower(QueueLink(b, a), theirs)
+
+    def loop(inputs: dict, at: Any) -> torch.Tensor:
+        return inputs["latents"] * theirs.slots[int(inputs["slot"].item())]
+
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            follower.serve(ServedBranches(None, loop), 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return mine, LoopBranches(leader), theirs, thread, errors
+
+
+def test_a_slot_written_reaches_rank_1_before_the_forward_that_reads_it():
+    mine, branches, theirs, thread, errors = _replicas(3)
+    ones = torch.ones(3)
+    try:
+        mine.write(1, 2.0)
+        _, out = branches.alongside(lambda: None, {"latents": ones, "slot": torch.tensor(1)}, None)
+        assert out.tolist() == [2.0] * 3
+        mine.write(2, 5.0)  # (a row joining mid-set: its slot, then the forward reading it)
+        _, out = branches.alongside(lambda: None, {"latents": ones, "slot": torch.tensor(2)}, None)
+        assert out.tolist() == [5.0] * 3 and theirs.passed == [1, 2]
+    finally:
+        branches.leader.end(1)
+        thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+
+
+def test_a_slot_rank_1_holds_unlike_rank_0_ends_the_worker():
+    """A pool of another shape on rank 1 (never meant to happen): the share is refused as the
+    ranks diverged (the worker exits; the replica restarts whole)."""
+    mine, _, theirs, thread, errors = _replicas(4)
+    start = time.monotonic()
+    mine.write(1, 2.0)
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - start < 5
+    assert [str(e) for e in errors] == ["rank 0 shares 1 in buffers this rank does not hold alike"]
+    assert isinstance(errors[0], RankDiverged) and theirs.passed == []
+    assert theirs.slots[1].tolist() == [0.0] * 4  # (nothing copied)

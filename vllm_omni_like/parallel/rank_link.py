@@ -63,7 +63,12 @@ class Replicated(Protocol):
         """Its buffers of `key` (a slot), contiguous, alike in order and shape on every rank."""
 
     def on_write(self, send: Callable[[Any], None]) -> None:
-        """Rank 0: `send(key)` is called after each write into `key`'s buffers."""
+        """Rank 0 (or a group's leader): `send(key)` is called after each write into `key`'s
+        buffers, each sender registered in its order."""
+
+    def copied(self, key: Any) -> None:
+        """`key`'s buffers were just copied here from rank 0: its senders pass them on (the
+        unconditional branch's group's leader, into its group's)."""
 
 
 def tensor_spec(tensor: torch.Tensor) -> Spec:
@@ -208,8 +213,12 @@ class Link:
         self._io("sending to rank", dst, lambda: dist.send(tensor.contiguous(), dst=dst))
 
     def recv(self, shape: tuple[int, ...], dtype: str, peer: int | None = None) -> torch.Tensor:
-        src = self.peer if peer is None else peer
         tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        return self.recv_into(tensor, peer)
+
+    def recv_into(self, tensor: torch.Tensor, peer: int | None = None) -> torch.Tensor:
+        """Receive into `tensor` (contiguous) itself."""
+        src = self.peer if peer is None else peer
         self._io("receiving from rank", src, lambda: dist.recv(tensor, src=src))
         return tensor
 

@@ -24,7 +24,8 @@ the previous forward as the very same object (the prompt embeddings) are not sen
 What every rank holds alike beside its models (`Replicated`: the LoRA pool) stays alike: what rank
 0 sets around a forward (each model row's adapter slots and scales) goes in that forward's
 header and tensors, and each slot rank 0 writes (a row's adapter joining) is broadcast into the
-others' copies as it is written ("share"), in order with the forwards.
+others' copies as it is written ("share"), in order with the forwards; with CFG-parallel beside
+it, the second group's leader broadcasts each slot rank 0 sent it into its group's.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class SequenceLeader:
         assert self.replicated is not None
         buffers = self.replicated.buffers(key)
         header = ("share", key, [tensor_spec(t) for t in buffers])
-        for peer in range(1, self.link.size):
+        for peer in self.link.members[1:]:  # (its group's: the other group's leader copies)
             self.link.send_obj(header, peer)
         for t in buffers:
             self.link.broadcast(t)

@@ -9,10 +9,11 @@ no row holds), between two steps, so the replica never stops and no graph is com
 A row holds its slots from its join until it leaves (`acquire` / `release`); slot 0 is no
 adapter (zeros).
 
-Over the ranks of a sequence-parallel replica every rank holds the pool (parallel/rank_link.py's
-`Replicated`): rank 0 alone reads files and decides which adapter goes where; each slot it writes
-is copied into the others' as it is written, and each forward's rows (slots, scales) travel
-with the forward."""
+Over the ranks of a replica (sequence-parallel, CFG-parallel, both) every rank holds the pool
+(parallel/rank_link.py's `Replicated`): rank 0 alone reads files and decides which adapter goes
+where; each slot it writes is copied into the others' as it is written (its sequence-parallel
+group's, its CFG-parallel partner's, which passes it on to its own group), and each forward's
+rows (slots, scales) travel with the forward."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class LoraPool:
         self.stale: set[int] = set()  # slots of a file changed since, until no row holds them
         self.reads = LoraReads(self._read_file, HOST_KEPT * self.max_loras)
         self.loads = 0  # adapters written to the device (the benchmark's cold loads)
-        self.written: Callable[[int], None] = lambda slot: None  # (the other ranks' copy)
+        self.senders: list[Callable[[int], None]] = []  # (copies into the other ranks')
 
     # ---- names to weights ------------------------------------------------------------------
     def spec(self, name: str) -> LoraSpec:
@@ -205,7 +206,7 @@ class LoraPool:
             slot = self.slots.pop(idle)
         try:
             self._write(slot, weights)
-            self.written(slot)
+            self.copied(slot)
         except BaseException:
             self.free.append(slot)  # (cleared by the next write into it)
             raise
@@ -251,7 +252,11 @@ class LoraPool:
         return [t for layer in self.layers for t in (layer.lora_a[slot], layer.lora_b[slot])]
 
     def on_write(self, send: Callable[[int], None]) -> None:
-        self.written = send
+        self.senders.append(send)
+
+    def copied(self, slot: int) -> None:
+        for send in self.senders:
+            send(slot)
 
     # ---- a forward's rows --------------------------------------------------------------------
     def rows(self, selections: list[Selection], device: torch.device) -> LoraRows:

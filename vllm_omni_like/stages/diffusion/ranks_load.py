@@ -105,8 +105,9 @@ def guidance(
     """The denoiser's CFG wrapper (both branches in one forward of a pipeline that calls it
     twice; or split over the ranks where a mode runs the pipeline's call), and this rank's side
     of the CFG-parallel ranks: rank 0's own loop hands each step's unconditional forward to
-    rank 1, which keeps only what its denoiser needs and serves them. `own`: the modes our own
-    loop runs."""
+    rank 1, which keeps only what its denoiser needs and serves them (each forward with its
+    LoRA rows; each LoRA slot rank 0 writes copied to it). `own`: the modes our own loop
+    runs."""
     pipe, pipeline_modes = adapter.pipe, set(adapter.family.modes) - own
     if link is None or not config.cfg_parallel:
         batched = config.batched_cfg and adapter.family.modes[0] in pipeline_modes
@@ -114,11 +115,12 @@ def guidance(
     if link.rank != link.leader:  # (a sequence-parallel group's other rank: its leader's)
         return None, None
     denoiser = getattr(pipe, adapter.denoiser_name)  # rank 1's, compiled or not
+    pool = denoise.loras  # (both ranks hold it: rank 0's slots go to rank 1 as it writes them)
     if ranks.rank > 0:
         cfg_parallel.keep_only(pipe, adapter.keep_for_branches())
         served = cfg_parallel.ServedBranches(denoiser, denoise.run_denoiser)
-        return None, CfgRanks(link, None, cfg_parallel.Follower(link), served)
-    leader = cfg_parallel.Leader(link, tracer.mark)
+        return None, CfgRanks(link, None, cfg_parallel.Follower(link, pool), served)
+    leader = cfg_parallel.Leader(link, tracer.mark, pool)
     denoise.branches = cfg_parallel.LoopBranches(leader)
     return _split_pipeline_call(config.name, adapter, leader, pipeline_modes), CfgRanks(
         link, leader, None, denoiser

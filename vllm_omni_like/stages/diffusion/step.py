@@ -337,7 +337,7 @@ class DenoiseLoop:
         if self.branches is None:
             negative = (plan.negative_lora, plan.cache_slots(1))
             return self._forward(*cond), self._forward(*uncond, *negative)
-        inputs, at, _ = self._padded(*uncond)
+        inputs, at, _ = self._padded(*uncond, plan.negative_lora)  # (its rows: rank 1 sets them)
         mine, theirs = self.branches.alongside(lambda: self._forward(*cond), inputs, at)
         return mine, theirs[: len(cfg_states)]
 
@@ -369,10 +369,7 @@ class DenoiseLoop:
         one; `lora`: each model row's adapters; `slots`: each model row's step cache and
         branch), padded to the compiled bucket of its rows."""
         rows = latents.shape[0]
-        inputs, at, pad = self._padded(latents, states, text, guidance, conditioning)
-        if lora is not None:  # (static inputs of a graph: copied in each step like the rest)
-            index, scale = pad_each(pad, *lora) if pad else lora
-            inputs["lora"] = {"index": index, "scale": scale}
+        inputs, at, pad = self._padded(latents, states, text, guidance, conditioning, lora)
         call = lambda given: self.run_denoiser(given, at)  # noqa: E731
         with cache_pass(self.cache, slots, pad):
             return self.graphs.forward(inputs, call, replayable=at is None)[:rows]
@@ -384,9 +381,11 @@ class DenoiseLoop:
         text: Text,
         guidance: torch.Tensor | None,
         conditioning: Conditioning | None,
+        lora: LoraRows | None = None,
     ) -> tuple[Inputs, list[float] | None, int]:
-        """A forward's inputs padded to the compiled bucket of its rows, its host timesteps
-        (two experts) and the rows of padding."""
+        """A forward's inputs padded to the compiled bucket of its rows (`lora`: its rows'
+        adapters, static inputs of a graph: copied in each step like the rest), its host
+        timesteps (two experts) and the rows of padding."""
         rows = latents.shape[0]
         times = rs.timesteps(states, latents.device)
         if self.buckets:  # a compiled graph guards the layout: rows that share a timestep (a
@@ -398,6 +397,9 @@ class DenoiseLoop:
             states = states + [states[-1]] * pad
         at = [float(s.timestep) for s in states] if self.host_times else None
         inputs: Inputs = {"latents": latents, "times": times, "text": text}
+        if lora is not None:
+            index, scale = pad_each(pad, *lora) if pad else lora
+            inputs["lora"] = {"index": index, "scale": scale}
         return inputs | {"guidance": guidance, "conditioning": conditioning}, at, pad
 
     def run_denoiser(self, inputs: Inputs, at: list[float] | None) -> Any:
