@@ -12,7 +12,7 @@ the inpainting pipelines of a denoiser without mask channels do. A denoiser with
 (a 9-channel inpainting UNet, `Adapter.takes_mask`) puts nothing back: its row carries its mask
 at the latents' size and its masked image's latents (the VAE's sample with the row's generator,
 drawn after the noise) as its conditioning (`LoopRow.mask_input`), and its image is encoded
-only where the row starts from it (a strength below 1), as StableDiffusionInpaintPipeline
+only where the row starts from it (a strength below 1), as the diffusers SD inpainting pipeline
 draws."""
 
 from __future__ import annotations
