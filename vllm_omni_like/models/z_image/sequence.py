@@ -151,19 +151,32 @@ class ZeroedKeysProcessor(ZSingleStreamAttnProcessor):  # type: ignore[misc]  # 
                 attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis
             )
             return out
-        q, k, v = (
-            p(hidden_states).unflatten(-1, (attn.heads, -1))
-            for p in (attn.to_q, attn.to_k, attn.to_v)
-        )
-        q = q if attn.norm_q is None else attn.norm_q(q)
-        k = k if attn.norm_k is None else attn.norm_k(k)
-        if freqs_cis is not None:
-            q, k = rotate(q, freqs_cis), rotate(k, freqs_cis)
+        q, k, v = rotated_qkv(attn, hidden_states, freqs_cis)
         joint = zeroed_keys_attention(q, k.to(q.dtype), v, attention_mask)
-        output: torch.Tensor = attn.to_out[0](joint.flatten(2, 3).to(q.dtype))
-        if len(attn.to_out) > 1:
-            output = attn.to_out[1](output)  # (dropout)
-        return output
+        return project_out(attn, joint.flatten(2, 3).to(q.dtype))
+
+
+def rotated_qkv(
+    attn: Any, hidden_states: torch.Tensor, freqs_cis: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Z-Image attention's heads (B, S, H, D) as diffusers' processor makes them: projected,
+    QK-normed, the queries and keys rotated by `freqs_cis` where given."""
+    q, k, v = (
+        p(hidden_states).unflatten(-1, (attn.heads, -1)) for p in (attn.to_q, attn.to_k, attn.to_v)
+    )
+    q = q if attn.norm_q is None else attn.norm_q(q)
+    k = k if attn.norm_k is None else attn.norm_k(k)
+    if freqs_cis is not None:
+        q, k = rotate(q, freqs_cis), rotate(k, freqs_cis)
+    return q, k, v
+
+
+def project_out(attn: Any, joint: torch.Tensor) -> torch.Tensor:
+    """The attention's output projection (and its dropout, where it has one) over (B, S, H x D)."""
+    output: torch.Tensor = attn.to_out[0](joint)
+    if len(attn.to_out) > 1:
+        output = attn.to_out[1](output)  # (dropout)
+    return output
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
-from vllm_omni_like.models.z_image.sequence import rotate
+from vllm_omni_like.models.z_image.sequence import project_out, rotated_qkv
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
 from vllm_omni_like.parallel.ulysses import SequenceShards
 
@@ -66,22 +66,12 @@ class UlyssesZImageAttention(ZSingleStreamAttnProcessor):  # type: ignore[misc] 
             attention_mask is not None and attention_mask.ndim != 2
         ):
             raise ValueError("a sequence-parallel Z-Image attention takes a (rows, keys) mask")
-        q, k, v = (
-            p(hidden_states).unflatten(-1, (attn.heads, -1))
-            for p in (attn.to_q, attn.to_k, attn.to_v)
-        )
-        q = q if attn.norm_q is None else attn.norm_q(q)
-        k = k if attn.norm_k is None else attn.norm_k(k)
-        if freqs_cis is not None:
-            q, k = rotate(q, freqs_cis), rotate(k, freqs_cis)
+        q, k, v = rotated_qkv(attn, hidden_states, freqs_cis)
         attend = None
         if attention_mask is not None:
             attend = functools.partial(masked_attention, keep=attention_mask.bool())
         out = self.shards.attention(q, k.to(q.dtype), v, attend=attend).flatten(2, 3)
-        output: torch.Tensor = attn.to_out[0](out.to(q.dtype))
-        if len(attn.to_out) > 1:
-            output = attn.to_out[1](output)  # (dropout)
-        return output
+        return project_out(attn, out.to(q.dtype))
 
 
 def split_z_image(model: Any, shards: SequenceShards) -> None:
