@@ -92,6 +92,22 @@ def _run(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarr
     return {o.request_id: np.stack([i.pixels for i in o.images]).astype(int) for o in outs}
 
 
+def _pipeline_image(pipe, stage: DiffusionStage, seed: int) -> np.ndarray:
+    """The diffusers pipeline's image of the stage's request (its prompt, steps and defaults)."""
+    rt = stage.runtime
+    with torch.inference_mode():
+        out = pipe(
+            "a red circle",
+            num_inference_steps=STEPS,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(seed),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    return (out.images[0] * 255).round().astype(int)
+
+
 A, B = (LoraRef("a"),), (LoraRef("b", 0.8),)
 
 
@@ -124,20 +140,10 @@ def _psnr(x: np.ndarray, y: np.ndarray) -> float:
 @pytest.mark.parametrize(("name", "scale"), [("b", 0.8), ("kohya", 1.0)])
 def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(stage, files, name, scale):
     ours = _run(stage, [_req("x", (LoraRef(name, scale),), seed=11)])["x"][0]
-    rt, pipe = stage.runtime, _pipe()
+    pipe = _pipe()
     pipe.load_lora_weights(files[name])
     pipe.fuse_lora(lora_scale=scale)
-    with torch.inference_mode():
-        out = pipe(
-            "a red circle",
-            num_inference_steps=STEPS,
-            guidance_scale=rt.defaults.guidance,
-            generator=torch.Generator().manual_seed(11),
-            width=rt.defaults.width,
-            height=rt.defaults.height,
-            output_type="np",
-        )
-    theirs = (out.images[0] * 255).round().astype(int)
+    theirs = _pipeline_image(pipe, stage, 11)
     assert _psnr(ours, theirs) >= 35
 
 
@@ -148,7 +154,7 @@ def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(sta
     scales = {"a": 1.0, "b": 0.8, "kohya": 0.5}
     refs = tuple(LoraRef(n, s) for n, s in scales.items())
     ours = _run(stage, [_req("x", refs, seed=12), _req("base", seed=12)])
-    rt, pipe = stage.runtime, _pipe()
+    pipe = _pipe()
     import warnings
 
     with warnings.catch_warnings():  # (peft: "multiple adapters in the model", as asked)
@@ -157,17 +163,7 @@ def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(sta
             pipe.load_lora_weights(files[name], adapter_name=name)
     pipe.set_adapters(list(scales), adapter_weights=list(scales.values()))
     pipe.fuse_lora(adapter_names=list(scales))
-    with torch.inference_mode():
-        out = pipe(
-            "a red circle",
-            num_inference_steps=STEPS,
-            guidance_scale=rt.defaults.guidance,
-            generator=torch.Generator().manual_seed(12),
-            width=rt.defaults.width,
-            height=rt.defaults.height,
-            output_type="np",
-        )
-    theirs = (out.images[0] * 255).round().astype(int)
+    theirs = _pipeline_image(pipe, stage, 12)
     assert _psnr(ours["x"][0], theirs) >= 35
     assert _psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
     five = tuple(LoraRef(n) for n in ("a", "b", "kohya", "c", "fast"))
