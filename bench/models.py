@@ -316,7 +316,7 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     result["server_host_ms"] = host_spans(timeline, spans[1:])
     keep_timeline(timeline, os.path.join(args.out_dir, f"models-{device_name()}-timeline.jsonl"))
     for name in os.listdir(timeline):  # the profiled batch's Chrome trace (`--trace-batch`)
-        if name.endswith(".json.gz"):
+        if name.endswith((".json.gz", "-memory.pickle")):  # (and VLLM_OMNI_LIKE_TRACE_MEMORY's)
             shutil.copy(os.path.join(timeline, name), os.path.join(args.out_dir, name))
     if 1 in steps["step_ms_by_rows"]:
         result["server_step_ms"] = steps["step_ms_by_rows"][1]

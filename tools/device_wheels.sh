@@ -4,7 +4,8 @@
 # python-multipart, llguidance, ftfy), for CPython 3.12 on x86-64, into .whl/ (ignored: add
 # `/.whl/` to .git/info/exclude). The versions are the ones CI installs; pip fetches no
 # dependencies, so the list is the whole closure beyond what that image holds. `--video` adds
-# imageio-ffmpeg (its ffmpeg binary: ~30 MB more) for the runs that write MP4s; `--fp8` the
+# imageio-ffmpeg 0.5.1 (its ffmpeg binary: 27 MB more; 0.8.1's wheel is 68 MB, past a call's
+# 64 MiB carry, and the API the server calls is the same) for the runs that write MP4s; `--fp8` the
 # `fp8` extra's torchao (3.4 MB: bench/fp8.py's reference; 0.18.0 serves torch 2.11 and 2.13).
 # On the machine: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #   --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 extra=()
 for flag in "$@"; do
     case "$flag" in
-        --video) extra+=(imageio-ffmpeg==0.8.1) ;;
+        --video) extra+=(imageio-ffmpeg==0.5.1) ;;
         --fp8) extra+=(torchao==0.18.0) ;;
         *) echo "unknown flag $flag (--video, --fp8)" >&2; exit 2 ;;
     esac

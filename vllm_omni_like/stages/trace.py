@@ -32,6 +32,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 TRACE_DIR_ENV = "VLLM_OMNI_LIKE_TRACE_DIR"
 TRACE_BATCHES_ENV = "VLLM_OMNI_LIKE_TRACE_BATCHES"  # comma-separated batch counts; default 2
+TRACE_MEMORY_ENV = "VLLM_OMNI_LIKE_TRACE_MEMORY"  # snapshots of batches that grew the pool
+MEMORY_SNAPSHOTS = 3
 ALLOC_COUNTERS = (  # the caching allocator's device-wide waits (timeline "alloc")
     "num_alloc_retries",
     "num_sync_all_streams",
@@ -54,6 +56,17 @@ class BatchTracer:
         self.sharing = 0  # running-set lanes in the shared batch (`open_shared`)
         self._shared: contextlib.ExitStack | None = None
         self._alloc: dict[str, int] = {}  # the allocator's counters at the batch's begin
+        self.memory_mallocs = int(os.environ.get(TRACE_MEMORY_ENV, "0") or 0)
+        self.memory_snapshots = MEMORY_SNAPSHOTS if self.memory_mallocs > 0 else 0
+        if self.directory and self.memory_snapshots and self._on_cuda():
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+
+    def _on_cuda(self) -> bool:
+        import torch
+
+        return self.device is not None and torch.device(self.device).type == "cuda"
 
     def open_shared(self) -> None:
         """A running set's lane opens: the first one opens a batch of the timeline that the
@@ -81,7 +94,7 @@ class BatchTracer:
         self._rows.append(rows)
         import torch
 
-        if self.device is not None and torch.device(self.device).type == "cuda":
+        if self._on_cuda():
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
             self._marks.append((label, event, time.monotonic()))
@@ -113,7 +126,10 @@ class BatchTracer:
             line["traced"] = True
         if first is not None:
             now = self._alloc_counts()
-            line["alloc"] = {k: now[k] - self._alloc.get(k, 0) for k in now}
+            grew = {k: now[k] - self._alloc.get(k, 0) for k in now}
+            line["alloc"] = grew
+            if self.count > 1 and grew["num_device_alloc"] >= max(self.memory_mallocs, 1):
+                self._dump_memory()
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"{self.stage}-rank{self.rank}-timeline.jsonl")
         with open(path, "a") as f:
@@ -155,3 +171,22 @@ class BatchTracer:
         path = os.path.join(self.directory, name)
         prof.export_chrome_trace(path)
         logger.info("stage %s rank %d traced batch %d: %s", self.stage, self.rank, self.count, name)
+
+    def _dump_memory(self) -> None:
+        """The allocator's history up to this batch's end (`TRACE_MEMORY_ENV`), while any of
+        the snapshots it allows are left."""
+        if self.memory_snapshots <= 0:
+            return
+        import torch
+
+        self.memory_snapshots -= 1
+        name = f"{self.stage}-rank{self.rank}-batch{self.count}-memory.pickle"
+        os.makedirs(self.directory, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(os.path.join(self.directory, name))
+        logger.info(
+            "stage %s rank %d: the allocator's history to batch %d: %s",
+            self.stage,
+            self.rank,
+            self.count,
+            name,
+        )
