@@ -13,8 +13,7 @@ from tests.models.tiny_wan22 import tiny_wan22_experts_path
 from tests.stages.diffusion.offload_fakes import FakeTransfer
 from tests.stages.diffusion.test_running_set import _Harness
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.params import LoraRef
-from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.params import GenerationParams, LoraRef
 from vllm_omni_like.stages.diffusion.expert_policy import HIGH, SwapPolicy
 from vllm_omni_like.stages.diffusion.offload import ExpertOffload
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
@@ -95,10 +94,8 @@ def test_rows_on_both_sides_of_the_switch_make_their_own_videos():
         for rid, video in want.items():
             assert np.abs(_frames(h, rid) - video).max() <= 1, rid
         # a's two high-noise steps; b's and c's (a waits one step); then the low-noise one's
-        assert log == [(0, [0]), (0, [0]), (0, [1, 0, 0]), (1, [1, 1, 1]), (1, [1, 1, 1])] + [
-            (1, [1, 1]),
-            (1, [1]),
-        ]
+        high = [(0, [0]), (0, [0]), (0, [1, 0, 0])]
+        assert log == [*high, (1, [1, 1, 1]), (1, [1, 1, 1]), (1, [1, 1]), (1, [1])]
         assert offload.swaps - swaps == 2  # (to the high-noise expert and back)
         assert transfer.held(offload) == sum(len(u.slots) for u in offload.units[1 - HIGH])
     finally:
