@@ -79,6 +79,7 @@ class _EngineCollector:
                 replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
                 gpu_memory.add_metric(labels, r.gpu_memory)
         yield from (waiting, running, alive, replica_up, gpu_memory, family, *_starts(self.engine))
+        yield from _offloads(self.engine)
 
 
 def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
@@ -115,6 +116,35 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
             if r.restart_seconds is not None:
                 restart.add_metric(key, r.restart_seconds)
     return start, restart, cache
+
+
+def _offloads(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
+    """Each replica's idle-expert offload (`--offload idle-expert`), as its worker last said."""
+    labels = ["pipeline", "stage", "replica", "device"]
+    swaps = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_swaps",
+        "Expert swaps of a replica's worker since its start (--offload idle-expert)",
+        labels=labels,
+    )
+    last = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_swap_seconds",
+        "Seconds the copy stream took for a replica's last expert swap",
+        labels=labels,
+    )
+    held = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_device_bytes",
+        "Bytes of expert weights on a replica's device (one expert, and a prefetch)",
+        labels=labels,
+    )
+    for stage in engine.orchestrator.snapshot.stages:
+        for r in stage.replicas:
+            if (offload := r.offload) is not None:
+                key = [stage.pipeline, stage.name, str(r.index), r.device]
+                swaps.add_metric(key, offload.swaps)
+                held.add_metric(key, offload.device_bytes)
+                if offload.last_swap_s is not None:
+                    last.add_metric(key, offload.last_swap_s)
+    return swaps, last, held
 
 
 class Metrics:

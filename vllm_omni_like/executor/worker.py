@@ -136,7 +136,15 @@ class _Worker:
         start = placement.start_report(self.config.compile, took, self.stage.cuda_graphs())
         self.send(
             WorkerReady(
-                self.rank, os.getpid(), self.device, visible, memory, stepped, precision, start
+                self.rank,
+                os.getpid(),
+                self.device,
+                visible,
+                memory,
+                stepped,
+                precision,
+                start,
+                self.stage.offload(),
             )
         )
         return True
@@ -337,6 +345,7 @@ class _Worker:
                 done = BatchDone(
                     batch_id, len(ids), job.model_batch, elapsed, steps, after, memory, job.phases
                 )
+                done.offload = None if self.stage is None else self.stage.offload()
                 self.send(done)
             self.sent.pop(batch_id, None)
             self.control.forget(ids)

@@ -39,7 +39,7 @@ from vllm_omni_like.models.adapter import Adapter, Expert
 from vllm_omni_like.stages.diffusion.expert_policy import SwapPolicy, expert_of
 from vllm_omni_like.stages.diffusion.loop_rows import LoopRow
 from vllm_omni_like.stages.diffusion.quantize import size
-from vllm_omni_like.wire import Mode
+from vllm_omni_like.wire import Mode, OffloadReport
 
 logger = logging.getLogger("vllm_omni_like.stages.diffusion.stage")
 
@@ -160,18 +160,6 @@ class _Unit:
         return sum(s.master.numel() * s.master.element_size() for s in self.slots)
 
 
-@dataclass(frozen=True)
-class OffloadReport:
-    """What /health says of a stage's offload."""
-
-    mode: str
-    resident: str | None  # the expert on the device (None: a swap failed, none is)
-    swaps: int
-    last_swap_s: float | None  # the copy stream's time of the last swap (None: none measured)
-    device_bytes: int  # the experts' weights on the device (one expert, and a prefetch)
-    host_bytes: int  # both experts' masters in host memory
-
-
 class ExpertOffload:
     """The two experts of `experts` (the high-noise one resident first), their units and the
     swap policy of the running set's rows."""
@@ -280,14 +268,18 @@ class ExpertOffload:
 
     # ---- what it says -----------------------------------------------------------------------
     def _read_last(self) -> None:
-        if self._timed is not None:
-            seconds = self.transfer.seconds(*self._timed)
+        """The last swap's copy time, once its copies are done (read without waiting)."""
+        timed = self._timed
+        if timed is not None:
+            seconds = self.transfer.seconds(*timed)
             if seconds is not None:
-                self._last_s, self._timed = seconds, None
+                self._last_s = seconds
 
     def device_bytes(self) -> int:
-        held = [] if self.resident is None else self.units[self.resident]
-        staged = [unit for units in self.staged.values() for unit, _, _ in units]
+        """(Read from another thread too - the worker's report: copies of what it walks.)"""
+        resident = self.resident
+        held = [] if resident is None else self.units[resident]
+        staged = [unit for units in tuple(self.staged.values()) for unit, _, _ in units]
         return sum(u.nbytes for u in held + staged)
 
     def report(self) -> OffloadReport:
