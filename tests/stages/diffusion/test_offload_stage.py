@@ -13,6 +13,7 @@ from tests.models.tiny_wan22 import tiny_wan22_experts_path
 from tests.stages.diffusion.offload_fakes import FakeTransfer
 from tests.stages.diffusion.test_running_set import _Harness
 from vllm_omni_like.config import StageConfig
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.params import GenerationParams, LoraRef
 from vllm_omni_like.stages.diffusion.expert_policy import HIGH, SwapPolicy
 from vllm_omni_like.stages.diffusion.offload import ExpertOffload
@@ -154,3 +155,11 @@ def test_lora_adapters_run_through_a_swap(tmp_path):
         assert not moved & {"lora_a", "lora_b"}
     finally:
         stage.close()
+
+
+def test_the_load_refuses_the_offload_on_the_cpu():
+    config = StageConfig(
+        name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), offload="idle-expert"
+    )
+    with pytest.raises(ConfigError, match="--offload idle-expert needs a CUDA device: on cpu"):
+        DiffusionStage(config).load("cpu")

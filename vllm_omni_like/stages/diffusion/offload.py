@@ -27,6 +27,7 @@ flag there. The transfer is a `Transfer` (CUDA's here; a test's fake copies on t
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -85,6 +86,7 @@ class CudaTransfer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.arenas: list[torch.Tensor] = []  # (held: their views are the masters)
 
     def masters(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One arena of exactly the tensors' bytes, page-locked with cudaHostRegister (the
@@ -97,6 +99,8 @@ class CudaTransfer:
         error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
         if int(error) != 0:
             raise RuntimeError(f"--offload: cudaHostRegister of {total} bytes failed ({error})")
+        weakref.finalize(arena, torch.cuda.cudart().cudaHostUnregister, arena.data_ptr())
+        self.arenas.append(arena)
         out = []
         for t, start in zip(tensors, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
