@@ -79,11 +79,11 @@ class _EngineCollector:
                 replica_up.add_metric(labels, 1.0 if r.state == "ready" else 0.0)
                 gpu_memory.add_metric(labels, r.gpu_memory)
         yield from (waiting, running, alive, replica_up, gpu_memory, family, *_starts(self.engine))
-        yield from _offloads(self.engine)
 
 
 def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
-    """What each replica's last start and restart took, and what its compile cache held."""
+    """What each replica's last start and restart took, and what its compile cache held (and
+    its idle-expert offload's figures, `_offloads`)."""
     labels = ["pipeline", "stage", "replica", "device"]
     start = GaugeMetricFamily(
         f"{PREFIX}_replica_start_seconds",
@@ -115,7 +115,7 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
                     cache.add_metric([*key, "traced"], r.start.traced)
             if r.restart_seconds is not None:
                 restart.add_metric(key, r.restart_seconds)
-    return start, restart, cache
+    return start, restart, cache, *_offloads(engine)
 
 
 def _offloads(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:

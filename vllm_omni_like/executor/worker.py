@@ -134,19 +134,9 @@ class _Worker:
         memory, precision = gpu_memory_in_use(), self.stage.precision()
         took = time.monotonic() - started
         start = placement.start_report(self.config.compile, took, self.stage.cuda_graphs())
-        self.send(
-            WorkerReady(
-                self.rank,
-                os.getpid(),
-                self.device,
-                visible,
-                memory,
-                stepped,
-                precision,
-                start,
-                self.stage.offload(),
-            )
-        )
+        ready = WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped)
+        ready.precision, ready.start, ready.offload = precision, start, self.stage.offload()
+        self.send(ready)
         return True
 
     # 2) receive: aborts apply at once, even while a batch runs ----------------------------------

@@ -53,8 +53,7 @@ class FakeTransfer:
         for units in offload.units:
             for unit in units:
                 for slot in unit.slots:
-                    table = slot.owner._parameters if slot.param else slot.owner._buffers
-                    now.append(table[slot.name].data_ptr())
+                    now.append(getattr(slot.owner, slot.name).data_ptr())
         staged = [
             c.data_ptr() for units in offload.staged.values() for _, cs, _ in units for c in cs
         ]

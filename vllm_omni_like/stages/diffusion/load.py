@@ -68,11 +68,8 @@ def load_runtime(
     # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
     precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
-    # 5. our own loop (its LoRA pool; the idle expert to the host); sequence parallelism:
-    # rank 0's forwards on every rank
-    denoise = _own_loop(config, adapter, device, text, buckets, loras)
-    denoise.offload = offload.build(config, adapter, device, set(family.modes) - own)
-    _say_experts(config.name, adapter, denoise.offload, device)
+    # 5. our own loop (LoRA pool, offload); sequence parallelism: rank 0's forwards on each rank
+    denoise = _own_loop(config, adapter, device, text, (buckets, loras), set(family.modes) - own)
     seq_ranks = ranks_load.sequence_ranks(config, ranks, link, pipe, adapter, loras)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
     cfg, cfg_ranks = ranks_load.guidance(config, ranks, link, tracer, adapter, denoise, own)
@@ -297,13 +294,15 @@ def _own_loop(
     adapter: Adapter,
     device: torch.device,
     text: PromptEncoder,
-    buckets: tuple[int, ...],
-    loras: LoraPool | None,
+    compiled: tuple[tuple[int, ...], LoraPool | None],
+    pipeline_modes: set[Mode],
 ) -> DenoiseLoop:
     """Our own loop, its model rows padded to the buckets (each bucket of images with
     guidance and without), each row with its LoRA adapters where the stage has a pool; with
     `--cache first-block`, its rows' step cache around the denoiser's blocks (compiled, where
-    they are, before)."""
+    they are, before); with `--offload idle-expert`, the idle expert in host memory (none of
+    `pipeline_modes` may run then: the pipeline's call runs both experts)."""
+    buckets, loras = compiled
     batched = config.batched_cfg and not config.cfg_parallel  # (CFG-parallel: a branch a rank)
     row_buckets = accel.model_row_buckets(adapter, buckets, batched)
     graphs = GraphRunner(backend_for(config, device), config.name)
@@ -319,6 +318,8 @@ def _own_loop(
             config.cache_threshold,
             config.cache_decision,
         )
+    loop.offload = offload.build(config, adapter, device, pipeline_modes)
+    _say_experts(config.name, adapter, loop.offload, device)
     return loop
 
 

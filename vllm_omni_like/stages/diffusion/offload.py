@@ -144,11 +144,9 @@ class _Slot:
 
     def set(self, value: torch.Tensor) -> None:
         if self.param:
-            param = self.owner._parameters[self.name]
-            assert param is not None  # (a slot is made of a tensor)
-            param.data = value  # (the same Parameter object)
+            getattr(self.owner, self.name).data = value  # (the same Parameter object)
         else:
-            self.owner._buffers[self.name] = value
+            setattr(self.owner, self.name, value)  # (a registered buffer's name: the buffer)
 
 
 @dataclass
@@ -313,8 +311,9 @@ def _units(model: torch.nn.Module, transfer: Transfer) -> list[_Unit]:
     lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList)]
     blocks = max(lists, key=len) if lists else torch.nn.ModuleList()
     inside = {id(m) for block in blocks for m in block.modules()}
-    head = _Unit(model, _slots([m for m in model.modules() if id(m) not in inside]))
-    units = [head] + [_Unit(block, _slots(list(block.modules()))) for block in blocks]
+    saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    head = _Unit(model, _slots([m for m in model.modules() if id(m) not in inside], saved))
+    units = [head] + [_Unit(block, _slots(list(block.modules()), saved)) for block in blocks]
     units = [u for u in units if u.slots]
     every = [s for u in units for s in u.slots]
     with torch.inference_mode(False), torch.no_grad():
@@ -324,18 +323,16 @@ def _units(model: torch.nn.Module, transfer: Transfer) -> list[_Unit]:
     return units
 
 
-def _slots(modules: list[torch.nn.Module]) -> list[_Slot]:
-    """The parameters and persistent buffers `modules` own (each tensor once)."""
+def _slots(modules: list[torch.nn.Module], saved: set[int]) -> list[_Slot]:
+    """The parameters and persistent buffers (those in the model's state dict: `saved`, their
+    ids) that `modules` own, each tensor once."""
     slots, seen = [], set()
     for m in modules:
-        kept: list[tuple[str, torch.Tensor | None, bool]] = [
-            (n, t, True) for n, t in m._parameters.items()
-        ]
-        kept += [
-            (n, t, False) for n, t in m._buffers.items() if n not in m._non_persistent_buffers_set
-        ]
+        kept: list[tuple[str, torch.Tensor, bool]]
+        kept = [(n, t, True) for n, t in m.named_parameters(recurse=False)]
+        kept += [(n, t, False) for n, t in m.named_buffers(recurse=False)]
         for name, tensor, param in kept:
-            if tensor is not None and id(tensor) not in seen:
+            if id(tensor) in saved and id(tensor) not in seen:
                 seen.add(id(tensor))
                 slots.append(_Slot(m, name, param, tensor.detach()))
     return slots
