@@ -245,3 +245,24 @@ def test_a_model_of_one_denoiser_or_a_cpu_device_is_refused():
     with pytest.raises(ConfigError, match="--offload idle-expert needs a CUDA device: on cpu"):
         offload_module.check_device(config, torch.device("cpu"))
     offload_module.check_device(dataclasses.replace(config, offload="none"), torch.device("cpu"))
+
+
+def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
+    """`--offload idle-expert` overrides every diffusion stage (an LLM stage in front keeps
+    none); a YAML stage says `offload: idle-expert` for itself."""
+    from vllm_omni_like.cli import build_parser
+    from vllm_omni_like.flags import stage_overrides
+    from vllm_omni_like.pipelines.catalog import resolve
+
+    args = build_parser().parse_args(["serve", "tiny-omni", "--offload", "idle-expert"])
+    assert stage_overrides(args) == {"offload": "idle-expert"}
+    llm, diffusion = resolve("tiny-omni", **stage_overrides(args))[0].stages
+    assert (llm.offload, diffusion.offload) == ("none", "idle-expert")
+    assert StageConfig(name="d", kind="diffusion").offload == "none"
+    yaml_file = tmp_path / "p.yaml"
+    yaml_file.write_text(
+        "pipelines:\n  - name: v\n    output: video\n    stages:\n"
+        "      - {name: diffusion, kind: diffusion, model: tiny-video, offload: idle-expert}\n"
+    )
+    (stage,) = resolve(str(yaml_file))[0].stages
+    assert stage.offload == "idle-expert"

@@ -119,6 +119,9 @@ class CudaTransfer:
         out = torch.empty_like(master, device=self.device)  # (the compute stream's memory)
         with torch.cuda.stream(self.stream):
             out.copy_(master, non_blocking=True)
+        # a copy let go while in flight (a prefetch an abort dropped) keeps its memory from
+        # the compute stream's next allocations until the copy stream is past it
+        out.record_stream(self.stream)
         return out
 
     def mark(self) -> Any:
@@ -130,7 +133,8 @@ class CudaTransfer:
         torch.cuda.current_stream(self.device).wait_event(mark)
 
     def seconds(self, start: Any, end: Any) -> float | None:
-        return float(start.elapsed_time(end)) / 1000.0 if end.query() else None
+        """(Every unit prefetched: `end` came before `start`, nothing was left to copy.)"""
+        return max(0.0, float(start.elapsed_time(end)) / 1000.0) if end.query() else None
 
 
 @dataclass
