@@ -122,6 +122,7 @@ def test_an_abort_after_a_prefetch_leaves_nothing_held():
         stage.close()
 
 
+@pytest.mark.drill
 def test_fp8_weights_move_as_they_are():
     stage = _stage(quantization="fp8")
     try:
