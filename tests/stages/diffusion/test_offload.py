@@ -266,3 +266,25 @@ def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
     )
     (stage,) = resolve(str(yaml_file))[0].stages
     assert stage.offload == "idle-expert"
+
+
+def test_the_arena_holds_each_master_whole_and_aligned():
+    """CUDA's masters are views of one page-locked arena (CudaTransfer.masters): each tensor's
+    bytes at an aligned offset, its dtype and shape (FP8 values and a scalar among them)."""
+    from vllm_omni_like.stages.diffusion.offload import ALIGN, arena_bytes, in_arena
+
+    tensors = [
+        torch.randn(3, 5, dtype=torch.bfloat16),
+        torch.randn(7).to(torch.float8_e4m3fn),
+        torch.tensor(2.5),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    ]
+    total = arena_bytes(tensors)
+    assert total == 4 * ALIGN  # (each under ALIGN bytes: one aligned slot each)
+    arena = torch.zeros(total, dtype=torch.uint8)
+    views = in_arena(arena, tensors)
+    for view, t in zip(views, tensors, strict=True):
+        assert view.dtype == t.dtype and view.shape == t.shape
+        assert torch.equal(view.view(torch.uint8), t.view(torch.uint8)) if t.dim() else view == t
+        assert view.untyped_storage().data_ptr() == arena.data_ptr()  # (one arena)
+        assert (view.data_ptr() - arena.data_ptr()) % ALIGN == 0

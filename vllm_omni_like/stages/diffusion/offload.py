@@ -91,23 +91,13 @@ class CudaTransfer:
     def masters(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One arena of exactly the tensors' bytes, page-locked with cudaHostRegister (the
         caching host allocator would round each allocation up to a power of two)."""
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        arena = torch.empty(max(total, 1), dtype=torch.uint8)
+        arena = torch.empty(max(arena_bytes(tensors), 1), dtype=torch.uint8)
         error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
         if int(error) != 0:
-            raise RuntimeError(f"--offload: cudaHostRegister of {total} bytes failed ({error})")
+            raise RuntimeError(f"--offload: cudaHostRegister of {arena.numel()} bytes ({error})")
         weakref.finalize(arena, torch.cuda.cudart().cudaHostUnregister, arena.data_ptr())
         self.arenas.append(arena)
-        out = []
-        for t, start in zip(tensors, offsets, strict=True):
-            nbytes = t.numel() * t.element_size()
-            view = arena[start : start + nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            out.append(view)
-        return out
+        return in_arena(arena, tensors)
 
     def idle(self, master: torch.Tensor) -> torch.Tensor:
         return master
@@ -135,6 +125,23 @@ class CudaTransfer:
     def seconds(self, start: Any, end: Any) -> float | None:
         """(Every unit prefetched: `end` came before `start`, nothing was left to copy.)"""
         return max(0.0, float(start.elapsed_time(end)) / 1000.0) if end.query() else None
+
+
+def arena_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes of an arena holding `tensors`, each at an ALIGN-byte offset."""
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+
+
+def in_arena(arena: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` as views of the uint8 `arena` (`arena_bytes` of them), in order."""
+    out, start = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        view = arena[start : start + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        start += -(-nbytes // ALIGN) * ALIGN
+    return out
 
 
 @dataclass
