@@ -182,6 +182,9 @@ class StageConfig:
     batched_cfg: bool = True  # both guidance halves in one forward where a pipeline runs two
     # "fp8": the denoisers' linear layers (their family's) run rowwise FP8 matmuls (fp8.py)
     quantization: str = "none"
+    # "idle-expert": a two-expert model's (Wan2.2-A14B) expert not in use waits in pinned host
+    # memory, one expert on the device (stages/diffusion/offload.py; speed_settings.py)
+    offload: str = "none"
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
     # by all of them) instead of the whole denoiser: "auto" does so with fp8 or a step cache
     regional_compile: str = "auto"

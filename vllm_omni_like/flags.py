@@ -65,6 +65,7 @@ STAGE_FLAGS = (
     "batched_cfg",
     "decode_overlap",
     "quantization",
+    "offload",
     "regional_compile",
     "cache",
     "cache_threshold",

@@ -1,6 +1,7 @@
-"""The diffusion stages' speed settings refused at start-up, torch-free: FP8 and the step cache
+"""The diffusion stages' speed settings refused at start-up, torch-free: FP8, the step cache
 (`--cache`, `--cache-threshold`, `--cache-decision`: what they may be; what /health says of
-them). stages/diffusion/block_cache.py is the cache itself."""
+them) and `--offload` (what it runs beside). stages/diffusion/block_cache.py is the cache
+itself, stages/diffusion/offload.py the offload."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ CACHE_DECISIONS = ("sync", "lagged")
 # (provisional, from a CPU sample of bench/cache_quality.py on the trained tiny-video: 16
 # clips, 36% of block evaluations saved at a median PSNR of 39 dB; docs/architecture.md)
 DEFAULT_THRESHOLD = 0.15
+# idle-expert: a two-expert model's expert not in use waits in pinned host memory
+OFFLOAD_MODES = ("none", "idle-expert")
 
 
 def check_speed(config: Any) -> None:
@@ -37,6 +40,7 @@ def check_speed(config: Any) -> None:
             raise ConfigError(f"{where}: {flag} must be one of {', '.join(allowed)}, not {value!r}")
     if config.cache != "none":
         _check_cache(config, f"{where}: --cache {config.cache}", diffusion)
+    _check_offload(config, where, diffusion)
 
 
 def _check_cache(config: Any, where: str, diffusion: bool) -> None:
@@ -60,6 +64,30 @@ def _check_cache(config: Any, where: str, diffusion: bool) -> None:
         raise ConfigError(
             f"{where} compiles the denoiser block by block (each row's decision runs between "
             "its blocks): not with --regional-compile off"
+        )
+
+
+def _check_offload(config: Any, where: str, diffusion: bool) -> None:
+    """`--offload`: a known mode; idle-expert on a diffusion stage of one rank, not compiled.
+    (The model's two denoisers and a CUDA device are checked at its load.)"""
+    if config.offload not in OFFLOAD_MODES:
+        raise ConfigError(
+            f"{where}: offload must be one of {', '.join(OFFLOAD_MODES)}, not {config.offload!r}"
+        )
+    if config.offload == "none":
+        return
+    flag = f"{where}: --offload {config.offload}"
+    if not diffusion:
+        raise ConfigError(f"{flag} runs diffusion stages only, not {config.kind!r}")
+    if config.cfg_parallel or config.sequence_parallel > 1:
+        raise ConfigError(
+            f"{flag}: not with --cfg-parallel or --sequence-parallel (the ranks' denoiser calls "
+            "follow rank 0's rows: each rank would have to swap its expert with rank 0's)"
+        )
+    if config.compile:
+        raise ConfigError(
+            f"{flag}: not with --compile yet (a compiled expert's graphs and its weights "
+            "swapped in place between steps are not tested together)"
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm_omni_like.compile_choices import CUDA_GRAPHS_MODES, REGIONAL_COMPILE_MODES
 from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
-from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES
+from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES, OFFLOAD_MODES
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -138,6 +138,16 @@ def add_precision_args(g: Any) -> None:
         "aside): FLUX.1, SD3, Qwen-Image, Z-Image and Wan; CUDA compute capability 8.9 or newer "
         "(or the CPU); /health says each stage's precision",
         choices=QUANTIZATIONS,
+    )
+    stage_flag(
+        g,
+        "offload",
+        "idle-expert: a two-expert model's (Wan2.2-T2V/I2V-A14B) expert not in use waits in "
+        "pinned host memory and one expert is on the device (bf16 A14B on one 80 GB GPU); the "
+        "next expert streams in on a copy stream, block by block, overlapping the steps; a "
+        "running set steps the resident expert's rows while the other's wait (at most "
+        "4 steps); CUDA only; /health says the resident expert and its swaps",
+        choices=OFFLOAD_MODES,
     )
     stage_flag(
         g,

@@ -129,6 +129,19 @@ class StartReport:
     traced: int = 0  # graphs dynamo traced at this start (0: every forward precompiled)
 
 
+@dataclass(frozen=True)
+class OffloadReport:
+    """A stage's `--offload idle-expert` (stages/diffusion/offload.py): /health and /metrics say
+    rank 0's per replica, from its start and each BatchDone."""
+
+    mode: str
+    resident: str | None  # the expert on the device (None: a swap failed, none is)
+    swaps: int
+    last_swap_s: float | None  # the copy stream's time of the last swap (None: none measured)
+    device_bytes: int  # the experts' weights on the device (one expert, and a prefetch)
+    host_bytes: int  # both experts' masters in host memory
+
+
 @dataclass
 class WorkerReady:
     rank: int
@@ -140,6 +153,7 @@ class WorkerReady:
     stepped: tuple[Mode, ...] = ()
     precision: str | None = None  # what its model computes in (Stage.precision): fp8, bf16...
     start: StartReport | None = None
+    offload: OffloadReport | None = None  # its idle expert's offload (Stage.offload)
 
 
 @dataclass
@@ -209,6 +223,7 @@ class BatchDone:
     gpu_memory: int = 0  # bytes the worker's CUDA allocator holds after the batch
     # seconds of its parts: "denoise" (the critical path, `begin`) and "finish" (the decode)
     phases: dict[str, float] = field(default_factory=dict)
+    offload: OffloadReport | None = None  # its idle expert's offload after the batch
 
 
 # ---- the executor -> its owner (its reader / monitor threads) ----------------------------

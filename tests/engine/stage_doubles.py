@@ -11,7 +11,7 @@ import time
 
 from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.null import NullStage
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import OffloadReport, StageRequest
 
 COMPILE_S = 1.5  # what one compilation of CompilingStage takes (over the cold bound of 1 s)
 DECODE_S = 0.6  # how long DecodeHoldsMemoryStage's decode holds its memory
@@ -81,3 +81,21 @@ class GatedStage(NullStage):
                     raise TimeoutError(f"gate {match.group(1)} not opened in {GATE_S:g}s")
                 time.sleep(0.01)
         return super().begin(batch, control)
+
+
+class OffloadingStage(NullStage):
+    """Reports an idle-expert offload (`Stage.offload`) whose swaps count its batches: the
+    report's way from the worker (WorkerReady, BatchDone) to /health and /metrics."""
+
+    def load(self, device: str) -> None:
+        super().load(device)
+        self.batches = 0
+
+    def begin(self, batch: list[StageRequest], control: StageControl) -> Deferred:
+        self.batches += 1
+        return super().begin(batch, control)
+
+    def offload(self) -> OffloadReport | None:
+        resident = "transformer_2" if self.batches % 2 else "transformer"
+        last = 0.25 if self.batches else None
+        return OffloadReport("idle-expert", resident, self.batches, last, 1000, 2000)

@@ -95,3 +95,38 @@ def test_a_compiled_replica_s_health_names_its_compile_cache_and_graphs():
         "traced": 0,
     }
     assert body["cuda_graphs"] == ["2x4x64x64", "4x4x64x64"] and body["cuda_graph_bytes"] == 2**20
+
+
+def test_a_replica_says_its_idle_expert_offload_from_its_start_and_each_batch():
+    """A worker's `Stage.offload` report reaches /health (the stage's mode, each replica's
+    resident expert, swaps, last swap seconds, bytes) and /metrics: at its start, then after
+    each batch."""
+    from vllm_omni_like.api.metrics import Metrics
+
+    kind = "tests.engine.stage_doubles:OffloadingStage"
+    with engine("null-image", stage_kind=kind) as e:
+        (stage,) = e.health()
+        assert "offload" not in stage  # (a null stage's mode is not said: --offload none)
+        view = dataclasses.replace(e.orchestrator.snapshot.stages[0], offload="idle-expert")
+        assert view.health()["offload"] == "idle-expert"
+        assert stage["replicas"][0]["offload"] == {
+            "resident": "transformer",
+            "swaps": 0,
+            "last_swap_seconds": None,
+            "device_bytes": 1000,
+            "host_bytes": 2000,
+        }
+        assert asyncio.run(final(e, req("r1", pipeline="null-image"))).ok
+        orch = e.orchestrator
+        wait_for(lambda: orch.snapshot.stages[0].replicas[0].offload.swaps == 1, 5, "a swap")
+        said = e.health()[0]["replicas"][0]["offload"]
+        assert (said["resident"], said["swaps"], said["last_swap_seconds"]) == (
+            "transformer_2",
+            1,
+            0.25,
+        )
+        metrics = Metrics(e).render().decode()
+        labels = '{device="auto",pipeline="null-image",replica="0",stage="diffusion"}'
+        assert f"vllm_omni_like_replica_expert_swaps{labels} 1.0" in metrics
+        assert f"vllm_omni_like_replica_expert_swap_seconds{labels} 0.25" in metrics
+        assert f"vllm_omni_like_replica_expert_device_bytes{labels} 1000.0" in metrics

@@ -82,7 +82,8 @@ class _EngineCollector:
 
 
 def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
-    """What each replica's last start and restart took, and what its compile cache held."""
+    """What each replica's last start and restart took, and what its compile cache held (and
+    its idle-expert offload's figures, `_offloads`)."""
     labels = ["pipeline", "stage", "replica", "device"]
     start = GaugeMetricFamily(
         f"{PREFIX}_replica_start_seconds",
@@ -114,7 +115,36 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
                     cache.add_metric([*key, "traced"], r.start.traced)
             if r.restart_seconds is not None:
                 restart.add_metric(key, r.restart_seconds)
-    return start, restart, cache
+    return start, restart, cache, *_offloads(engine)
+
+
+def _offloads(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
+    """Each replica's idle-expert offload (`--offload idle-expert`), as its worker last said."""
+    labels = ["pipeline", "stage", "replica", "device"]
+    swaps = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_swaps",
+        "Expert swaps of a replica's worker since its start (--offload idle-expert)",
+        labels=labels,
+    )
+    last = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_swap_seconds",
+        "Seconds the copy stream took for a replica's last expert swap",
+        labels=labels,
+    )
+    held = GaugeMetricFamily(
+        f"{PREFIX}_replica_expert_device_bytes",
+        "Bytes of expert weights on a replica's device (one expert, and a prefetch)",
+        labels=labels,
+    )
+    for stage in engine.orchestrator.snapshot.stages:
+        for r in stage.replicas:
+            if (offload := r.offload) is not None:
+                key = [stage.pipeline, stage.name, str(r.index), r.device]
+                swaps.add_metric(key, offload.swaps)
+                held.add_metric(key, offload.device_bytes)
+                if offload.last_swap_s is not None:
+                    last.add_metric(key, offload.last_swap_s)
+    return swaps, last, held
 
 
 class Metrics:

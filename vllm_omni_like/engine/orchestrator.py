@@ -294,7 +294,7 @@ class Orchestrator:
                 else:
                     self._finish(state, None)
             case wire.BatchDone(batch_id=bid, batch_size=size, steps_run=steps) as done:
-                pool.batch_done(replica, bid, done.gpu_memory)
+                pool.batch_done(replica, bid, done.gpu_memory, done.offload)
                 report = (pool.name, size, steps, done.steps_after_abort, done.model_batch_dim)
                 self.stats.batch_done(BatchReport(*report, done.phases))
             case wire.Denoised(batch_id=bid):

@@ -23,7 +23,7 @@ from vllm_omni_like.engine.stall import StepClock
 from vllm_omni_like.errors import EngineDeadError
 from vllm_omni_like.executor import Executor
 from vllm_omni_like.executor.join_policy import GroupLoad, JoinPolicy
-from vllm_omni_like.wire import Progress, StartReport
+from vllm_omni_like.wire import OffloadReport, Progress, StartReport
 
 
 @dataclass
@@ -96,6 +96,7 @@ class Replica:
     device: str = "auto"  # where its workers run, as the host names it
     gpu_memory: int = 0  # bytes its worker's CUDA allocator held when it last said
     start: StartReport | None = None  # what its last start took and found (its worker said)
+    offload: OffloadReport | None = None  # its idle-expert offload when its worker last said
     died_at: float = 0.0  # when its last death was seen, until its restart is ready (0: none)
     restart_seconds: float | None = None  # its last restart: from the death to ready again
     # groups the engine counted in the running set that the worker held back (a bug: see held)
@@ -138,7 +139,7 @@ class Replica:
     def attach(self, executor: Executor, now: float) -> None:
         """Its (new) executor, loaded and running."""
         self.executor, self.started_at, self.gpu_memory = executor, now, executor.gpu_memory
-        self.start = executor.start_report
+        self.start, self.offload = executor.start_report, executor.offload
         if self.died_at:  # a restart: back to ready this long after the death
             self.restart_seconds, self.died_at = now - self.died_at, 0.0
 

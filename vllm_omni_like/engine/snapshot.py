@@ -15,7 +15,7 @@ from vllm_omni_like.errors import ErrorInfo
 from vllm_omni_like.models.limits import StageFamily
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.speed_settings import describe_cache
-from vllm_omni_like.wire import StartReport
+from vllm_omni_like.wire import OffloadReport, StartReport
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class ReplicaView:
     pids: tuple[int, ...] = ()  # its worker processes while live
     start: StartReport | None = None  # what its last start took and found
     restart_seconds: float | None = None  # its last restart, from the death to ready
+    offload: OffloadReport | None = None  # its idle-expert offload (--offload idle-expert)
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -50,6 +51,15 @@ class ReplicaView:
                 body["cuda_graph_bytes"] = self.start.graph_bytes
         if self.restart_seconds is not None:
             body["restart_seconds"] = round(self.restart_seconds, 3)
+        if (offload := self.offload) is not None:
+            last = offload.last_swap_s
+            body["offload"] = {
+                "resident": offload.resident,
+                "swaps": offload.swaps,
+                "last_swap_seconds": None if last is None else round(last, 4),
+                "device_bytes": offload.device_bytes,
+                "host_bytes": offload.host_bytes,
+            }
         return body
 
 
@@ -72,6 +82,7 @@ class StageView:
     family: StageFamily | None = None  # a diffusion stage's family and its loops (per mode)
     precision: str | None = None  # what its model computes in (fp8, bf16...), once loaded
     cache: dict[str, object] | None = None  # its step cache (speed_settings.py); None: off
+    offload: str = "none"  # --offload (idle-expert: its replicas say their resident expert)
 
     def health(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -89,6 +100,8 @@ class StageView:
             body["precision"] = self.precision
         if self.family is not None:  # (a diffusion stage's step cache; null: off)
             body["cache"] = self.cache
+        if self.family is not None or self.offload != "none":  # (its replicas say the rest)
+            body["offload"] = self.offload
         if self.restart_error:
             body["restart_error"] = self.restart_error
         return body
@@ -139,6 +152,7 @@ def take(pools: Iterable[StagePool], dead: ErrorInfo | None) -> EngineSnapshot:
                 family=pool.family,
                 precision=pool.precision,
                 cache=describe_cache(pool.config),
+                offload=pool.config.offload,
             )
         )
     return EngineSnapshot(tuple(views), dead)
@@ -162,4 +176,5 @@ def _replica_view(pool: StagePool, replica: Replica) -> ReplicaView:
         pids,
         replica.start,
         replica.restart_seconds,
+        replica.offload,
     )

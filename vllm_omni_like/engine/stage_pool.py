@@ -32,7 +32,7 @@ from vllm_omni_like.executor import Executor, MultiprocExecutor
 from vllm_omni_like.executor.join_policy import JoinPolicy
 from vllm_omni_like.executor.placement import replica_label
 from vllm_omni_like.models.limits import describe_stage
-from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, Progress
+from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, OffloadReport, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -263,9 +263,16 @@ class StagePool:
         if batch is not None:
             self.policy.denoised(replica_index, len(batch.requests), len(self.waiting))
 
-    def batch_done(self, replica_index: int, batch_id: int, gpu_memory: int = 0) -> None:
+    def batch_done(
+        self,
+        replica_index: int,
+        batch_id: int,
+        gpu_memory: int = 0,
+        offload: OffloadReport | None = None,
+    ) -> None:
         replica = self.replicas[replica_index]
         replica.gpu_memory = gpu_memory or replica.gpu_memory
+        replica.offload = offload or replica.offload
         now = time.monotonic()
         batch = replica.done(batch_id, now)
         if batch is None or replica.critical is not None:

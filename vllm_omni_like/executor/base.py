@@ -5,7 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from vllm_omni_like.wire import ExecuteBatch, FromWorker, Mode, ReplicaDied, StartReport
+from vllm_omni_like.wire import (
+    ExecuteBatch,
+    FromWorker,
+    Mode,
+    OffloadReport,
+    ReplicaDied,
+    StartReport,
+)
 
 FailureCallback = Callable[[ReplicaDied], None]
 MessageSink = Callable[[FromWorker], None]
@@ -25,6 +32,7 @@ class Executor(ABC):
     stepped: tuple[Mode, ...] = ()  # modes whose rows join its running set (WorkerReady)
     precision: str | None = None  # what its model computes in (WorkerReady): fp8, bf16...
     start_report: StartReport | None = None  # its rank 0's start (WorkerReady)
+    offload: OffloadReport | None = None  # its rank 0's idle-expert offload (WorkerReady)
 
     @abstractmethod
     def start(self) -> None:

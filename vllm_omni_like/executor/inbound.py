@@ -96,7 +96,7 @@ class InboundExecutor(Executor):
                 if rank == 0:
                     self.visible_devices, self.gpu_memory = hello.visible_devices, hello.gpu_memory
                     self.stepped, self.precision = hello.stepped, hello.precision
-                    self.start_report = hello.start
+                    self.start_report, self.offload = hello.start, hello.offload
             case WorkerLoadFailed(error=info, traceback=tb):
                 logger.error("stage %s %s failed to load:\n%s", stage, where, tb)
                 raise EngineDeadError(f"{where}: {info.message}", stage=stage)

@@ -134,11 +134,9 @@ class _Worker:
         memory, precision = gpu_memory_in_use(), self.stage.precision()
         took = time.monotonic() - started
         start = placement.start_report(self.config.compile, took, self.stage.cuda_graphs())
-        self.send(
-            WorkerReady(
-                self.rank, os.getpid(), self.device, visible, memory, stepped, precision, start
-            )
-        )
+        ready = WorkerReady(self.rank, os.getpid(), self.device, visible, memory, stepped)
+        ready.precision, ready.start, ready.offload = precision, start, self.stage.offload()
+        self.send(ready)
         return True
 
     # 2) receive: aborts apply at once, even while a batch runs ----------------------------------
@@ -337,6 +335,7 @@ class _Worker:
                 done = BatchDone(
                     batch_id, len(ids), job.model_batch, elapsed, steps, after, memory, job.phases
                 )
+                done.offload = None if self.stage is None else self.stage.offload()
                 self.send(done)
             self.sent.pop(batch_id, None)
             self.control.forget(ids)

@@ -54,6 +54,7 @@ DIFFUSION_ONLY = (
     "cfg_parallel",
     "sequence_parallel",
     "quantization",
+    "offload",
     "loras",
     "lora_dir",
     "max_loras",

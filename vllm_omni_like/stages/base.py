@@ -17,7 +17,7 @@ from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import typed
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.wire import Mode, StageRequest
+from vllm_omni_like.wire import Mode, OffloadReport, StageRequest
 
 
 def preview_steps(total: int, k: int) -> set[int]:
@@ -250,6 +250,10 @@ class Stage(ABC):
         """The buckets whose forward replays a CUDA graph, once loaded, and the bytes their
         memory pool holds (`/health`)."""
         return (), 0
+
+    def offload(self) -> OffloadReport | None:
+        """Its idle expert's offload now (`--offload idle-expert`; `/health`); None: none."""
+        return None
 
     def execute(self, batch: list[StageRequest], control: StageControl) -> list[StageOutput]:
         """The whole batch at once: `begin`, then `finish` of the requests still live. Only

@@ -23,7 +23,7 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
-from vllm_omni_like.stages.diffusion import lora_pool, precompiled, quantize, ranks_load
+from vllm_omni_like.stages.diffusion import lora_pool, offload, precompiled, quantize, ranks_load
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
@@ -68,8 +68,8 @@ def load_runtime(
     # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
     precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
-    # 5. our own loop (its LoRA pool); sequence parallelism: rank 0's forwards on every rank
-    denoise = _own_loop(config, adapter, device, text, buckets, loras)
+    # 5. our own loop (LoRA pool, offload); sequence parallelism: rank 0's forwards on each rank
+    denoise = _own_loop(config, adapter, device, text, (buckets, loras), set(family.modes) - own)
     seq_ranks = ranks_load.sequence_ranks(config, ranks, link, pipe, adapter, loras)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
     cfg, cfg_ranks = ranks_load.guidance(config, ranks, link, tracer, adapter, denoise, own)
@@ -136,6 +136,7 @@ def _load_pipeline(
     if config.quantization == "fp8":  # refused before anything loads
         check_quantization(config.name, family, config.quantization)
         quantize.check_fp8(device, dtype)
+    offload.check_device(config, device)
     own = family.adapter_class().own_components(path)
     if config.load_format == "dummy":
         pipe = dummy_pipeline(path, device, dtype, own)
@@ -149,15 +150,19 @@ def _load_pipeline(
     adapter = adapter_for(pipe, family)
     if (warning := adapter.load_warning()) is not None:
         logger.warning("stage %s: %s", config.name, warning)
-    _say_experts(config.name, adapter)
     return family, pipe, adapter
 
 
-def _say_experts(name: str, adapter: Adapter) -> None:
-    """A model of two experts (Wan2.2-A14B) says at start-up where each is (none is
-    offloaded: both must fit the device; an H200 holds the A14B pair)."""
+def _say_experts(
+    name: str, adapter: Adapter, offloaded: offload.ExpertOffload | None, device: torch.device
+) -> None:
+    """A model of two experts (Wan2.2-A14B) says at start-up where each is: with `--offload
+    idle-expert` one on the device, the other in host memory, and the device memory held;
+    else both on the device (an H200 holds the bf16 A14B pair)."""
     experts = adapter.experts()
-    if len(experts) > 1:
+    if offloaded is not None:
+        logger.info("stage %s: %s", name, offload.describe(offloaded, device))
+    elif len(experts) > 1:
         where = ", ".join(f"{e.name} on {next(e.model.parameters()).device}" for e in experts)
         boundary = experts[0].boundary
         logger.info(
@@ -289,13 +294,15 @@ def _own_loop(
     adapter: Adapter,
     device: torch.device,
     text: PromptEncoder,
-    buckets: tuple[int, ...],
-    loras: LoraPool | None,
+    compiled: tuple[tuple[int, ...], LoraPool | None],
+    pipeline_modes: set[Mode],
 ) -> DenoiseLoop:
     """Our own loop, its model rows padded to the buckets (each bucket of images with
     guidance and without), each row with its LoRA adapters where the stage has a pool; with
     `--cache first-block`, its rows' step cache around the denoiser's blocks (compiled, where
-    they are, before)."""
+    they are, before); with `--offload idle-expert`, the idle expert in host memory (none of
+    `pipeline_modes` may run then: the pipeline's call runs both experts)."""
+    buckets, loras = compiled
     batched = config.batched_cfg and not config.cfg_parallel  # (CFG-parallel: a branch a rank)
     row_buckets = accel.model_row_buckets(adapter, buckets, batched)
     graphs = GraphRunner(backend_for(config, device), config.name)
@@ -311,6 +318,8 @@ def _own_loop(
             config.cache_threshold,
             config.cache_decision,
         )
+    loop.offload = offload.build(config, adapter, device, pipeline_modes)
+    _say_experts(config.name, adapter, loop.offload, device)
     return loop
 
 

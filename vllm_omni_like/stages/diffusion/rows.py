@@ -120,6 +120,10 @@ class DenoiseSet:
         ]
         if not active:
             return {}
+        offload, before = self.loop.offload, None
+        if offload is not None:  # (one expert on the device: its rows step, the others wait)
+            before = offload.resident
+            active, chosen, needs = offload.pick(self.rows, active)
         plan = self._plan
         if plan is None or plan.active != active:
             plan = self.loop.plan(self.rows, active, self.text, self.latents, self.conditioning)
@@ -141,6 +145,8 @@ class DenoiseSet:
             self.latents = self.latents.to(stepped.dtype)
             self.latents[plan.index] = stepped
         self._plan = plan
+        if offload is not None:
+            offload.stepped(before, chosen, needs)
         return {
             r.request.request_id: (r.state.index, r.state.schedule.iterations) for r in plan.group
         }
@@ -177,6 +183,8 @@ class DenoiseSet:
         keep = [i for i, r in enumerate(self.rows) if r.request.request_id not in request_ids]
         if len(keep) < len(self.rows):
             self._keep(keep)
+        if self.loop.offload is not None:  # (a prefetch for the rows removed: dropped)
+            self.loop.offload.release()
 
     def _hold(self, rows: list[LoopRow]) -> None:
         pool = self.loop.loras
@@ -207,6 +215,8 @@ class DenoiseSet:
         self._plan = None
         if not rows:
             self.rows, self.text, self.latents, self.conditioning = [], None, None, None
+            if self.loop.offload is not None:  # (the set drained: no prefetch held)
+                self.loop.offload.release()
             return
         used = sorted({r.text for r in rows} | {r.negative for r in rows if r.negative is not None})
         where = {old: new for new, old in enumerate(used)}

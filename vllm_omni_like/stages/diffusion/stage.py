@@ -23,7 +23,7 @@ from vllm_omni_like.stages.diffusion.pipeline_call import PipelineCall
 from vllm_omni_like.stages.diffusion.prompt_length import check_prompt_length
 from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
 from vllm_omni_like.stages.diffusion.runtime import DiffusionRuntime
-from vllm_omni_like.wire import Mode, StageRequest
+from vllm_omni_like.wire import Mode, OffloadReport, StageRequest
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,10 @@ class DiffusionStage(Stage):
     def cuda_graphs(self) -> tuple[tuple[str, ...], int]:
         graphs = self.runtime.denoise.graphs
         return graphs.labels(), graphs.memory()
+
+    def offload(self) -> OffloadReport | None:
+        offload = self.runtime.denoise.offload
+        return None if offload is None else offload.report()
 
     def stepped_modes(self) -> tuple[Mode, ...]:
         return tuple(sorted(self.runtime.own))

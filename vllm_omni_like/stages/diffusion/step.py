@@ -17,8 +17,7 @@ frame). Where the family's text reads the image (Qwen2.5-VL), a text row is its 
 its request's upload.
 
 With `--cache first-block` each row carries its own step cache (`LoopRow.cache`, empty when it
-joins) and each forward hands the cache its model rows' (row, branch): the rows then decide
-whether to run the denoiser's blocks after the first (block_cache.py).
+joins), handed its model rows' (row, branch) each forward to decide on the blocks after the first.
 
 A row's LoRA adapters (lora_pool.py): each forward hands the pool's layers its model rows'
 slots and scales (the unconditional branch its row's) as device tensors.
@@ -50,6 +49,7 @@ from vllm_omni_like.stages.diffusion.edit_rows import Source
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, Inputs
 from vllm_omni_like.stages.diffusion.loop_rows import Embed, LoopRow, Plan, Settings, TextKey
 from vllm_omni_like.stages.diffusion.lora_pool import LoraPool, LoraRows
+from vllm_omni_like.stages.diffusion.offload import ExpertOffload
 from vllm_omni_like.stages.diffusion.row_tensors import (
     Text,
     cat_named,
@@ -93,6 +93,7 @@ class DenoiseLoop:
         # CFG-parallel's rank 0 (parallel/cfg_parallel.py, installed by the load): each step's
         # unconditional forward on rank 1, beside the conditional one here
         self.branches: LoopBranches | None = None
+        self.offload: ExpertOffload | None = None  # --offload idle-expert (offload.py; load's)
 
     # ---- entry --------------------------------------------------------------------------------
     def rows(
