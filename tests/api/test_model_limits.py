@@ -74,6 +74,7 @@ def test_models_list_and_retrieve_show_each_models_limits(tiny):
         "experts": 1,  # one denoiser (Wan2.2-A14B: 2)
         "edit_strength": True,  # its edits (img2img) take a strength
         "image_to_video": False,  # (a video model that starts from an input image)
+        "modes": ["text2img", "edit", "inpaint"],  # (a 9-channel UNet's: inpaint alone)
     }
     video = client.models.retrieve("tiny-video").model_dump()["limits"]
     assert not video["image_to_video"] and not video["needs_image"]  # text to video only

@@ -2,19 +2,21 @@
 latents, the mask, the masked image's latents) on our own loop (#55): an inpainting edit equals
 StableDiffusion(XL)InpaintPipeline's call at the same seed (fp32, <= 1 level), from noise alone
 and from a strength, and a row that joins a busy inpainting set at step k makes what it makes
-alone."""
+alone; `/v1/models` lists inpainting as its only mode, and the server refuses the rest, at
+admission (a 400 saying what to send) and in the stage (the same rule, `Family.takes_mask`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import numpy as np
 import pytest
 
 from tests.models.model_dir import model_dir
 from tests.models.test_edit_contract import MASK, edit_request, pipeline_edit
-from tests.models.test_family_contract import Case, _run
+from tests.models.test_family_contract import EDIT_IMAGE, Case, _run
 from vllm_omni_like.wire import Mode
 
 pytestmark = pytest.mark.slow
@@ -122,3 +124,83 @@ def test_a_9_channel_model_refuses_what_it_cannot_run_with_a_400_that_says_why(s
             stage.validate(request)
         want = "stage 'diffusion': this model's UNet inpaints only: send an image and a mask"
         assert str(exc.value) == want
+    # (the modes /v1/models shows: the stage's limits, its loops the same one mode)
+    assert stage.runtime.limits.modes == ("inpaint",) and stage.runtime.limits.needs_image
+    assert list(stage.runtime.loops) == [Mode.INPAINT]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.api.conftest import live_server
+
+    with live_server(tmp_path_factory, tiny_inpaint_path()) as s:
+        yield s
+
+
+def _png(array: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_v1_models_lists_inpainting_alone_and_the_server_refuses_the_rest(server):
+    """/v1/models and /health say inpainting is all it runs; a generation and an edit without
+    a mask are refused at admission with a 400 saying what to send (nothing queued: within
+    2 s), and an inpainting edit runs."""
+    with server.http() as http:
+        (model,) = http.get("/v1/models").json()["data"]
+        name = model["id"]
+        assert model["limits"]["modes"] == ["inpaint"] and model["limits"]["needs_image"]
+        (stage,) = http.get("/health").json()["stages"]
+        assert (stage["loop"], stage["loops"]) == ("own", {"inpaint": "own"})
+        image = ("image", ("a.png", _png(EDIT_IMAGE), "image/png"))
+        mask = ("mask", ("m.png", _png(MASK), "image/png"))
+        form = {"prompt": "a red circle", "model": name, "num_inference_steps": "2"}
+        started = time.monotonic()
+        text = {"prompt": "a red circle", "model": name}
+        refused = [
+            http.post("/v1/images/generations", json=text),
+            http.post("/v1/images/edits", data=form, files=[image]),  # (no mask)
+        ]
+        assert time.monotonic() - started < 2.0  # (refused at admission: no stage ran)
+        inpainted = http.post("/v1/images/edits", data=form, files=[image, mask])
+    assert [(r.status_code, _error(r)) for r in refused] == [
+        (
+            400,
+            (
+                f"{name} inpaints an input image: send it one with a mask through /v1/images/edits",
+                "model",
+                "image_required",
+            ),
+        ),
+        (400, (f"{name} inpaints only: send a mask with the image", "mask", "mask_required")),
+    ]
+    assert inpainted.status_code == 200, inpainted.text
+    assert len(inpainted.json()["data"]) == 1
+
+
+def _error(response) -> tuple[str, str, str]:
+    err = response.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    return err["message"], err["param"], err["code"]
+
+
+@pytest.mark.drill  # (the UNet traced by dynamo at load)
+def test_a_compiled_9_channel_stage_warms_up_by_inpainting_and_inpaints_as_the_plain_one(stage):
+    """Compiled (dynamo's eager backend: real tracing, no C compiler), its warm-up at load runs
+    its one mode, inpainting, from a blank upload and a mask of it all (text to image, the
+    family's first mode, would feed the UNet 4 channels, not its 9); an inpainting edit then
+    makes what the plain stage makes, within a level."""
+    from tests.stages.diffusion.test_compiled import _compiled_stage
+
+    compiled = _compiled_stage(1, (1,), model=tiny_inpaint_path(), warmup_sizes=("80x48",))
+    try:
+        request = edit_request(_case(False), None, 1.0, MASK)
+        got = _run(compiled, request)
+    finally:
+        compiled.close()
+    assert np.abs(got.astype(int) - _run(stage, request).astype(int)).max() <= 1

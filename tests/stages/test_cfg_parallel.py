@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import signal
-import threading
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ import pytest
 
 from tests.conftest import drain_batch, wait_for
 from tests.engine.helpers import engine, final, req
+from tests.stages.replica_ranks import abort_mid_step, ranks_of, watch_gone
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.engine import stage_pool
 from vllm_omni_like.errors import ConfigError
@@ -200,7 +200,7 @@ def test_a_failed_branch_on_rank_1_fails_its_request_and_the_replica_stays(cfgp)
     pipeline call, as the steps never wait for rank 1's status): each request ends with a
     500 naming it; no restart (the same two processes), and the next request succeeds."""
     replica = cfgp.orchestrator.pools["tiny-image"][0].replicas[0]
-    before = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
+    before = wait_for(lambda: ranks_of(replica, 2), 60, "the replica ready with its two ranks")
 
     async def main():
         return [
@@ -224,27 +224,13 @@ def test_an_abort_mid_step_stops_both_ranks_and_the_replica_serves_on(cfgp, refe
     """Rank 0 alone decides: it stops at its next step boundary and ends rank 1's batch; the
     next request runs on the same two processes to the right image."""
     replica = cfgp.orchestrator.pools["tiny-image"][0].replicas[0]
-    before = wait_for(lambda: _ranks(replica), 60, "the replica ready with its two ranks")
-
-    async def main():
-        stepped = asyncio.Event()
-
-        async def run():
-            async for ev in cfgp.generate(req("cut", "a red circle", "tiny-image", LONG, seed=9)):
-                if isinstance(ev, OmniRequestOutput):
-                    return ev
-                if ev.step >= 3:
-                    stepped.set()
-            raise AssertionError("no final output")
-
-        task = asyncio.create_task(run())
-        await asyncio.wait_for(stepped.wait(), 30)
-        cfgp.abort("cut")
-        cut = await asyncio.wait_for(task, 10)
-        after = await final(cfgp, req("after-cut", "a red circle", "tiny-image", 4, seed=1))
-        return cut, after
-
-    cut, after = asyncio.run(main())
+    before = wait_for(lambda: ranks_of(replica, 2), 60, "the replica ready with its two ranks")
+    cut, after = abort_mid_step(
+        cfgp,
+        req("cut", "a red circle", "tiny-image", LONG, seed=9),
+        req("after-cut", "a red circle", "tiny-image", 4, seed=1),
+        stepped_s=30,
+    )
     assert cut.error is not None and cut.error.code == "aborted"
     (report,) = wait_for(
         lambda: [b for b in cfgp.batches if "cut" in b.steps_after_abort], 10, "the cut batch"
@@ -252,21 +238,7 @@ def test_an_abort_mid_step_stops_both_ranks_and_the_replica_serves_on(cfgp, refe
     assert report.steps_after_abort["cut"] <= 1 and report.steps_run["cut"] < LONG
     want = reference_image(GenerationParams(num_inference_steps=4, seed=1))
     assert _max_diff(_pixels(after), [i.pixels.astype(int) for i in want.images]) <= 2
-    assert _ranks(replica) == before
-
-
-def _ranks(replica) -> list[int]:
-    """The pids of a live replica's two ranks (empty while it is down)."""
-    executor = replica.executor
-    pids = executor.pids if executor is not None and replica.live else []
-    return pids if len(pids) == 2 else []
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    assert ranks_of(replica, 2) == before
 
 
 def signal_mid_step(eng, pipeline: str, sig: int, rank: int, steps: int, seed: int):
@@ -275,15 +247,9 @@ def signal_mid_step(eng, pipeline: str, sig: int, rank: int, steps: int, seed: i
     1 s after a kill; after a stop, the engine's stall bound for the running batch at that
     moment, plus 1.5 s for the stall check's period and the kill."""
     replica = eng.orchestrator.pools[pipeline][0].replicas[0]
-    old = wait_for(lambda: _ranks(replica), 120, "the replica ready with its two ranks")
-    gone_at: list[float] = []
+    old = wait_for(lambda: ranks_of(replica, 2), 120, "the replica ready with its two ranks")
+    watched: list[list[float]] = []  # (when every old rank was gone, watched from the signal)
     bound: list[float] = []
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(_gone(p) for p in old):
-            time.sleep(0.01)
-        gone_at.append(time.monotonic())
 
     async def main():
         signalled = None
@@ -296,13 +262,14 @@ def signal_mid_step(eng, pipeline: str, sig: int, rank: int, steps: int, seed: i
                 os.kill(old[rank], sig)
                 signalled = time.monotonic()
                 bound.append(1.0 if sig == signal.SIGKILL else stall_s + 1.5)
-                threading.Thread(target=watch, daemon=True).start()
+                watched.append(watch_gone(old))
         raise AssertionError("no final output")
 
     out, signalled = asyncio.run(main())
     assert signalled is not None
+    (gone_at,) = watched
     wait_for(lambda: gone_at, 65, "the watcher's verdict")
-    new = wait_for(lambda: _ranks(replica), 120, "the restarted replica")
+    new = wait_for(lambda: ranks_of(replica, 2), 120, "the restarted replica")
     assert len(new) == 2 and not set(new) & set(old)
     return out, gone_at[0] - signalled, bound[0]
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -25,16 +22,16 @@ from tests.models.tiny_mmdit import tiny_sd3_path
 from tests.models.tiny_qwen import tiny_qwen_image_path
 from tests.models.tiny_wan22 import tiny_wan22_experts_path
 from tests.stages.cfg_probe import PROBE_ENV
+from tests.stages.replica_ranks import probed_replica
 from tests.stages.test_sequence_parallel import _pixels
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.models.limits import describe_stage
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
 from vllm_omni_like.stages.base import StageControl, create_stage
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.wire import BatchDone, ExecuteBatch, Progress, RequestResult, StageRequest
+from vllm_omni_like.wire import ExecuteBatch, Progress, RequestResult, StageRequest
 
 pytestmark = pytest.mark.slow
 PROBE = "tests.stages.cfg_probe:CfgProbeStage"
@@ -101,30 +98,19 @@ def cfg_parallel(model: str, groups: list[list[StageRequest]], join_at: int, whe
     `join_at` (they join its running set); the messages it sent, once every group is done and
     the ranks are gone."""
     config = _config(model, cfg_parallel=True, **KW, **kw)
-    sink: queue.Queue = queue.Queue()
-    ex = MultiprocExecutor(config, 0, sink.put)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(PROBE_ENV, str(where))
-        ex.start()
-    msgs: list[object] = []
-    try:
-        ex.execute(ExecuteBatch(1, groups[0]))
-        sent, deadline = 1, time.monotonic() + 120
-        while sum(isinstance(m, BatchDone) for m in msgs) < len(groups):
-            assert ex.alive, "the replica died (its workers' log says why)"
-            assert time.monotonic() < deadline, "the groups did not end within 120 s"
-            with contextlib.suppress(queue.Empty):
-                msgs.append(sink.get(timeout=0.1))
-            joining = [m for m in msgs if isinstance(m, Progress) and m.step >= join_at]
-            if sent == 1 and joining:
+    assert config.workers_per_replica == 2
+    with probed_replica(config, PROBE_ENV, where) as replica:
+        replica.ex.execute(ExecuteBatch(1, groups[0]))
+        sent = [groups[0]]
+
+        def join() -> None:
+            msgs = replica.msgs
+            if len(sent) == 1 and any(isinstance(m, Progress) and m.step >= join_at for m in msgs):
                 for i, group in enumerate(groups[1:]):
-                    ex.execute(ExecuteBatch(i + 2, group))
-                sent = len(groups)
-    finally:
-        pids = ex.pids
-        ex.shutdown()
-    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
-    return msgs
+                    replica.ex.execute(ExecuteBatch(i + 2, group))
+                sent.extend(groups[1:])
+
+        return replica.until_done(len(groups), join)
 
 
 def _rows(where: Path, rank: int) -> list[int]:

@@ -7,24 +7,21 @@ that divide by neither 2 nor 4, groups of two lengths stepping in one running se
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import queue
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
 from tests.models.test_family_contract import EDIT_IMAGE
 from tests.models.tiny_mmdit import tiny_flux_path
 from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
+from tests.stages.replica_ranks import probed_replica
 from tests.stages.sequence_probe import PROBE_ENV
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.executor import MultiprocExecutor, placement
+from vllm_omni_like.executor import placement
 from vllm_omni_like.outputs import StageOutput
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.pipelines.catalog import resolve
@@ -104,27 +101,11 @@ def _sequence_parallel(
     running set; `together`: one group of all); the messages it sent, once every group is done
     and the ranks are gone."""
     config = _config(model, sequence_parallel=n, **KW, **kw)
-    sink: queue.Queue = queue.Queue()
-    ex = MultiprocExecutor(config, 0, sink.put)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(PROBE_ENV, str(where))
-        ex.start()
-    msgs: list[object] = []
-    try:
-        groups = [requests] if together else [[r] for r in requests]
+    groups = [requests] if together else [[r] for r in requests]
+    with probed_replica(config, PROBE_ENV, where) as replica:
         for i, group in enumerate(groups):
-            ex.execute(ExecuteBatch(i + 1, group))
-        deadline = time.monotonic() + 120
-        while sum(isinstance(m, BatchDone) for m in msgs) < len(groups):
-            assert ex.alive, "the replica died (its workers' log says why)"
-            assert time.monotonic() < deadline, "the groups did not end within 120 s"
-            with contextlib.suppress(queue.Empty):
-                msgs.append(sink.get(timeout=0.1))
-    finally:
-        pids = ex.pids
-        ex.shutdown()
-    assert len(pids) == config.workers_per_replica and not any(psutil.pid_exists(p) for p in pids)
-    return msgs
+            replica.ex.execute(ExecuteBatch(i + 1, group))
+        return replica.until_done(len(groups))
 
 
 def _pixels(out: StageOutput) -> np.ndarray:

@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from tests.conftest import wait_for
 from tests.engine.helpers import engine, final, req
+from tests.stages.replica_ranks import abort_mid_step, ranks_of, watch_gone
 from tests.stages.sequence_fault import FAULT_ENV
 from tests.stages.test_cfg_parallel import _reference, signal_mid_step
 from vllm_omni_like.engine import AsyncOmni, stage_pool
@@ -73,34 +71,6 @@ def reference():
     return _reference("tiny-video")
 
 
-def _ranks(replica, n: int) -> list[int]:
-    """The pids of a live replica's `n` ranks (empty while it is down)."""
-    executor = replica.executor
-    pids = executor.pids if executor is not None and replica.live else []
-    return pids if len(pids) == n else []
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _watch(pids: list[int]) -> list[float]:
-    """When every process of `pids` is gone (appended by a thread; bounded to 60 s)."""
-    gone_at: list[float] = []
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(_gone(p) for p in pids):
-            time.sleep(0.005)
-        gone_at.append(time.monotonic())
-
-    threading.Thread(target=watch, daemon=True).start()
-    return gone_at
-
-
 def _frames(out: OmniRequestOutput) -> np.ndarray:
     assert out.ok, out.error
     return out.output.video.frames.astype(int)
@@ -117,9 +87,9 @@ def fail_mid_exchange(eng, faults: Path, n: int, victim: int, kind: str, seed: i
     for path in faults.iterdir():
         path.unlink()
     replica = eng.orchestrator.pools["tiny-video"][0].replicas[0]
-    old = wait_for(lambda: _ranks(replica, n), 120, f"the replica ready with its {n} ranks")
+    old = wait_for(lambda: ranks_of(replica, n), 120, f"the replica ready with its {n} ranks")
     (faults / f"armed-{victim}-{kind}").touch()
-    gone_at = _watch(old)
+    gone_at = watch_gone(old)
     request = req(f"{kind}-{victim}-{n}", "a red circle", "tiny-video", 4, seed=seed, **SIZE)
     out = asyncio.run(final(eng, request))
     wait_for(lambda: gone_at, 65, "every old rank gone")
@@ -130,7 +100,7 @@ def fail_mid_exchange(eng, faults: Path, n: int, victim: int, kind: str, seed: i
     survivors = [r for r in range(n) if r != victim]
     assert all((faults / f"entered-{r}").exists() for r in survivors), "not in the exchange"
     assert not (faults / f"armed-{victim}-{kind}").exists()  # (fired once)
-    new = wait_for(lambda: _ranks(replica, n), 120, "the restarted replica")
+    new = wait_for(lambda: ranks_of(replica, n), 120, "the restarted replica")
     assert not set(new) & set(old)
     # (the snapshot /health reads is published once a pass of the orchestrator: a tick later)
     wait_for(lambda: eng.health()[0]["restarts"] >= 1, STATE_S, "/health counting the restart")
@@ -175,31 +145,17 @@ def test_an_abort_mid_step_stops_every_rank_and_the_replica_serves_on(sp2, refer
     the batch on the other rank; the next request runs on the same two processes to one
     rank's video."""
     replica = sp2.orchestrator.pools["tiny-video"][0].replicas[0]
-    before = wait_for(lambda: _ranks(replica, 2), 120, "the replica ready with its 2 ranks")
-
-    async def main():
-        stepped = asyncio.Event()
-
-        async def run():
-            async for ev in sp2.generate(req("cut", "a red circle", "tiny-video", 50, seed=9)):
-                if isinstance(ev, OmniRequestOutput):
-                    return ev
-                if ev.step >= 3:
-                    stepped.set()
-            raise AssertionError("no final output")
-
-        task = asyncio.create_task(run())
-        await asyncio.wait_for(stepped.wait(), 60)
-        sp2.abort("cut")
-        cut = await asyncio.wait_for(task, 10)
-        after = await final(sp2, req("after-cut", "a red circle", "tiny-video", 4, seed=3, **SIZE))
-        return cut, after
-
-    cut, after = asyncio.run(main())
+    before = wait_for(lambda: ranks_of(replica, 2), 120, "the replica ready with its 2 ranks")
+    cut, after = abort_mid_step(
+        sp2,
+        req("cut", "a red circle", "tiny-video", 50, seed=9),
+        req("after-cut", "a red circle", "tiny-video", 4, seed=3, **SIZE),
+        stepped_s=60,
+    )
     assert cut.error is not None and cut.error.code == "aborted"
     want = reference(GenerationParams(num_inference_steps=4, seed=3, **SIZE), "text2video")
     assert np.abs(_frames(after) - want.video.frames.astype(int)).max() <= 1
-    assert _ranks(replica, 2) == before
+    assert ranks_of(replica, 2) == before
 
 
 @pytest.mark.drill  # (a stall bound of 1 s, plus the stall check and the kill)

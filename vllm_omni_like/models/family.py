@@ -23,6 +23,11 @@ def vae_factors_by_blocks(vae: Config) -> tuple[int, int | None]:
     return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), None
 
 
+def takes_no_mask(denoiser: Config, vae: Config) -> bool:
+    """A family whose denoisers take their latents alone (every family but the UNets')."""
+    return False
+
+
 @dataclass(frozen=True)
 class Family:
     """One family of diffusion models: the description the whole server shares.
@@ -58,6 +63,9 @@ class Family:
     inpaints: bool = False  # its edits also take a mask (Mode.INPAINT: an edit with one)
     config_flag: str | None = None  # a model_index.json value that must be true for this
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
+    # whether a model's denoiser (by its config and its VAE's) takes an inpainting row's mask
+    # and masked image's latents beside its latents (SD's 9-channel UNets): it inpaints only
+    takes_mask: Callable[[Config, Config], bool] = field(default=takes_no_mask)
     fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
     # (which of them stay in the weights' dtype: its adapter's `high_precision_layers`)
     step_cache: bool = False  # --cache first-block runs it (its adapter's `block_stack`)
@@ -87,3 +95,10 @@ class Family:
             if self.inpaints
             else (Mode.TEXT2IMG, Mode.EDIT)
         )
+
+    def modes_of(self, denoiser: Config, vae: Config) -> tuple[Mode, ...]:
+        """The modes one model of the family runs, from its denoiser's and VAE's configs: a
+        denoiser that takes a mask inpaints only (an edit with a mask: `StageRequest.loop_mode`
+        INPAINT); any other, the family's `modes`. The API process (`/v1/models`, admission,
+        `/health`'s loops) and the stage (`Adapter.takes_mask`) ask the same `takes_mask`."""
+        return (Mode.INPAINT,) if self.takes_mask(denoiser, vae) else self.modes

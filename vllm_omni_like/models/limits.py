@@ -18,6 +18,7 @@ from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.precision import check_quantization
 from vllm_omni_like.models.registry import (
     FAMILIES,
+    denoiser_config,
     family_for,
     family_of,
     loops_for,
@@ -57,6 +58,9 @@ class ModelLimits:
     experts: int = 1  # denoisers switched by timestep (Wan2.2-A14B: 2, `guidance_scale_2`)
     edit_strength: bool = True  # its edits take a strength (False: edits by instruction)
     image_to_video: bool = False  # a video model that starts from an input image
+    # the modes it runs (`Family.modes_of`): text2img, edit (an upload), inpaint (an upload and a
+    # mask), text2video, image2video; a 9-channel inpainting UNet's: inpaint alone
+    modes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -162,7 +166,7 @@ def describe_stage(stage: StageConfig) -> StageFamily | None:
     loops = loops_for(model_path(stage))
     return {
         "family": family.name,
-        "loop": loops[family.modes[0]][0],
+        "loop": next(iter(loops.values()))[0],  # (its first mode's)
         "loops": {mode: loop for mode, (loop, _) in loops.items()},
     }
 
@@ -170,8 +174,7 @@ def describe_stage(stage: StageConfig) -> StageFamily | None:
 def _geometry(path: str) -> dict[str, Any]:
     """Spatial and temporal factors, native size and positional limits from the config files."""
     index = read_config(path, "model_index.json")
-    denoiser = "transformer" if "transformer" in index else "unet"
-    net = read_config(path, denoiser, "config.json")
+    net = denoiser_config(path, index)
     vae = read_config(path, "vae", "config.json")
     family = family_for(index, vae)
     spatial, temporal = family.vae_factors(vae)
@@ -192,6 +195,7 @@ def _geometry(path: str) -> dict[str, Any]:
     return {
         "experts": 2 if second else 1,
         "family": family,
+        "modes": family.modes_of(net, vae),
         "video": video,
         "multiple": math.lcm(base, spatial * patch_hw),
         "native": native,
@@ -244,10 +248,12 @@ def diffusion_limits(stage: StageConfig) -> ModelLimits:
         default_fps=fps,
         schedulers=g["family"].schedulers,
         min_steps=g["min_steps"],
-        needs_image=g["family"].needs_image,
+        # (no mode from text alone: an edit model, an image-to-video one, an inpainting UNet)
+        needs_image=not {Mode.TEXT2IMG, Mode.TEXT2VIDEO} & set(g["modes"]),
         experts=g["experts"],
         edit_strength=g["family"].edit_strength,
-        image_to_video=Mode.IMAGE2VIDEO in g["family"].modes,
+        image_to_video=Mode.IMAGE2VIDEO in g["modes"],
+        modes=tuple(str(m) for m in g["modes"]),
     )
 
 
@@ -268,6 +274,7 @@ def null_limits(stage: StageConfig) -> ModelLimits:
         default_frames=5 if video else None,
         frame_multiple=4 if video else None,
         default_fps=DEFAULT_FPS if video else None,
+        modes=("text2video",) if video else ("text2img", "edit"),
     )
 
 

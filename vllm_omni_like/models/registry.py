@@ -56,6 +56,19 @@ def family_of(path: str) -> Family:
     )
 
 
+def denoiser_config(path: str, index: Config) -> Config:
+    """The config of the model's denoiser (its transformer's, or its UNet's)."""
+    return read_config(path, "transformer" if "transformer" in index else "unet", "config.json")
+
+
+def model_modes(path: str) -> tuple[Mode, ...]:
+    """The modes the model at `path` runs (`Family.modes_of`: its family's, or inpainting
+    alone for a denoiser that takes a mask), the first its generation's."""
+    index = read_config(path, "model_index.json")
+    vae = read_config(path, "vae", "config.json")
+    return family_for(index, vae).modes_of(denoiser_config(path, index), vae)
+
+
 def loops_for(path: str) -> dict[Mode, tuple[Loop, str | None]]:
     """Per mode of the model at `path`: which denoising loop its batches run, "own" or
     "pipeline" (the diffusers pipeline's call), and why not our own (None where it is).
@@ -66,7 +79,7 @@ def loops_for(path: str) -> dict[Mode, tuple[Loop, str | None]]:
     scheduler = str((index.get("scheduler") or [None, ""])[1])
     problem = unsupported(scheduler, read_config(path, "scheduler", "scheduler_config.json"))
     loops: dict[Mode, tuple[Loop, str | None]] = {}
-    for mode in family.modes:
+    for mode in model_modes(path):
         why = None
         if mode not in family.own_loop:  # (every mode of the generic family: its own call is
             # the only loop known for a pipeline no family claims)

@@ -11,6 +11,7 @@ from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.limits import OPENAI_VIDEO_SIZES, ModelLimits, check_expert_scales
 from vllm_omni_like.params import DEFAULT_STRENGTH, GenerationParams
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest, parse_size
+from vllm_omni_like.wire import Mode
 
 DEFAULT_SECONDS = 1.0
 
@@ -136,6 +137,24 @@ def video_size(body: VideoRequest, model: ModelLimits, name: str) -> tuple[int, 
         return model.nearest_size(*size)
     model.check_size(name, *size)
     return size
+
+
+def image_inputs(model: ModelLimits, name: str, upload: bool, mask: bool) -> None:
+    """What an image model takes beside the prompt, by the modes it runs (`/v1/models`:
+    limits.modes, the rule its stage refuses by): a model without text to image (an edit model,
+    an inpainting UNet) needs an upload; one that inpaints only, a mask with it."""
+    inpaints_only = Mode.INPAINT in model.modes and Mode.EDIT not in model.modes
+    if not upload and model.needs_image:
+        what = "inpaints an input image: send it one with a mask" if inpaints_only else ""
+        raise InvalidRequestError(
+            f"{name} {what or 'edits an input image: send it one'} through /v1/images/edits",
+            param="model",
+            code="image_required",
+        )
+    if upload and not mask and inpaints_only:
+        raise InvalidRequestError(
+            f"{name} inpaints only: send a mask with the image", param="mask", code="mask_required"
+        )
 
 
 def video_image(model: ModelLimits, name: str, upload: tuple[int, int] | None) -> None:

@@ -12,7 +12,12 @@ from vllm_omni_like.errors import InvalidRequestError, NotFoundError
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.media import encode_image
 from vllm_omni_like.outputs import OmniRequestOutput
-from vllm_omni_like.protocol.admission import edit_params, image_params, video_params
+from vllm_omni_like.protocol.admission import (
+    edit_params,
+    image_inputs,
+    image_params,
+    video_params,
+)
 from vllm_omni_like.protocol.loras import lora_refs, split_model
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
 
@@ -53,14 +58,9 @@ def image_request(
     named, adapter = split_model(engine, body.model)
     pipeline = pick_pipeline(engine, named, "image")
     model = engine.model_limits(pipeline)
+    image_inputs(model, pipeline, bool(images), mask is not None)
     if images:
         params = edit_params(body, limits, model, pipeline, images[0].shape[1::-1])
-    elif model.needs_image:
-        raise InvalidRequestError(
-            f"{pipeline} edits an input image: send it one through /v1/images/edits",
-            param="model",
-            code="image_required",
-        )
     else:
         params = image_params(body, limits, model, pipeline)
     params = replace(params, loras=lora_refs(engine, pipeline, body.lora, adapter))

@@ -2,8 +2,15 @@
 SDXL (its architecture `sdxl`), torch-free descriptions; the adapters are
 models/stable_diffusion/adapter.py and xl.py."""
 
-from vllm_omni_like.models.family import Family
+from vllm_omni_like.models.family import Config, Family
 from vllm_omni_like.wire import Mode
+
+
+def unet_takes_mask(unet: Config, vae: Config) -> bool:
+    """An inpainting UNet (SD1.5's and SDXL's inpainting checkpoints: 9 channels over a VAE of
+    4): the latents, the mask and the masked image's latents, 2 x the VAE's channels + 1."""
+    return unet.get("in_channels") == 2 * int(vae.get("latent_channels", 4)) + 1
+
 
 FAMILY = Family(
     name="stable-diffusion",
@@ -18,6 +25,7 @@ FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.adapter",
     own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,
+    takes_mask=unet_takes_mask,
     schedulers=(
         "ddim",
         "pndm",
@@ -47,6 +55,7 @@ XL_FAMILY = Family(
     adapter="vllm_omni_like.models.stable_diffusion.xl",
     own_loop=FAMILY.own_loop,
     inpaints=True,
+    takes_mask=unet_takes_mask,
     schedulers=FAMILY.schedulers,
     presets={"sdxl": {"default_steps": 30}},
 )

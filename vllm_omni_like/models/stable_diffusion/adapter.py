@@ -43,8 +43,9 @@ class StableDiffusionAdapter(Adapter):
         return unet(latents, timestep, encoder_hidden_states=text, return_dict=False)[0]
 
     def takes_mask(self) -> bool:
+        """The family's rule on this pipeline's configs (what `/v1/models` says it runs)."""
         unet, vae = self.pipe.unet, getattr(self.pipe, "vae", None)
-        return vae is not None and unet.config.in_channels == 2 * vae.config.latent_channels + 1
+        return vae is not None and self.family.takes_mask(unet.config, vae.config)
 
     def predict_conditioned(
         self,

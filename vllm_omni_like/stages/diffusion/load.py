@@ -66,13 +66,13 @@ def load_runtime(
     text = _prompt_encoder(pipe, adapter, options, device)
     limits = model_limits.diffusion_limits(config)
     # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
-    speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(family.modes) - own)
+    speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(loops) - own)
     precision, loras, buckets = _denoisers(config, options, ranks, link, adapter, device, dtype)
     # 5. our own loop (LoRA pool, offload); sequence parallelism: rank 0's forwards on each rank
     denoise = _own_loop(config, adapter, device, text, (buckets, loras), set(family.modes) - own)
     seq_ranks = ranks_load.sequence_ranks(config, ranks, link, pipe, adapter, loras)
     # 6. guidance: batched, or split over the ranks (rank 1 keeps its denoiser only)
-    cfg, cfg_ranks = ranks_load.guidance(config, ranks, link, tracer, adapter, denoise, own)
+    cfg, cfg_ranks = ranks_load.guidance(config, ranks, link, tracer, adapter, denoise, loops)
     # 7. what runs beside the steps (rank 0): the batch probe, edit pipelines, side stream
     probe, edit_pipes, side_stream = _beside(config, ranks, pipe, adapter, device, cfg)
     return DiffusionRuntime(

@@ -15,7 +15,7 @@ from vllm_omni_like.stages.base import Deferred, StageControl
 from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
 from vllm_omni_like.stages.diffusion.runtime import DiffusionRuntime
 from vllm_omni_like.stages.faults import FaultInjector
-from vllm_omni_like.wire import StageRequest
+from vllm_omni_like.wire import Mode, StageRequest
 
 
 class OwnLoop:
@@ -35,11 +35,13 @@ class OwnLoop:
         denoiser sees; a group's prompts taken by the rows in turn), without guidance and with
         it; returns how many ran. A family that only starts from an image starts from a blank
         upload of the size (an upload of another aspect may fit to another sequence length: a
-        shape of its own)."""
+        shape of its own); a model that inpaints only (a 9-channel UNet), with a mask of it all."""
         rt = self.runtime
         frames = rt.defaults.frames if rt.is_video else None
-        mode = rt.family.modes[0]
-        images = [np.zeros((height, width, 3), np.uint8)] if rt.family.needs_image else []
+        mode = next(iter(rt.loops))  # (the model's first: `registry.model_modes`)
+        images = [np.zeros((height, width, 3), np.uint8)] if rt.limits.needs_image else []
+        mask = np.full((height, width), 255, np.uint8) if mode == Mode.INPAINT else None
+        mode = Mode.EDIT if mask is not None else mode  # (an inpainting edit is sent as one)
         ran = 0
         for guidance in self._warm_up_guidance():
             params = GenerationParams(
@@ -53,7 +55,9 @@ class OwnLoop:
             batches = {_rows_of(group, rows): None for group in self._warm_up_prompts}
             for texts in batches:  # (a group wider than the batch: as its first prompt alone)
                 batch = [  # (an image's PNG rows filtered on the device, as a request's)
-                    StageRequest(f"warm-up-{i}", t, params, mode, images, encodes_png=not frames)
+                    StageRequest(
+                        f"warm-up-{i}", t, params, mode, images, mask=mask, encodes_png=not frames
+                    )
                     for i, t in enumerate(texts)
                 ]
                 self.begin(batch, StageControl(FaultInjector((), rt.name))).finish(batch)

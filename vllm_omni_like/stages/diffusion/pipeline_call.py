@@ -42,10 +42,10 @@ class PipelineCall:
         return self.runtime.defer(batch, media, seeds, frames, decoder)
 
     def warm_up(self, rows: int, width: int, height: int, mode: str = "") -> None:
-        """Two steps of the pipeline's call in `mode` (the family's first by default); a mode
+        """Two steps of the pipeline's call in `mode` (the model's first by default); a mode
         of `edit_pipes` (an edit, an image-to-video call) starts from a blank image."""
         rt = self.runtime
-        mode = mode or rt.family.modes[0]
+        mode = mode or next(iter(rt.loops))
         gens = [torch.Generator(device=rt.device).manual_seed(0) for _ in range(rows)]
         guidance = rt.defaults.guidance
         kwargs = self._call_kwargs(["warm-up"] * rows, [""] * rows, gens, 2, guidance)

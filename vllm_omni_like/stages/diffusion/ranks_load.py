@@ -12,6 +12,7 @@ import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.models.family import Loop
 from vllm_omni_like.parallel import cfg_parallel
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.patch_decode import Bands
@@ -100,17 +101,18 @@ def guidance(
     tracer: BatchTracer,
     adapter: Adapter,
     denoise: DenoiseLoop,
-    own: set[Mode],
+    loops: dict[Mode, tuple[Loop, str | None]],
 ) -> tuple[CfgWrapper | None, CfgRanks | None]:
     """The denoiser's CFG wrapper (both branches in one forward of a pipeline that calls it
     twice; or split over the ranks where a mode runs the pipeline's call), and this rank's side
     of the CFG-parallel ranks: rank 0's own loop hands each step's unconditional forward to
     rank 1, which keeps only what its denoiser needs and serves them (each forward with its
-    LoRA rows; each LoRA slot rank 0 writes copied to it). `own`: the modes our own loop
-    runs."""
-    pipe, pipeline_modes = adapter.pipe, set(adapter.family.modes) - own
+    LoRA rows; each LoRA slot rank 0 writes copied to it). `loops`: the loop each of the
+    model's modes runs (registry's `loops_for`, its generation's first)."""
+    pipe, first = adapter.pipe, next(iter(loops))
+    pipeline_modes = {mode for mode, (loop, _) in loops.items() if loop == "pipeline"}
     if link is None or not config.cfg_parallel:
-        batched = config.batched_cfg and adapter.family.modes[0] in pipeline_modes
+        batched = config.batched_cfg and first in pipeline_modes
         return (adapter.batched_cfg() if batched else None), None
     if link.rank != link.leader:  # (a sequence-parallel group's other rank: its leader's)
         return None, None
@@ -122,13 +124,12 @@ def guidance(
         return None, CfgRanks(link, None, cfg_parallel.Follower(link, pool), served)
     leader = cfg_parallel.Leader(link, tracer.mark, pool)
     denoise.branches = cfg_parallel.LoopBranches(leader)
-    return _split_pipeline_call(config.name, adapter, leader, pipeline_modes), CfgRanks(
-        link, leader, None, denoiser
-    )
+    split = _split_pipeline_call(config.name, adapter, leader, pipeline_modes, set(loops))
+    return split, CfgRanks(link, leader, None, denoiser)
 
 
 def _split_pipeline_call(
-    name: str, adapter: Adapter, leader: cfg_parallel.Leader, modes: set[Mode]
+    name: str, adapter: Adapter, leader: cfg_parallel.Leader, modes: set[Mode], every: set[Mode]
 ) -> CfgWrapper | None:
     """CFG-parallel where a mode runs the pipeline's call (the generic family): its denoiser
     wrapped so the branches run on both ranks; a family that has our own loop too and no such
@@ -138,7 +139,7 @@ def _split_pipeline_call(
     try:
         return adapter.split_cfg(leader)
     except ValueError as exc:
-        if set(adapter.family.modes) == modes:  # (nothing would run on two ranks)
+        if every == modes:  # (nothing would run on two ranks)
             raise
         logger.warning("stage %s: %s run on rank 0 alone: %s", name, sorted(modes), exc)
         return None

@@ -102,7 +102,7 @@ class DiffusionStage(Stage):
         rt, shapes = self.runtime, 0
         for width, height in sizes:
             for rows in rt.buckets:
-                if rt.family.modes[0] in rt.own:  # batches of `rows` through our own loop
+                if next(iter(rt.loops)) in rt.own:  # batches of `rows` through our own loop
                     shapes += self.own_loop.warm_up(rows, width, height)
                 else:
                     self.pipeline_call.warm_up(rows, width, height)
