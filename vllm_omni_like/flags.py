@@ -186,7 +186,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         g,
         "attention",
         "attention kernels; xformers falls back to sdpa with a warning when its kernels do not "
-        "run here",
+        "run here; fp8: our Triton kernel (Q, K, P and V in FP8, SageAttention's recipe) for "
+        "the transformer families' unmasked attention, on CUDA 8.9+ in bf16 (masked calls "
+        "stay SDPA)",
         choices=ATTENTION_BACKENDS,
     )
     stage_flag(

@@ -46,6 +46,16 @@ def check_quantization(stage: str, family: Family, quantization: str) -> None:
         )
 
 
+def check_attention(stage: str, family: Family, attention: str) -> None:
+    """Refuse `--attention fp8` for a family whose denoiser it does not run (the UNet families,
+    a pipeline no family claims): a start-up error naming the flag."""
+    if attention == "fp8" and not family.fp8:
+        raise ConfigError(
+            f"stage {stage!r}: --attention fp8 runs the transformer families "
+            f"({', '.join(fp8_families())}), not {family.name}: serve it with --attention sdpa"
+        )
+
+
 # The linear layers a LoRA adapter may target (fnmatch over a denoiser's module names, the
 # names diffusers gives them): attention's projections and the MLPs (feed-forward networks).
 # Anything else an adapter names (a modulation, an embedding, a LoCon convolution) is refused

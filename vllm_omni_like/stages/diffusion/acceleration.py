@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Adapter, Guidance
+from vllm_omni_like.stages.diffusion.fp8_attention import route_fp8_attention
 from vllm_omni_like.stages.diffusion.precompiled import Precompile
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,8 @@ def xformers_problem(device: torch.device) -> str | None:
 
 def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> str:
     """Select the attention kernels; returns the backend that really runs."""
-    if backend == "sdpa":  # diffusers' default processors call scaled_dot_product_attention
-        return "sdpa"
+    if backend in ("sdpa", "fp8"):  # diffusers' default processors call SDPA (fp8: the load
+        return backend  # checked the device; `fp8_attention` routes the processors once fused)
     problem = xformers_problem(device)
     if problem is None:
         try:
@@ -60,6 +62,19 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
         problem,
     )
     return "sdpa"
+
+
+def fp8_attention(adapter: Adapter, stage: str) -> str:
+    """`--attention fp8`: the denoisers' processors that call diffusers' attention function
+    sent to the FP8 op (fp8_attention.py); what it did, for the start-up log. A denoiser with
+    none of them is refused: the flag would change nothing."""
+    routed = sum(route_fp8_attention(expert.model) for expert in adapter.experts())
+    if routed == 0:
+        raise ConfigError(
+            f"stage {stage!r}: --attention fp8 found no attention of this model that calls "
+            "diffusers' dispatch_attention_fn: serve it with --attention sdpa"
+        )
+    return f"FP8 attention in {routed} attention modules (unmasked calls)"
 
 
 # ---- kernels that keep the maths ------------------------------------------------------

@@ -82,10 +82,10 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def gpu_dtype(quantization: str) -> torch.dtype:
-    """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 (its kernels write bf16),
-    fp16 otherwise."""
-    return torch.bfloat16 if quantization == "fp8" else torch.float16
+def gpu_dtype(quantization: str, attention: str = "sdpa") -> torch.dtype:
+    """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 matmuls or attention
+    (their kernels write bf16), fp16 otherwise."""
+    return torch.bfloat16 if "fp8" in (quantization, attention) else torch.float16
 
 
 def _activations(device: torch.device) -> torch.dtype:
@@ -189,9 +189,11 @@ def describe(found: list[Quantized]) -> str:
     return "; ".join(q.log_line() for q in found)
 
 
-def precision_of(quantization: str, dtype: torch.dtype) -> str:
-    """What `/health` says a stage runs: fp8, or its weights' dtype (bf16, fp16, fp32)."""
-    return "fp8" if quantization == "fp8" else dtype_name(dtype)
+def precision_of(quantization: str, dtype: torch.dtype, attention: str = "sdpa") -> str:
+    """What `/health` says a stage runs: fp8, or its weights' dtype (bf16, fp16, fp32); then
+    ", fp8 attention" where its attention runs FP8 (`--attention fp8`)."""
+    matmuls = "fp8" if quantization == "fp8" else dtype_name(dtype)
+    return f"{matmuls}, fp8 attention" if attention == "fp8" else matmuls
 
 
 def hooks_sqnr(model: torch.nn.Module, rule: tuple[str, ...]) -> tuple[dict[str, float], Any]:
