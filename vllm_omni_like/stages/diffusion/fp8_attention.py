@@ -48,13 +48,16 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """K's mean over the sequence, (B, H, D) float32, from (B, S, H, D)."""
-    return k.float().mean(dim=1)
+    """K's mean over the sequence, (B, H, D) float32, from (B, S, H, D) (summed in float32
+    without a float32 copy of K: one pass over it on the GPU)."""
+    return k.mean(dim=1, dtype=torch.float32)
 
 
 def value_scales(v: torch.Tensor) -> torch.Tensor:
-    """V's per-channel scales, (B, H, D) float32, from (B, S, H, D)."""
-    return v.abs().amax(dim=1).float().clamp(min=MIN_AMAX) / FP8_MAX
+    """V's per-channel scales, (B, H, D) float32, from (B, S, H, D) (the largest magnitude as
+    an infinity norm: no copy of |V|)."""
+    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=1, dtype=torch.float32)
+    return amax.clamp(min=MIN_AMAX) / FP8_MAX
 
 
 def blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
