@@ -16,7 +16,7 @@ import os
 import torch
 
 from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
-from vllm_omni_like.stages.diffusion.fp8_attention import emulate
+from vllm_omni_like.stages.diffusion.fp8_attention import emulate, run_kernel
 
 # (batch, queries, heads, head size, keys): a tail block, fewer keys than queries, whole blocks
 CASES = {
@@ -34,19 +34,17 @@ def compare(got: torch.Tensor, want: torch.Tensor, like: torch.Tensor) -> dict[s
 
 def main() -> dict[str, dict[str, object]]:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
-    from vllm_omni_like.stages.diffusion.fp8_attention_kernel import fp8_attention_kernel
-
     g = torch.Generator().manual_seed(2)
     found = {}
     for name, (b, s, h, d, keys) in CASES.items():
         q = torch.randn(b, s, h, d, generator=g).bfloat16()
         k, v = (torch.randn(b, keys, h, d, generator=g).bfloat16() for _ in range(2))
-        got = fp8_attention_kernel(q, k, v, d**-0.5)
+        got = run_kernel(q, k, v, d**-0.5)
         found[name] = compare(got, emulate(q, k, v, d**-0.5), q)
     # FLUX.1's fused QKV: views of one (B, S, 3 H D) projection, not contiguous
     fused = torch.randn(1, 140, 3 * 2 * 64, generator=g).bfloat16()
     q, k, v = (x.unflatten(-1, (2, 64)) for x in fused.chunk(3, dim=-1))
-    got = fp8_attention_kernel(q, k, v, 0.125)
+    got = run_kernel(q, k, v, 0.125)
     found["strided"] = compare(got, emulate(q, k, v, 0.125), q) | {"q_strided": True}
     return found
 

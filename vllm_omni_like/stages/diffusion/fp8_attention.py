@@ -101,11 +101,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """softmax(q k^T * scale) v in FP8 for (B, S, H, D) tensors: the Triton kernel on CUDA, its
     emulation elsewhere (the CPU tests'). One opaque op to torch.compile: its graphs hold the
     call, never a break."""
-    if q.device.type == "cuda":
-        from vllm_omni_like.stages.diffusion.fp8_attention_kernel import fp8_attention_kernel
-
-        return fp8_attention_kernel(q, k, v, scale)
-    return emulate(q, k, v, scale)
+    return run_kernel(q, k, v, scale) if q.device.type == "cuda" else emulate(q, k, v, scale)
 
 
 @fp8_attention.register_fake
@@ -113,6 +109,15 @@ def _fp8_attention_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def run_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton kernel (imported here: Triton only where it runs) with this maths' blocks,
+    scales and K's mean."""
+    from vllm_omni_like.stages.diffusion.fp8_attention_kernel import fp8_attention_kernel
+
+    stats = key_mean(k), value_scales(v)
+    return fp8_attention_kernel(q, k, v, scale * LOG2E, *stats, (BLOCK_M, BLOCK_N))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -28,14 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_omni_like.stages.diffusion.fp8_attention import (
-    BLOCK_M,
-    BLOCK_N,
-    LOG2E,
-    key_mean,
-    value_scales,
-)
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -124,36 +116,43 @@ def _attention(
 
 
 def fp8_attention_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qk_scale: float,
+    mean: torch.Tensor,
+    v_scale: torch.Tensor,
+    blocks_mn: tuple[int, int],
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v for (B, S, H, D) tensors (the processors' layout; keys and
-    values may be fewer than queries), through the two kernels; the output like `q`,
-    contiguous."""
+    """softmax(q k^T * qk_scale / log2 e) v for (B, S, H, D) tensors (the processors' layout;
+    keys and values may be fewer than queries), through the two kernels, with K's mean and V's
+    scales (B, H, D) and the blocks (queries, keys) fp8_attention.py gives; the output like
+    `q`, contiguous."""
+    block_m, block_n = blocks_mn
     batch, queries, heads, dim = q.shape
     seq = k.shape[1]
     if q.stride(3) != 1:
         q = q.contiguous()
     if k.stride(3) != 1 or k.stride() != v.stride():  # one set of strides for both
         k, v = k.contiguous(), v.contiguous()
-    blocks = triton.cdiv(seq, BLOCK_N)
-    padded = blocks * BLOCK_N
+    blocks = triton.cdiv(seq, block_n)
+    padded = blocks * block_n
     bh = batch * heads
-    mean = key_mean(k).reshape(bh, dim).contiguous()
-    v_scale = value_scales(v).reshape(bh, dim).contiguous()
+    mean, v_scale = (x.reshape(bh, dim).contiguous() for x in (mean, v_scale))
     k8 = torch.empty(bh, padded, dim, device=q.device, dtype=torch.float8_e4m3fn)
     v8 = torch.empty(bh, dim, padded, device=q.device, dtype=torch.float8_e4m3fn)
     k_scale = torch.empty(bh, blocks, device=q.device, dtype=torch.float32)
     strides = (k.stride(0), k.stride(2), k.stride(1))  # batch, head, token
     _quantize_kv[(blocks, bh)](
         k, v, mean, v_scale, k8, k_scale, v8, *strides, seq, padded, heads, blocks,
-        D=dim, BLOCK_N=BLOCK_N, ROUND=INTERPRETED, num_warps=4,
+        D=dim, BLOCK_N=block_n, ROUND=INTERPRETED, num_warps=4,
     )  # fmt: skip
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _attention[(triton.cdiv(queries, BLOCK_M), bh)](
+    _attention[(triton.cdiv(queries, block_m), bh)](
         q, k8, k_scale, v8, v_scale, out,
         q.stride(0), q.stride(2), q.stride(1), out.stride(0), out.stride(2), out.stride(1),
-        queries, seq, padded, heads, blocks, scale * LOG2E,
-        D=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN=seq % BLOCK_N == 0, ROUND=INTERPRETED,
+        queries, seq, padded, heads, blocks, qk_scale,
+        D=dim, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=seq % block_n == 0, ROUND=INTERPRETED,
         num_warps=8, num_stages=3,
     )  # fmt: skip
     return out

@@ -57,8 +57,7 @@ def load_runtime(
     """Load `config.model` onto `device_name` and build what runs it."""
     # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
     path, device = _model_dir(config), resolve_device(device_name)
-    auto = quantize.gpu_dtype(config.quantization, config.attention)
-    dtype = resolve_dtype(config.dtype, device, auto)
+    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config))
     link = ranks_load.connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.stages.diffusion.fp8 import Fp8Linear, quantize_rows, sqnr_db
@@ -82,10 +83,11 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def gpu_dtype(quantization: str, attention: str = "sdpa") -> torch.dtype:
+def gpu_dtype(config: StageConfig) -> torch.dtype:
     """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 matmuls or attention
     (their kernels write bf16), fp16 otherwise."""
-    return torch.bfloat16 if "fp8" in (quantization, attention) else torch.float16
+    fp8 = "fp8" in (config.quantization, config.attention)
+    return torch.bfloat16 if fp8 else torch.float16
 
 
 def _activations(device: torch.device) -> torch.dtype:
