@@ -187,8 +187,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "attention",
         "attention kernels; xformers falls back to sdpa with a warning when its kernels do not "
         "run here; fp8: our Triton kernel (Q, K, P and V in FP8, SageAttention's recipe) for "
-        "the transformer families' unmasked attention, on CUDA 8.9+ in bf16 (masked calls "
-        "stay SDPA)",
+        "FLUX.1's and Wan's attention, on CUDA 8.9+ in bf16 (a masked call stays SDPA)",
         choices=ATTENTION_BACKENDS,
     )
     stage_flag(
