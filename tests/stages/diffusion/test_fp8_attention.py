@@ -162,7 +162,7 @@ def test_unmasked_calls_go_to_the_fp8_op_and_masked_ones_stay_sdpa(monkeypatch):
     assert calls == [(1, 116, 2, 64)]  # [text, image], once
     for old, new in zip(before, after, strict=True):
         assert sqnr_db(old, new) > 20  # (measured: 26 dB)
-    assert type(attention.processor).__name__ == "FluxAttnProcessor"
+    assert type(attention.processor).__name__ == "FluxAttnProcessor"  # (diffusers reads it)
     assert fa.route_fp8_attention(attention) == 1  # routed once, counted again
     # a mask (or a head size the kernel does not take): diffusers' own dispatch, exactly
     dispatch = fa.fp8_dispatch(lambda *a, **kw: "original")
@@ -171,6 +171,17 @@ def test_unmasked_calls_go_to_the_fp8_op_and_masked_ones_stay_sdpa(monkeypatch):
     assert dispatch(*(x[..., :32] for x in (q, k, v))) == "original"
     assert dispatch(*(x.float() for x in (q, k, v))) == "original"
     assert len(calls) == 1 and isinstance(dispatch(q, k, v), torch.Tensor)
+
+
+def test_a_routed_block_is_another_trace_to_the_precompiled_forwards():
+    """A forward precompiled without FP8 attention is never loaded for one with it."""
+    from vllm_omni_like.stages.diffusion.precompiled import structure
+
+    attention = _flux_attention()
+    before = structure(attention)
+    fa.route_fp8_attention(attention)
+    assert structure(attention) != before
+    assert structure(attention) == structure(attention)
 
 
 def test_a_routed_block_compiles_without_a_break():

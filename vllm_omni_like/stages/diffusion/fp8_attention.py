@@ -219,7 +219,12 @@ def routed_class(cls: type) -> type:
         )
         routed.__kwdefaults__ = call.__kwdefaults__
         routed.__doc__ = call.__doc__
-        ROUTED[cls] = type(cls.__name__, (cls,), {"__call__": routed, "__module__": cls.__module__})
+        namespace = {"__call__": routed, "__module__": cls.__module__}
+        twin = type(cls.__name__, (cls,), namespace)  # (diffusers reads processors' names)
+        # another trace: a precompiled forward (precompiled.py) is keyed by its modules'
+        # attributes' classes, the processors' among them, by qualified name
+        twin.__qualname__ = f"{cls.__qualname__}[fp8 attention]"
+        ROUTED[cls] = twin
     return ROUTED[cls]
 
 
