@@ -1,7 +1,7 @@
 """The FP8 attention kernel on a GPU (`--attention fp8`): against its emulation and exact
-attention at FLUX.1-dev's shape, the start-up check, a routed attention compiled by Inductor
-without a graph break. Skipped without CUDA 8.9+ (CI); a stage serving with it: bench/fp8.py's
-`fp8-attention` part; timings: bench/fp8_attention.py."""
+attention at FLUX.1-dev's shape and Qwen-Image's with a padded text, the start-up check, a
+routed attention compiled by Inductor without a graph break. Skipped without CUDA 8.9+ (CI); a
+stage serving with it: bench/fp8.py's `fp8-attention` part; timings: bench/fp8_attention.py."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def test_the_kernel_computes_its_emulations_maths(batch, seq, heads, dim, keys):
     assert sqnr_db(fa.emulate(q, k, v, dim**-0.5), got) > 40
     exact = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)))
     assert sqnr_db(exact.transpose(1, 2), got) > 24  # (the emulation's on the CPU: 25.7-26.1)
+
+
+def test_a_key_padding_mask_is_taken():
+    """Qwen-Image's shape at 1024x1024 with a text padded to its bucket: 4096 image tokens
+    after 256 text tokens of which the first 100 are real."""
+    q, k, v = _qkv(2, 4352, 24, 128)
+    keep = torch.ones(2, 4352, dtype=torch.bool, device="cuda")
+    keep[:, 100:256] = False
+    got = fa.fp8_attention(q, k, v, 128**-0.5, keep)
+    assert sqnr_db(fa.emulate(q, k, v, 128**-0.5, keep), got) > 40
+    qd, kd, vd = (x.transpose(1, 2).float() for x in (q, k, v))
+    exact = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep[:, None, None, :])
+    assert sqnr_db(exact.transpose(1, 2), got) > 24
 
 
 def test_the_start_up_check_passes_here():

@@ -60,9 +60,8 @@ class Family:
     # family (a pipeline class shared by two families: Wan2.2-TI2V's `expand_timesteps`)
     fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
     # (which of them stay in the weights' dtype: its adapter's `high_precision_layers`)
-    fp8_attention: bool = False  # --attention fp8 runs its attention: the processors call
-    # diffusers' dispatch unmasked (FLUX.1, Wan); Qwen-Image's and Z-Image's mask their padded
-    # texts (zeroed keys on CUDA), SD3's call SDPA themselves: they would run none of it
+    fp8_attention: bool = False  # --attention fp8 runs its attention: its processors call
+    # diffusers' dispatch, unmasked or with a key-padding mask (SD3's call SDPA themselves)
     step_cache: bool = False  # --cache first-block runs it (its adapter's `block_stack`)
     presets: Mapping[str, Config] = field(default_factory=dict, hash=False)
 

@@ -48,15 +48,15 @@ def check_quantization(stage: str, family: Family, quantization: str) -> None:
 
 def check_attention(stage: str, family: Family, attention: str) -> None:
     """Refuse `--attention fp8` for a family whose attention it does not run (`Family.
-    fp8_attention`: masked attention, processors of their own, the UNet families, a pipeline
-    no family claims): a start-up error naming the flag."""
+    fp8_attention`: SD3's processors of its own, the UNet families, a pipeline no family
+    claims): a start-up error naming the flag."""
     if attention == "fp8" and not family.fp8_attention:
         from vllm_omni_like.models.registry import FAMILIES
 
         runs = ", ".join(f.name for f in FAMILIES if f.fp8_attention)
         raise ConfigError(
             f"stage {stage!r}: --attention fp8 runs the families whose attention diffusers "
-            f"dispatches unmasked ({runs}), not {family.name}: serve it with --attention sdpa"
+            f"dispatches ({runs}), not {family.name}: serve it with --attention sdpa"
         )
 
 

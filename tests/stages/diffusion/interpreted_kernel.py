@@ -22,6 +22,7 @@ from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
 from vllm_omni_like.stages.diffusion.fp8_attention import emulate, run_kernel
 
 # (batch, queries, heads, head size, keys): a tail block, fewer keys than queries, whole blocks
+# (then `masked` and `strided`, below)
 CASES = {
     "tail": (1, 200, 2, 64, 200),
     "cross": (2, 130, 1, 128, 70),
@@ -45,6 +46,13 @@ def main() -> dict[str, dict[str, object]]:
         k, v = (torch.randn(b, keys, h, d, generator=g).bfloat16() for _ in range(2))
         got = run_kernel(q, k, v, d**-0.5)
         found[name] = compare(got, emulate(q, k, v, d**-0.5), q)
+    # a key-padding mask (a padded text's): row 0 keeps its first 20 keys and its last 100,
+    # row 1 all but 70 in the middle, its first key block all kept but one
+    q, k, v = (torch.randn(2, 200, 2, 64, generator=g).bfloat16() for _ in range(3))
+    keep = torch.ones(2, 200, dtype=torch.bool)
+    keep[0, 20:100], keep[1, 63:133] = False, False
+    got = run_kernel(q, k, v, 0.125, keep)
+    found["masked"] = compare(got, emulate(q, k, v, 0.125, keep), q)
     # FLUX.1's fused QKV: views of one (B, S, 3 H D) projection, not contiguous
     fused = torch.randn(1, 140, 3 * 2 * 64, generator=g).bfloat16()
     q, k, v = (x.unflatten(-1, (2, 64)) for x in fused.chunk(3, dim=-1))

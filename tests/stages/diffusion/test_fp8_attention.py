@@ -83,6 +83,19 @@ def test_smoothing_the_keys_takes_their_offset_out_of_the_error(monkeypatch):
     assert sqnr_db(want, fa.emulate(q, shifted, v, 0.125)) < 15  # not smoothed: -0.05 dB
 
 
+def test_the_emulation_leaves_out_the_keys_a_key_padding_mask_leaves_out():
+    q, k, v = _qkv(batch=2, seq=200, seed=4)
+    keep = torch.ones(2, 200, dtype=torch.bool)
+    keep[0, 20:100], keep[1, :64] = False, False  # (row 1: its whole first key block)
+    k[0, 20:100] *= 40  # padded keys and values far out of the real ones' range
+    v[1, :64] += 100
+    got = fa.emulate(q, k, v, 0.125, keep)
+    mask = keep[:, None, None, :]
+    qd, kd, vd = (x.transpose(1, 2).double() for x in (q, k, v))
+    want = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).transpose(1, 2)
+    assert sqnr_db(want, got) > 24 and torch.isfinite(got).all()  # (measured: 25.9 dB)
+
+
 def test_the_emulation_takes_fewer_keys_than_queries_and_a_scale():
     q, k, v = _qkv(seq=150, keys=70, dim=128)
     got = fa.emulate(q, k, v, 0.05)
@@ -106,12 +119,13 @@ def interpreted():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["tail", "cross", "whole", "strided"])
+@pytest.mark.parametrize("case", ["tail", "cross", "whole", "masked", "strided"])
 def test_the_kernel_computes_the_emulations_maths(interpreted, case):
     """The same maths; only the order of the float32 sums differs, then bf16's rounding
     (measured: 47.8 dB, at most one bf16 step apart). `tail`: a last block of keys and queries
     part-filled; `cross`: fewer keys than queries, head size 128, batch 2; `whole`: whole
-    blocks; `strided`: FLUX.1's fused QKV, views of one projection."""
+    blocks; `masked`: a key-padding mask; `strided`: FLUX.1's fused QKV, views of one
+    projection."""
     found = interpreted[case]
     assert found["like_q"]
     assert found["sqnr_db"] > 44 and found["max_bf16_steps"] <= 2, found
@@ -136,12 +150,13 @@ def _flux_attention():
 
 
 def test_a_denoiser_without_a_routed_attention_is_refused():
+    from types import SimpleNamespace
+
     from vllm_omni_like.stages.diffusion.acceleration import fp8_attention
 
-    adapter = case_of("flux").stage(dtype="bf16").runtime.adapter
-    for block in adapter.pipe.transformer.modules():  # (as a family's own processors would)
-        if hasattr(block, "set_processor"):
-            block.processor = object.__new__(type("OwnProcessor", (), {"__call__": print}))
+    attention = _flux_attention()  # its processor calling SDPA itself, as SD3's do
+    attention.processor = type("OwnProcessor", (), {"__call__": print})()
+    adapter = SimpleNamespace(experts=lambda: [SimpleNamespace(model=attention)])
     with pytest.raises(ConfigError) as info:
         fp8_attention(adapter, "diffusion")
     assert str(info.value) == (
@@ -150,7 +165,7 @@ def test_a_denoiser_without_a_routed_attention_is_refused():
     )
 
 
-def test_unmasked_calls_go_to_the_fp8_op_and_masked_ones_stay_sdpa(monkeypatch):
+def test_unmasked_and_key_padded_calls_go_to_the_fp8_op_and_others_stay_sdpa(monkeypatch):
     calls = []
     emulate = fa.emulate
     monkeypatch.setattr(fa, "emulate", lambda *a: calls.append(a[0].shape) or emulate(*a))
@@ -164,13 +179,18 @@ def test_unmasked_calls_go_to_the_fp8_op_and_masked_ones_stay_sdpa(monkeypatch):
         assert sqnr_db(old, new) > 20  # (measured: 26 dB)
     assert type(attention.processor).__name__ == "FluxAttnProcessor"  # (diffusers reads it)
     assert fa.route_fp8_attention(attention) == 1  # routed once, counted again
-    # a mask (or a head size the kernel does not take): diffusers' own dispatch, exactly
+    # any mask but a key-padding one (or a head size the kernel does not take): diffusers'
+    # own dispatch, exactly
     dispatch = fa.fp8_dispatch(lambda *a, **kw: "original")
     q, k, v = _qkv(seq=40)
     assert dispatch(q, k, v, attn_mask=torch.ones(1, 1, 40, 40, dtype=torch.bool)) == "original"
+    assert dispatch(q, k, v, attn_mask=torch.zeros(1, 1, 1, 40)) == "original"  # (additive)
     assert dispatch(*(x[..., :32] for x in (q, k, v))) == "original"
     assert dispatch(*(x.float() for x in (q, k, v))) == "original"
     assert len(calls) == 1 and isinstance(dispatch(q, k, v), torch.Tensor)
+    keep = torch.arange(40) < 30  # a padded text's key-padding mask (Qwen-Image's, Z-Image's)
+    got = dispatch(q, k, v, attn_mask=keep[None, None, None, :])
+    assert len(calls) == 3 and torch.equal(got, fa.emulate(q, k, v, 0.125, keep[None]))
 
 
 def test_a_routed_block_is_another_trace_to_the_precompiled_forwards():
@@ -194,22 +214,30 @@ def test_a_routed_block_compiles_without_a_break():
 
 
 # ---- a stage ------------------------------------------------------------------------------
+# FLUX.1 by default; the families that pass key-padding masks (padded texts) with `-m drill`
+MASKED = ("qwen-image", "z-image")
+STAGE_FAMILIES = ["flux", *(pytest.param(n, marks=pytest.mark.drill) for n in MASKED)]
+
+
 @pytest.mark.slow
-def test_a_stage_with_fp8_attention_draws_its_bf16_image(monkeypatch):
-    """The tiny FLUX.1 (head size 16: let through here, the kernel takes 64 and 128) with
-    its attention in FP8 - on the CPU through the emulation, on a device said to pass the
+@pytest.mark.parametrize("name", STAGE_FAMILIES)
+def test_a_stage_with_fp8_attention_draws_its_bf16_image(monkeypatch, name):
+    """A family's tiny model (head sizes 8-32: let through here, the kernel takes 64 and 128)
+    with its attention in FP8 - on the CPU through the emulation, on a device said to pass the
     check - against the same stage in bf16."""
     monkeypatch.setattr(fa, "fp8_attention_problem", lambda device: None)  # (an H100, say)
-    monkeypatch.setattr(fa, "HEAD_DIMS", (16, 64, 128))
+    monkeypatch.setattr(fa, "HEAD_DIMS", (8, 16, 32, 64, 128))
     calls = []
     emulate = fa.emulate
-    monkeypatch.setattr(fa, "emulate", lambda *a: calls.append(1) or emulate(*a))
-    case = case_of("flux")
+    monkeypatch.setattr(fa, "emulate", lambda *a: calls.append(a[4] is not None) or emulate(*a))
+    case = case_of(name)
     plain = _run(case.stage(dtype="bf16"), case.request())
     stage = case.stage(dtype="bf16", attention="fp8")
     assert stage.precision() == "bf16, fp8 attention"
     fp8 = _run(stage, case.request())
     assert calls  # (every block's attention, every step)
+    # Qwen-Image pads its text to a bucket: key-padding masks (Z-Image's lone row: none)
+    assert any(calls) == (name == "qwen-image")
     assert np.array_equal(fp8, _run(stage, case.request()))  # deterministic
     mse = np.mean((plain.astype(float) - fp8.astype(float)) ** 2)
     assert 10 * np.log10(255**2 / max(mse, 1e-12)) > 30
@@ -236,13 +264,13 @@ def test_the_cpu_and_the_families_it_does_not_run_are_refused_at_start_up_naming
         == str(worker_side.value)
         == (
             "stage 'diffusion': --attention fp8 runs the families whose attention diffusers "
-            "dispatches unmasked (flux, wan-ti2v, wan, wan-i2v), not stable-diffusion: serve it "
-            "with --attention sdpa"
+            "dispatches (flux, qwen-image, qwen-image-edit, z-image, wan-ti2v, wan, wan-i2v), "
+            "not stable-diffusion: serve it with --attention sdpa"
         )
     )
-    # masked attention (padded texts) or processors calling SDPA themselves: refused too
+    # processors calling SDPA themselves: refused too
     refused = {f.name for f in FAMILIES if f.fp8 and not f.fp8_attention}
-    assert refused == {"stable-diffusion-3", "qwen-image", "qwen-image-edit", "z-image"}
+    assert refused == {"stable-diffusion-3"}
     for family in FAMILIES:
         if family.name in refused:
             with pytest.raises(ConfigError, match=f"not {family.name}: serve it with"):

@@ -78,12 +78,16 @@ def fp8_attention(adapter: Adapter, stage: str) -> str:
 
 
 # ---- kernels that keep the maths ------------------------------------------------------
-def tune_kernels(adapter: Adapter, device: torch.device, sdpa: bool, compiled: bool) -> list[str]:
+def tune_kernels(
+    adapter: Adapter, device: torch.device, attention: str, compiled: bool
+) -> list[str]:
     """Fused QKV projections and faster attention kernels (where the family has them), and
     cuDNN's autotuned convolutions for a compiled model, on CUDA.
 
-    Returns what is on. Both replace diffusers' SDPA processors (`sdpa`: those are in place),
-    so they are left out under xformers. Autotuning is kept for the compiled setting, where it
+    Returns what is on. Both replace diffusers' SDPA processors (in place under `sdpa` and
+    `fp8`), so they are left out under xformers; under `fp8` the family's faster attention is
+    left out too (its processors call the kernels themselves: FP8 attention routes diffusers'
+    own). Autotuning is kept for the compiled setting, where it
     was measured (H200); in eager mode it gained nothing at batch 32 and cost 13% at batch 1
     (29.2 against 25.7 ms per UNet forward), so eager keeps cuDNN's heuristics like plain
     diffusers.
@@ -94,10 +98,10 @@ def tune_kernels(adapter: Adapter, device: torch.device, sdpa: bool, compiled: b
     if compiled:
         torch.backends.cudnn.benchmark = True  # the fastest conv algorithm per shape, found once
         done.append("cudnn_benchmark")
-    if sdpa and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
+    if attention != "xformers" and adapter.fuse_qkv():  # one GEMM, not three, a self-attention
         done.append("fused_qkv")
-    if sdpa and (attention := adapter.fast_attention()):
-        done.append(attention)
+    if attention == "sdpa" and (fast := adapter.fast_attention()):
+        done.append(fast)
     return done
 
 

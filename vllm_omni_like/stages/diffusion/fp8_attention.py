@@ -2,8 +2,8 @@
 implementation and the reference of the tests), the custom op the denoisers call, the start-up
 check, and the routing of diffusers' attention processors to it.
 
-The maths, SageAttention's recipe (forward only, no mask, no dropout), over (B, S, H, D)
-tensors in bf16:
+The maths, SageAttention's recipe (forward only, no dropout, no mask but a key-padding one),
+over (B, S, H, D) tensors in bf16:
 - Q times the softmax scale and log2(e) (the softmax runs in base 2), quantized to e4m3 per
   block of BLOCK_M queries of a head: one float32 scale a block, its largest magnitude / 448.
 - K minus its mean over the sequence (per batch, head and channel) - which shifts every score
@@ -11,6 +11,8 @@ tensors in bf16:
   channel-wise offset that real keys carry and that would otherwise set the blocks' scales -
   then quantized per block of BLOCK_N keys the same way.
 - V quantized with one scale per channel (per batch and head) over the whole sequence.
+- A key a key-padding mask leaves out: its K and V zeroed first (no scale of theirs), its
+  scores -inf.
 - Scores S = (Q8 K8^T) q_scale k_scale in float32; flash attention's online softmax over the
   key blocks: P = exp2(S - running max) in [0, 1], times 448 and cast to e4m3 (a static
   scale), O += P8 V8 in float32, the row sums taken from P before its cast; at the end
@@ -70,10 +72,28 @@ def blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale.expand(*scale.shape[:3], block, 1).flatten(2, 3)[:, :, :seq]
 
 
-def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel's maths in torch, block for block, for (B, S, H, D) tensors; the output
-    like `q` (its dtype, contiguous)."""
+def padded_out(
+    k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V with the keys `keep` (B, S) leaves out zeroed (none: as they are), so that a
+    padded key's values set no scale; their scores are then left out of the softmax."""
+    if keep is None:
+        return k, v
+    kept = keep[:, :, None, None]
+    return k.masked_fill(~kept, 0), v.masked_fill(~kept, 0)
+
+
+def emulate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel's maths in torch, block for block, for (B, S, H, D) tensors (`keep`: the
+    keys attended, (B, S) bool; none: all); the output like `q` (its dtype, contiguous)."""
     dtype = q.dtype
+    k, v = padded_out(k, v, keep)
     mean, v_scale = key_mean(k)[:, :, None], value_scales(v)[:, :, None]
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # (B, H, S, D)
     q8, q_scale = blockwise(q * (scale * LOG2E), BLOCK_M)
@@ -85,9 +105,12 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     for start in range(0, k.shape[2], BLOCK_N):
         keys = slice(start, start + BLOCK_N)
         scores = (q8 @ k8[:, :, keys].mT) * (q_scale * k_scale[:, :, keys].mT)
+        if keep is not None:
+            scores = scores.masked_fill(~keep[:, None, None, keys], -math.inf)
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
-        alpha = torch.exp2(row_max - new_max)
-        p = torch.exp2(scores - new_max[..., None])
+        safe = new_max.nan_to_num(neginf=0.0)  # (no key yet: nothing to subtract)
+        alpha = torch.exp2(row_max - safe)
+        p = torch.exp2(scores - safe[..., None])
         row_sum = row_sum * alpha + p.sum(dim=-1)
         acc = acc * alpha[..., None] + e4m3(p * FP8_MAX) @ v8[:, :, keys]
         row_max = new_max
@@ -97,27 +120,47 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 # ---- the op the denoisers call ---------------------------------------------------------------
 @torch.library.custom_op("vllm_omni_like::fp8_attention", mutates_args=())
-def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v in FP8 for (B, S, H, D) tensors: the Triton kernel on CUDA, its
-    emulation elsewhere (the CPU tests'). One opaque op to torch.compile: its graphs hold the
-    call, never a break."""
-    return run_kernel(q, k, v, scale) if q.device.type == "cuda" else emulate(q, k, v, scale)
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v in FP8 for (B, S, H, D) tensors over the keys `keep` (B, S)
+    marks (none: all): the Triton kernel on CUDA, its emulation elsewhere (the CPU tests').
+    One opaque op to torch.compile: its graphs hold the call, never a break."""
+    if q.device.type == "cuda":
+        return run_kernel(q, k, v, scale, keep)
+    return emulate(q, k, v, scale, keep)
 
 
 @fp8_attention.register_fake
 def _fp8_attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def run_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def run_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The Triton kernel (imported here: Triton only where it runs) with this maths' blocks,
     scales and K's mean."""
     from vllm_omni_like.stages.diffusion.fp8_attention_kernel import fp8_attention_kernel
 
+    k, v = padded_out(k, v, keep)
     stats = key_mean(k), value_scales(v)
-    return fp8_attention_kernel(q, k, v, scale * LOG2E, *stats, (BLOCK_M, BLOCK_N))
+    blocks = (BLOCK_M, BLOCK_N)
+    return fp8_attention_kernel(q, k, v, scale * LOG2E, *stats, blocks, keep)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -172,10 +215,19 @@ def check_fp8_attention(device: torch.device, dtype: torch.dtype) -> None:
 
 
 # ---- routing diffusers' processors --------------------------------------------------------------
+def key_padding(mask: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """`mask` as the keys kept, (B, S), where it is a boolean key-padding mask (B, 1, 1, S):
+    a padded text's (Qwen-Image's, Z-Image's); None where it is any other mask."""
+    batch, seq = key.shape[:2]
+    if mask.dtype == torch.bool and tuple(mask.shape) == (batch, 1, 1, seq):
+        return mask.reshape(batch, seq)
+    return None
+
+
 def fp8_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """diffusers' `dispatch_attention_fn` with the calls FP8 attention takes (no mask, no
-    dropout, not causal, no backend or context-parallel setting of its own: `takes`) sent to
-    the FP8 op; every other call to `original` (masked calls stay bf16 SDPA)."""
+    """diffusers' `dispatch_attention_fn` with the calls FP8 attention takes (no mask but a
+    key-padding one, no dropout, not causal, no backend or context-parallel setting of its
+    own: `takes`) sent to the FP8 op; every other call to `original` (bf16 SDPA)."""
 
     def dispatch(
         query: torch.Tensor,
@@ -191,11 +243,12 @@ def fp8_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         backend: Any = None,
         parallel_config: Any = None,
     ) -> torch.Tensor:
-        plain = attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa
-        own = not attention_kwargs and backend is None and parallel_config is None
-        if plain and own and takes(query, key, value):
+        keep = None if attn_mask is None else key_padding(attn_mask, key)
+        plain = dropout_p == 0.0 and not is_causal and not enable_gqa and not attention_kwargs
+        own = backend is None and parallel_config is None
+        if (attn_mask is None or keep is not None) and plain and own and takes(query, key, value):
             scale = query.shape[-1] ** -0.5 if scale is None else scale
-            return torch.ops.vllm_omni_like.fp8_attention(query, key, value, scale)
+            return torch.ops.vllm_omni_like.fp8_attention(query, key, value, scale, keep)
         return original(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             attention_kwargs, backend=backend, parallel_config=parallel_config,

@@ -10,7 +10,8 @@ Two launches a call:
    (times the softmax scale and log2(e)) quantized per block in registers, then over the key
    blocks flash attention's online softmax in base 2: S = (Q8 K8^T) q_scale k_scale, P =
    exp2(S - running max), P * 448 cast to e4m3, O += P8 V8 (both products in float32), the row
-   sums from P before its cast; at the end O * v_scale / 448 / row sum, in bf16.
+   sums from P before its cast; at the end O * v_scale / 448 / row sum, in bf16. With a
+   key-padding mask (`keep`, one byte a key), the keys it leaves out score -inf.
 
 Kept to what Triton 3.x has long had (pointer arithmetic, `tl.dot` of float8e4nv operands,
 `tl.trans`, `tl.exp2`): the GPU host's torch 2.11 ships its own Triton. Under the interpreter
@@ -80,11 +81,11 @@ def _query_block(q_ptr, b, h, m, S, stride_b, stride_h, stride_s, qk_scale, D: t
 
 @triton.jit
 def _attention(
-    q_ptr, k8_ptr, kscale_ptr, v8_ptr, vscale_ptr, o_ptr,
+    q_ptr, k8_ptr, kscale_ptr, v8_ptr, vscale_ptr, o_ptr, keep_ptr,
     stride_b, stride_h, stride_s, o_stride_b, o_stride_h, o_stride_s,
     S_Q, S, S_PAD, H, BLOCKS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-    ROUND: tl.constexpr,
+    KEEP: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -102,9 +103,13 @@ def _attention(
         scores = tl.dot(q8, tl.trans(k8)) * (q_scale * tl.load(kscale_ptr + bh * BLOCKS + j))
         if not EVEN:
             scores = tl.where(n[None, :] < S, scores, float("-inf"))
+        if KEEP:  # a key-padding mask: the keys it leaves out out of the softmax
+            kept = tl.load(keep_ptr + b * S + n, mask=n < S, other=0)
+            scores = tl.where(kept[None, :] != 0, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # (no key yet)
+        alpha = tl.exp2(row_max - safe)
+        p = tl.exp2(scores - safe[:, None])
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v8 = tl.load(v8_ptr + bh * D * S_PAD + d[None, :] * S_PAD + n[:, None])
         acc = acc * alpha[:, None] + tl.dot(_e4m3(p * 448.0, ROUND), v8)
@@ -123,11 +128,12 @@ def fp8_attention_kernel(
     mean: torch.Tensor,
     v_scale: torch.Tensor,
     blocks_mn: tuple[int, int],
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * qk_scale / log2 e) v for (B, S, H, D) tensors (the processors' layout;
     keys and values may be fewer than queries), through the two kernels, with K's mean and V's
-    scales (B, H, D) and the blocks (queries, keys) fp8_attention.py gives; the output like
-    `q`, contiguous."""
+    scales (B, H, D) and the blocks (queries, keys) fp8_attention.py gives, over the keys
+    `keep` (B, S) marks (none: all); the output like `q`, contiguous."""
     block_m, block_n = blocks_mn
     batch, queries, heads, dim = q.shape
     seq = k.shape[1]
@@ -148,11 +154,13 @@ def fp8_attention_kernel(
         D=dim, BLOCK_N=block_n, ROUND=INTERPRETED, num_warps=4,
     )  # fmt: skip
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    kept = k_scale if keep is None else keep.contiguous().view(torch.uint8)  # (unread if none)
     _attention[(triton.cdiv(queries, block_m), bh)](
-        q, k8, k_scale, v8, v_scale, out,
+        q, k8, k_scale, v8, v_scale, out, kept,
         q.stride(0), q.stride(2), q.stride(1), out.stride(0), out.stride(2), out.stride(1),
         queries, seq, padded, heads, blocks, qk_scale,
-        D=dim, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=seq % block_n == 0, ROUND=INTERPRETED,
+        D=dim, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=seq % block_n == 0,
+        KEEP=keep is not None, ROUND=INTERPRETED,
         num_warps=8, num_stages=3,
     )  # fmt: skip
     return out

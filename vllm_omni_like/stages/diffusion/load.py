@@ -223,8 +223,7 @@ def _speed_up(
     channels_last = accel.use_channels_last(
         adapter, config.channels_last, device, compiled=config.compile
     )
-    sdpa = attention != "xformers"  # (fp8: diffusers' SDPA processors, then routed)
-    tuned = accel.tune_kernels(adapter, device, sdpa=sdpa, compiled=config.compile)
+    tuned = accel.tune_kernels(adapter, device, attention, compiled=config.compile)
     if attention == "fp8":  # (after fusing: the processors that then run are routed)
         tuned.append(accel.fp8_attention(adapter, config.name))
     if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
