@@ -45,7 +45,6 @@ from bench.raw_diffusers import merge_result
 from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
 from vllm_omni_like.stages.diffusion.fp8_attention import emulate, fp8_attention
 
-
 DEVICE = "cuda"  # (a dry run of this script's code on the CPU sets "cpu")
 
 
