@@ -240,7 +240,8 @@ def test_a_stage_with_fp8_attention_draws_its_bf16_image(monkeypatch, name):
     assert any(calls) == (name == "qwen-image")
     assert np.array_equal(fp8, _run(stage, case.request()))  # deterministic
     mse = np.mean((plain.astype(float) - fp8.astype(float)) ** 2)
-    assert 10 * np.log10(255**2 / max(mse, 1e-12)) > 30
+    # measured: FLUX.1 51.7 dB, Qwen-Image 52.4, Z-Image 51.0 (Wan2.2-TI2V 48.1)
+    assert 10 * np.log10(255**2 / max(mse, 1e-12)) > 40
 
 
 # ---- the refusals -------------------------------------------------------------------------------
