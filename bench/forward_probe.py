@@ -176,7 +176,7 @@ def server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     pipe = build(args.model, DTYPES[args.dtype], str(device))
     adapter = adapter_for(pipe, family_for({"_class_name": type(pipe).__name__}))
     attention = accel.set_attention(pipe, "auto", device, "probe")
-    tuned = accel.tune_kernels(adapter, device, sdpa=attention == "sdpa", compiled=True)
+    tuned = accel.tune_kernels(adapter, device, attention, compiled=True)
     accel.compile_models(adapter, args.compile_mode, "inductor")
     with torch.inference_mode():
         text = adapter.encode_text([PROMPT], device, 512)

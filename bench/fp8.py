@@ -23,15 +23,19 @@ steps are timed: a step takes what it takes at any count):
   quantization, compile and warm-up of every bucket), `transformer_gib_*` (its parameters and
   buffers), the median step of one request on the device (the stage's timeline), its image.
   `fp8` also gives `psnr_fp8_vs_bf16_db` against the `bf16` part's image (same seed).
+- `fp8-attention`: `fp8` with `--attention fp8` too (our Triton kernel, Q, K, P and V in FP8:
+  stages/diffusion/fp8_attention.py): `fp8_attention_step_ms`, `fp8_attention_over_bf16` (the
+  goal: <= 0.65), `psnr_fp8_attention_vs_bf16_db` against the `bf16` part's image.
 - `fp8-restart`: `fp8` again over the compile cache the `fp8` part left on the disk
   (`warmup_s_fp8_restart`; the goal: within 1.3x of bf16's cold warm-up).
 Each compiled part starts from an empty compile cache of its own (`--cache-dir`, one a
 precision: bf16's VAE graphs would otherwise shorten fp8's warm-up).
 
 Writes `bench/results/fp8-<device>.json`: `models.<name>` with the keys of #56 - bf16_step_ms,
-fp8_step_ms, fp8_over_bf16, fp8_attention_step_ms (null: no FP8 attention in this tree),
-reference_fp8_step_ms, warmup_s_bf16, warmup_s_fp8, min_layer_sqnr_db, transformer_gib_bf16,
-transformer_gib_fp8 - and a few beside them; a part's figures are merged in as it ends.
+fp8_step_ms, fp8_over_bf16, fp8_attention_step_ms, reference_fp8_step_ms, warmup_s_bf16,
+warmup_s_fp8, min_layer_sqnr_db, transformer_gib_bf16, transformer_gib_fp8 - and a few beside
+them; a part's figures are merged in as it ends. The attention kernel alone against bf16 SDPA:
+bench/fp8_attention.py.
 """
 
 from __future__ import annotations
@@ -67,8 +71,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "z-image-turbo": {"steps": 8, "guidance": 0.0, "width": 1024, "height": 1024},
     "wan2.2-ti2v-5b": {"steps": 6, "guidance": 5.0, "width": 1280, "height": 704, "frames": 121},
 }
-PARTS = ("reference", "reference-bf16", "bf16", "fp8", "fp8-restart")
-NO_FP8_ATTENTION = "FP8 attention is not in this tree yet (#56's attention part)"
+PARTS = ("reference", "reference-bf16", "bf16", "fp8", "fp8-attention", "fp8-restart")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,7 +174,9 @@ def torchao_fp8(pipe: Any) -> dict[str, Any]:
 
 
 # ---- our stage ----------------------------------------------------------------------------------
-def stage_config(args: argparse.Namespace, s: dict[str, Any], quantization: str) -> Any:
+def stage_config(
+    args: argparse.Namespace, s: dict[str, Any], quantization: str, attention: str = "sdpa"
+) -> Any:
     """The diffusion stage `serve <model> --load-format dummy --compile` builds, at the
     default flags but the precision (and the size: the model's own)."""
     import dataclasses
@@ -180,6 +185,7 @@ def stage_config(args: argparse.Namespace, s: dict[str, Any], quantization: str)
 
     kw: dict[str, Any] = {"load_format": "dummy", "dtype": args.dtype, "compile": True}
     kw |= {"quantization": quantization, "warmup_sizes": (f"{s['width']}x{s['height']}",)}
+    kw["attention"] = attention
     if args.batch_buckets:
         kw["batch_buckets"] = tuple(int(b) for b in args.batch_buckets.split(","))
     config = resolve(args.model, **kw)[0].stages[-1]
@@ -188,7 +194,9 @@ def stage_config(args: argparse.Namespace, s: dict[str, Any], quantization: str)
     return dataclasses.replace(config, options=options, **{k: v for k, v in limits.items() if v})
 
 
-def part_stage(args: argparse.Namespace, s: dict[str, Any], quantization: str) -> dict[str, Any]:
+def part_stage(
+    args: argparse.Namespace, s: dict[str, Any], quantization: str, attention: str = "sdpa"
+) -> dict[str, Any]:
     from vllm_omni_like.params import GenerationParams
     from vllm_omni_like.stages.base import StageControl, create_stage
     from vllm_omni_like.stages.diffusion.quantize import model_bytes
@@ -200,7 +208,7 @@ def part_stage(args: argparse.Namespace, s: dict[str, Any], quantization: str) -
     os.environ[TRACE_DIR_ENV], os.environ[TRACE_BATCHES_ENV] = timeline, ""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    stage = create_stage(stage_config(args, s, quantization))
+    stage = create_stage(stage_config(args, s, quantization, attention))
     stage.load(device)
     warmup_s = time.perf_counter() - t0
     rt = stage.runtime
@@ -222,7 +230,8 @@ def part_stage(args: argparse.Namespace, s: dict[str, Any], quantization: str) -
         (out,) = stage.execute([request], control)
     media = out.video.frames if video else out.images[0].pixels
     steps = step_timeline(timeline, s["steps"], since)["step_ms_by_rows"]
-    name = "fp8" if quantization == "fp8" else "bf16"
+    name = {"fp8": "fp8", "none": "bf16"}[quantization]
+    name += "_attention" if attention == "fp8" else ""
     result = {
         f"{name}_step_ms": steps.get(1),
         f"transformer_gib_{name}": round(held / 2**30, 3),
@@ -236,7 +245,7 @@ def part_stage(args: argparse.Namespace, s: dict[str, Any], quantization: str) -
     if name == "bf16":
         np.savez(images, bf16=media)
     elif os.path.exists(images):
-        result["psnr_fp8_vs_bf16_db"] = db(psnr(media, np.load(images)["bf16"]))
+        result[f"psnr_{name}_vs_bf16_db"] = db(psnr(media, np.load(images)["bf16"]))
     return result
 
 
@@ -264,15 +273,18 @@ def child(args: argparse.Namespace, part: str) -> dict[str, Any]:
     s = settings(args)
     if part.startswith("reference"):
         return part_reference(args, s, fp8=part == "reference")
-    return part_stage(args, s, "fp8" if part.startswith("fp8") else "none")
+    attention = "fp8" if part == "fp8-attention" else "sdpa"
+    return part_stage(args, s, "fp8" if part.startswith("fp8") else "none", attention)
 
 
 def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Merge `entry` into `models.<name>` of fp8-<device>.json, the ratios once both sides
     are in."""
     with merge_result("fp8", name, entry, out_dir) as merged:
-        if merged.get("bf16_step_ms") and merged.get("fp8_step_ms"):
-            merged["fp8_over_bf16"] = round(merged["fp8_step_ms"] / merged["bf16_step_ms"], 4)
+        for name in ("fp8", "fp8_attention"):
+            if merged.get("bf16_step_ms") and merged.get(f"{name}_step_ms"):
+                ratio = merged[f"{name}_step_ms"] / merged["bf16_step_ms"]
+                merged[f"{name}_over_bf16"] = round(ratio, 4)
         ref_bf16 = merged.get("reference_bf16_step_ms")
         ref_fp8 = merged.get("reference_fp8_step_ms")
         if ref_bf16 and ref_fp8:
@@ -283,7 +295,7 @@ def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="flux.1-dev")
-    ap.add_argument("--parts", default="reference,bf16,fp8,fp8-restart")
+    ap.add_argument("--parts", default="reference,bf16,fp8,fp8-attention,fp8-restart")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--steps", type=int, help="steps timed a request (default: SETTINGS)")
     ap.add_argument("--guidance", type=float)
@@ -303,7 +315,6 @@ def main() -> int:
     s = settings(args)
     name = os.path.basename(os.path.normpath(args.model))
     entry: dict[str, Any] = {**s, "dtype": args.dtype, "compile_backend": args.compile_backend}
-    entry |= {"fp8_attention_step_ms": None, "fp8_attention": NO_FP8_ATTENTION}
     for part in args.parts.split(","):
         if part not in PARTS:
             ap.error(f"--parts: {part!r} is none of {', '.join(PARTS)}")

@@ -32,7 +32,7 @@ STAGE_KINDS = ("llm", "diffusion", "null")
 BATCH_POLICIES = ("request", "refill")
 BATCH_LEVELS = ("step", "request")
 ROUTINGS = ("cost", "count")  # engine/routing.py
-ATTENTION_BACKENDS = ("sdpa", "xformers")
+ATTENTION_BACKENDS = ("sdpa", "xformers", "fp8")
 CHANNELS_LAST_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")  # the weights on disk, or random ones of the same architecture
 # the denoisers' linear layers: in the weights' dtype, or FP8 matmuls (stages/diffusion/fp8.py)
@@ -175,7 +175,7 @@ class StageConfig:
     # speed options of the diffusion stages (the denoiser): see stages/diffusion/acceleration.py
     compile: bool = False
     compile_mode: str = "default"
-    attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning)
+    attention: str = "sdpa"  # sdpa | xformers (falls back to sdpa, with a warning) | fp8
     channels_last: str = "auto"  # auto (on for a compiled conv UNet on CUDA) | on | off
     warmup_sizes: tuple[str, ...] = ()  # "WxH" the compiled denoiser is warmed up for
     batch_buckets: tuple[int, ...] = ()  # images per call compiled for (default: 1,2,4,8,...)

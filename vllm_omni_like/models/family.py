@@ -68,6 +68,8 @@ class Family:
     takes_mask: Callable[[Config, Config], bool] = field(default=takes_no_mask)
     fp8: bool = False  # its denoisers' linear layers run FP8 matmuls with --quantization fp8
     # (which of them stay in the weights' dtype: its adapter's `high_precision_layers`)
+    fp8_attention: bool = False  # --attention fp8 runs its attention: its processors call
+    # diffusers' dispatch, unmasked or with a key-padding mask (SD3's call SDPA themselves)
     step_cache: bool = False  # --cache first-block runs it (its adapter's `block_stack`)
     presets: Mapping[str, Config] = field(default_factory=dict, hash=False)
 

@@ -15,7 +15,7 @@ from vllm_omni_like.config import PipelineConfig, StageConfig
 from vllm_omni_like.cost import DEFAULT_STEPS
 from vllm_omni_like.errors import ConfigError, InvalidRequestError
 from vllm_omni_like.models.family import Family, Loop
-from vllm_omni_like.models.precision import check_quantization
+from vllm_omni_like.models.precision import check_attention, check_quantization
 from vllm_omni_like.models.registry import (
     FAMILIES,
     denoiser_config,
@@ -162,6 +162,7 @@ def describe_stage(stage: StageConfig) -> StageFamily | None:
     if family is None:
         return None
     check_quantization(stage.name, family, stage.quantization)  # (a start-up error)
+    check_attention(stage.name, family, stage.attention)
     check_step_cache(stage.name, family, stage.cache)
     loops = loops_for(model_path(stage))
     return {

@@ -46,6 +46,20 @@ def check_quantization(stage: str, family: Family, quantization: str) -> None:
         )
 
 
+def check_attention(stage: str, family: Family, attention: str) -> None:
+    """Refuse `--attention fp8` for a family whose attention it does not run (`Family.
+    fp8_attention`: SD3's processors of its own, the UNet families, a pipeline no family
+    claims): a start-up error naming the flag."""
+    if attention == "fp8" and not family.fp8_attention:
+        from vllm_omni_like.models.registry import FAMILIES
+
+        runs = ", ".join(f.name for f in FAMILIES if f.fp8_attention)
+        raise ConfigError(
+            f"stage {stage!r}: --attention fp8 runs the families whose attention diffusers "
+            f"dispatches ({runs}), not {family.name}: serve it with --attention sdpa"
+        )
+
+
 # The linear layers a LoRA adapter may target (fnmatch over a denoiser's module names, the
 # names diffusers gives them): attention's projections and the MLPs (feed-forward networks).
 # Anything else an adapter names (a modulation, an embedding, a LoCon convolution) is refused

@@ -148,7 +148,7 @@ def test_sdpa_needs_no_change_and_cpu_keeps_default_kernels():
     pipe = _Pipe()
     assert accel.set_attention(pipe, "sdpa", torch.device("cpu"), "d") == "sdpa"
     adapter = StableDiffusionAdapter(pipe)
-    assert accel.tune_kernels(adapter, torch.device("cpu"), sdpa=True, compiled=True) == []
+    assert accel.tune_kernels(adapter, torch.device("cpu"), "sdpa", compiled=True) == []
     assert accel.use_channels_last(adapter, "auto", torch.device("cpu"), compiled=True) is False
 
 

@@ -5,6 +5,7 @@ start-up refusals with their exact messages, what the stage says of torchao."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import re
@@ -153,8 +154,9 @@ def test_fp16_activations_on_cuda_are_refused(monkeypatch):
     )
     quantize.check_fp8(torch.device("cuda"), torch.bfloat16)
     # so `--dtype auto` gives bf16 on CUDA with FP8 (fp16 without)
-    assert quantize.gpu_dtype("fp8") == torch.bfloat16
-    assert quantize.gpu_dtype("none") == torch.float16
+    config = StageConfig(name="d", kind="diffusion", model="tiny-image")
+    assert quantize.gpu_dtype(dataclasses.replace(config, quantization="fp8")) == torch.bfloat16
+    assert quantize.gpu_dtype(config) == torch.float16
 
 
 def test_a_torch_without_rowwise_fp8_kernels_is_refused_with_torchs_words(monkeypatch):

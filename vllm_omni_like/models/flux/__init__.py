@@ -18,6 +18,7 @@ FAMILY = Family(
     default_guidance=3.5,  # FluxPipeline's
     adapter="vllm_omni_like.models.flux.adapter",
     fp8=True,
+    fp8_attention=True,
     step_cache=True,
     own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,

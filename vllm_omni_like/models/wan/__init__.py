@@ -37,6 +37,7 @@ FAMILY = Family(
     default_guidance=5.0,
     adapter="vllm_omni_like.models.wan.adapter",
     fp8=True,
+    fp8_attention=True,
     step_cache=True,
     vae_factors=wan_vae_factors,
     own_loop=(Mode.TEXT2VIDEO,),

@@ -20,6 +20,7 @@ FAMILY = Family(
     default_guidance=0.0,  # Turbo's: no guidance
     adapter="vllm_omni_like.models.z_image.adapter",
     fp8=True,
+    fp8_attention=True,
     step_cache=True,
     own_loop=(Mode.TEXT2IMG, Mode.EDIT, Mode.INPAINT),
     inpaints=True,

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Adapter, Guidance
+from vllm_omni_like.stages.diffusion.fp8_attention import route_fp8_attention
 from vllm_omni_like.stages.diffusion.precompiled import Precompile
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,8 @@ def xformers_problem(device: torch.device) -> str | None:
 
 def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> str:
     """Select the attention kernels; returns the backend that really runs."""
-    if backend == "sdpa":  # diffusers' default processors call scaled_dot_product_attention
-        return "sdpa"
+    if backend in ("sdpa", "fp8"):  # diffusers' default processors call SDPA (fp8: the load
+        return backend  # checked the device; `fp8_attention` routes the processors once fused)
     problem = xformers_problem(device)
     if problem is None:
         try:
@@ -62,13 +64,30 @@ def set_attention(pipe: Any, backend: str, device: torch.device, stage: str) -> 
     return "sdpa"
 
 
+def fp8_attention(adapter: Adapter, stage: str) -> str:
+    """`--attention fp8`: the denoisers' processors that call diffusers' attention function
+    sent to the FP8 op (fp8_attention.py); what it did, for the start-up log. A denoiser with
+    none of them is refused: the flag would change nothing."""
+    routed = sum(route_fp8_attention(expert.model) for expert in adapter.experts())
+    if routed == 0:
+        raise ConfigError(
+            f"stage {stage!r}: --attention fp8 found no attention of this model that calls "
+            "diffusers' dispatch_attention_fn: serve it with --attention sdpa"
+        )
+    return f"FP8 attention in {routed} attention modules (unmasked calls)"
+
+
 # ---- kernels that keep the maths ------------------------------------------------------
-def tune_kernels(adapter: Adapter, device: torch.device, sdpa: bool, compiled: bool) -> list[str]:
+def tune_kernels(
+    adapter: Adapter, device: torch.device, attention: str, compiled: bool
+) -> list[str]:
     """Fused QKV projections and faster attention kernels (where the family has them), and
     cuDNN's autotuned convolutions for a compiled model, on CUDA.
 
-    Returns what is on. Both replace diffusers' SDPA processors (`sdpa`: those are in place),
-    so they are left out under xformers. Autotuning is kept for the compiled setting, where it
+    Returns what is on. Both replace diffusers' SDPA processors (in place under `sdpa` and
+    `fp8`), so they are left out under xformers; under `fp8` the family's faster attention is
+    left out too (its processors call the kernels themselves: FP8 attention routes diffusers'
+    own). Autotuning is kept for the compiled setting, where it
     was measured (H200); in eager mode it gained nothing at batch 32 and cost 13% at batch 1
     (29.2 against 25.7 ms per UNet forward), so eager keeps cuDNN's heuristics like plain
     diffusers.
@@ -79,10 +98,10 @@ def tune_kernels(adapter: Adapter, device: torch.device, sdpa: bool, compiled: b
     if compiled:
         torch.backends.cudnn.benchmark = True  # the fastest conv algorithm per shape, found once
         done.append("cudnn_benchmark")
-    if sdpa and adapter.fuse_qkv():  # one GEMM instead of three for each self-attention
+    if attention != "xformers" and adapter.fuse_qkv():  # one GEMM, not three, a self-attention
         done.append("fused_qkv")
-    if sdpa and (attention := adapter.fast_attention()):
-        done.append(attention)
+    if attention == "sdpa" and (fast := adapter.fast_attention()):
+        done.append(fast)
     return done
 
 

@@ -16,7 +16,7 @@ from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import Adapter, adapter_for
 from vllm_omni_like.models.family import Family, Loop
 from vllm_omni_like.models.limits import check_step_cache
-from vllm_omni_like.models.precision import check_quantization
+from vllm_omni_like.models.precision import check_attention, check_quantization
 from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel.rank_link import Link
@@ -25,6 +25,7 @@ from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import lora_pool, offload, precompiled, quantize, ranks_load
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
+from vllm_omni_like.stages.diffusion.fp8_attention import check_fp8_attention
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
 from vllm_omni_like.stages.diffusion.host_scheduler import host_scheduler
 from vllm_omni_like.stages.diffusion.lora_pool import LoraPool
@@ -56,7 +57,7 @@ def load_runtime(
     """Load `config.model` onto `device_name` and build what runs it."""
     # 1. where it runs: the device, the replica's other ranks (they load meanwhile)
     path, device = _model_dir(config), resolve_device(device_name)
-    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config.quantization))
+    dtype = resolve_dtype(config.dtype, device, quantize.gpu_dtype(config))
     link = ranks_load.connect_ranks(config, ranks, device)
     tracer = BatchTracer(config.name, ranks.rank, device)
     # 2. the pipeline and its family's adapter; per mode, our own loop or the pipeline's call
@@ -137,6 +138,9 @@ def _load_pipeline(
         check_quantization(config.name, family, config.quantization)
         quantize.check_fp8(device, dtype)
     offload.check_device(config, device)
+    if config.attention == "fp8":  # likewise
+        check_attention(config.name, family, config.attention)
+        check_fp8_attention(device, dtype)
     own = family.adapter_class().own_components(path)
     if config.load_format == "dummy":
         pipe = dummy_pipeline(path, device, dtype, own)
@@ -224,7 +228,9 @@ def _speed_up(
     channels_last = accel.use_channels_last(
         adapter, config.channels_last, device, compiled=config.compile
     )
-    tuned = accel.tune_kernels(adapter, device, sdpa=attention == "sdpa", compiled=config.compile)
+    tuned = accel.tune_kernels(adapter, device, attention, compiled=config.compile)
+    if attention == "fp8":  # (after fusing: the processors that then run are routed)
+        tuned.append(accel.fp8_attention(adapter, config.name))
     if pipeline_loop and host_scheduler(pipe):  # the same steps, none waiting on the device
         tuned.append("UniPC coefficients on the host")
     logger.info(
@@ -271,7 +277,7 @@ def _quantize(
             f"{e.name} {quantize.size(quantize.model_bytes(e.model))}" for e in adapter.experts()
         )
         logger.info("stage %s: %s (%s)", config.name, held, quantize.precision_of("none", dtype))
-    return quantize.precision_of(config.quantization, dtype)
+    return quantize.precision_of(config.quantization, dtype, config.attention)
 
 
 def _compile(config: StageConfig, options: DiffusionOptions, adapter: Adapter) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.stages.diffusion.fp8 import Fp8Linear, quantize_rows, sqnr_db
@@ -82,10 +83,11 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def gpu_dtype(quantization: str) -> torch.dtype:
-    """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 (its kernels write bf16),
-    fp16 otherwise."""
-    return torch.bfloat16 if quantization == "fp8" else torch.float16
+def gpu_dtype(config: StageConfig) -> torch.dtype:
+    """The weights' dtype `--dtype auto` picks on CUDA: bf16 with FP8 matmuls or attention
+    (their kernels write bf16), fp16 otherwise."""
+    fp8 = "fp8" in (config.quantization, config.attention)
+    return torch.bfloat16 if fp8 else torch.float16
 
 
 def _activations(device: torch.device) -> torch.dtype:
@@ -189,9 +191,11 @@ def describe(found: list[Quantized]) -> str:
     return "; ".join(q.log_line() for q in found)
 
 
-def precision_of(quantization: str, dtype: torch.dtype) -> str:
-    """What `/health` says a stage runs: fp8, or its weights' dtype (bf16, fp16, fp32)."""
-    return "fp8" if quantization == "fp8" else dtype_name(dtype)
+def precision_of(quantization: str, dtype: torch.dtype, attention: str = "sdpa") -> str:
+    """What `/health` says a stage runs: fp8, or its weights' dtype (bf16, fp16, fp32); then
+    ", fp8 attention" where its attention runs FP8 (`--attention fp8`)."""
+    matmuls = "fp8" if quantization == "fp8" else dtype_name(dtype)
+    return f"{matmuls}, fp8 attention" if attention == "fp8" else matmuls
 
 
 def hooks_sqnr(model: torch.nn.Module, rule: tuple[str, ...]) -> tuple[dict[str, float], Any]:
