@@ -251,3 +251,31 @@ def test_an_artifact_that_cannot_be_saved_still_runs_in_its_process(tmp_path, ca
     assert warning.startswith("stage diffusion: Linear's forward cannot be precompiled (")
     assert warning.endswith("it is traced at each start")
     assert os.listdir(tmp_path) == ["precompiled"]  # (no temporary file left)
+
+
+def test_a_torch_whose_compiled_functions_have_no_aot_compile_precompiles_nothing(
+    monkeypatch, caplog
+):
+    """torch 2.11 (the H100 machine's) has the loader but no `aot_compile`: the stage says so
+    once and traces as before, instead of warning for every forward at every start."""
+    from vllm_omni_like.config import StageConfig
+
+    config = StageConfig(
+        name="diffusion", kind="diffusion", model="tiny-image", compile=True, compile_cache="/x"
+    )
+    assert precompiled.available()  # (this torch: 2.13)
+    assert precompiled.for_stage(config, "inductor") is not None
+
+    def without_aot(fn, **_):  # what torch 2.11's torch.compile of a function gives
+        return lambda *a, **k: fn(*a, **k)
+
+    monkeypatch.setattr(torch, "compile", without_aot)
+    assert not precompiled.available()
+    with caplog.at_level(logging.INFO, logger="vllm_omni_like.stages.diffusion.stage"):
+        assert precompiled.for_stage(config, "inductor") is None
+    said = [r.getMessage() for r in caplog.records if "cannot precompile" in r.getMessage()]
+    assert said == [
+        f"stage diffusion: torch {torch.__version__} cannot precompile forwards (no "
+        "aot_compile): they are traced at each start, their compiled graphs read from the "
+        "compile cache"
+    ]

@@ -89,8 +89,12 @@ LOADED: dict[str, Any] = {}
 
 
 def available() -> bool:
-    """Whether this torch can precompile (torch.compile(...).aot_compile, 2.9 on)."""
-    return hasattr(torch.compiler, "load_compiled_function")
+    """Whether this torch can precompile: it loads compiled functions and its compiled ones
+    have `aot_compile` (torch 2.13 has both; 2.11 has the loader but no `aot_compile`, found on
+    an H100: every forward then warned at each start)."""
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return False
+    return hasattr(torch.compile(call_module), "aot_compile")  # (wraps only: compiles nothing)
 
 
 class Precompiled:
@@ -216,7 +220,15 @@ def for_stage(config: StageConfig, backend: str) -> Precompile | None:
     """A stage's precompiled forwards, in its compile cache: for a stage with one, on a replica
     of one rank without LoRA adapters (their rows' context would hide behind guards an artifact
     cannot keep)."""
-    if not config.compile_cache or not available():
+    if not config.compile_cache:
+        return None
+    if not available():
+        logger.info(
+            "stage %s: torch %s cannot precompile forwards (no aot_compile): they are traced "
+            "at each start, their compiled graphs read from the compile cache",
+            config.name,
+            torch.__version__,
+        )
         return None
     if config.leads or config.loras or config.lora_dir is not None:
         return None
