@@ -104,13 +104,23 @@ def lora_request(rid: str, loras=(), seed: int = 3, **params) -> StageRequest:
     return StageRequest(rid, "a red circle", p, mode="text2img")
 
 
-def run_images(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
-    """Each request's images (as ints) from one validated batch run by `stage`."""
+def run_batch(stage: DiffusionStage, batch: list[StageRequest]) -> list:
+    """The stage's outputs of one batch, each request validated first (as a worker does)."""
     for r in batch:
         stage.validate(r)
     control = StageControl(FaultInjector((), "diffusion"), None)
-    outs = stage.begin(batch, control).finish(batch)
+    return stage.begin(batch, control).finish(batch)
+
+
+def run_images(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    """Each request's images (as ints) from one batch run by `stage`."""
+    outs = run_batch(stage, batch)
     return {o.request_id: np.stack([i.pixels for i in o.images]).astype(int) for o in outs}
+
+
+def run_videos(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    """Each request's video frames (as ints) from one batch run by `stage`."""
+    return {o.request_id: o.video.frames.astype(int) for o in run_batch(stage, batch)}
 
 
 def wait_read(pool, refs) -> None:

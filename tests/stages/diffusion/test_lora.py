@@ -17,6 +17,7 @@ from tests.stages.diffusion.lora_helpers import (
     lora_request,
     low_rank,
     run_images,
+    run_videos,
     tiny_image_pipe,
     wait_read,
     write_peft,
@@ -25,9 +26,7 @@ from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError, InvalidRequestError
 from vllm_omni_like.models.tiny import ensure_tiny_model
 from vllm_omni_like.params import GenerationParams, LoraRef
-from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
@@ -171,15 +170,10 @@ def test_a_video_model_mixes_adapters_in_one_batch_too(tmp_path):
             p = GenerationParams(seed=1, num_inference_steps=2, num_frames=5, loras=loras)
             return StageRequest(rid, "a red circle moving right", p, mode="text2video")
 
-        def run(batch):
-            control = StageControl(FaultInjector((), "diffusion"), None)
-            outs = video.begin(batch, control).finish(batch)
-            return {o.request_id: o.video.frames.astype(int) for o in outs}
-
         batch = [req("base"), req("v", (LoraRef("v"),))]
-        together = run(batch)
+        together = run_videos(video, batch)
         for r in batch:
-            assert np.abs(run([r])[r.request_id] - together[r.request_id]).max() <= 1
+            assert np.abs(run_videos(video, [r])[r.request_id] - together[r.request_id]).max() <= 1
         assert np.abs(together["v"] - together["base"]).mean() > 5
     finally:
         video.close()

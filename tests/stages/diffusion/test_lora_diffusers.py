@@ -14,14 +14,13 @@ from tests.stages.diffusion.lora_helpers import (
     lora_request,
     low_rank,
     run_images,
+    run_videos,
     tiny_image_pipe,
     write_peft,
 )
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams, LoraRef
-from vllm_omni_like.stages.base import StageControl
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
@@ -135,14 +134,6 @@ def _video_req(rid: str, loras=(), seed: int = 1) -> StageRequest:
     return StageRequest(rid, "a red circle moving right", p, mode="text2video")
 
 
-def _videos(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
-    for r in batch:
-        stage.validate(r)
-    control = StageControl(FaultInjector((), "diffusion"), None)
-    outs = stage.begin(batch, control).finish(batch)
-    return {o.request_id: o.video.frames.astype(int) for o in outs}
-
-
 def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
     """Wan2.2-A14B's shape: one pool over both experts' layers; a file's `transformer.` keys in
     both, or its `transformer_2.` keys in the second; each row equals diffusers' loads of the
@@ -161,7 +152,7 @@ def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
             _video_req("base"),
             _video_req("each", (LoraRef("each", 0.8),)),
         ]
-        together = _videos(stage, batch)
+        together = run_videos(stage, batch)
     finally:
         stage.close()
     for name, loads, scale in (
