@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 import raw_diffusers as ref
+from cli_flags import add_outputs, parser
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 
@@ -195,7 +196,7 @@ def serve(label: str, args: argparse.Namespace, body: dict[str, Any], log: str) 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size", default="832x480", help="WxH (smaller only for smoke runs)")
     ap.add_argument("--frames", type=int, default=33)
@@ -204,7 +205,7 @@ def main() -> int:
     ap.add_argument("--model", default=WAN, help="(tiny-video only for a smoke run on a CPU)")
     ap.add_argument("--devices-one", default="0", help="the one-GPU server's (cpu: smoke run)")
     ap.add_argument("--devices-two", default="0,1", help="the CFG-parallel server's")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_outputs(ap, out_dir=os.path.join(HERE, "results"))
     args = ap.parse_args()
     opts = ARCH_OPTIONS[WAN]
     body = {

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.models import PROMPT, SETTINGS, build, call_kwargs
 from bench.raw_diffusers import DTYPES, device_name, free, sync
 from vllm_omni_like.models.registry import family_of
@@ -192,14 +193,13 @@ def server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="z-image-turbo")
-    ap.add_argument("--parts", default="reference,server")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap = parser(__doc__)
+    add_model(ap, "z-image-turbo", "reference,server")
+    add_dtype(ap, DTYPES, "bf16")
     ap.add_argument("--size", type=int)
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--compile-mode", default="default")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_compile_mode(ap)
+    add_outputs(ap)
     ap.add_argument("--top", type=int, default=TOP, help="kernels kept per side")
     ap.add_argument("--trace-dir", default="", help="write each side's profile (Chrome trace)")
     args = ap.parse_args()

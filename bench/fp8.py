@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import itertools
 
+from bench.cli_flags import add_dtype, add_model, add_outputs, parser
 from bench.compare import db, psnr
 from bench.raw_diffusers import DTYPES, PROMPT, free, merge_result
 from bench.step_profile import step_timeline
@@ -293,10 +294,9 @@ def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="flux.1-dev")
-    ap.add_argument("--parts", default="reference,bf16,fp8,fp8-attention,fp8-restart")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap = parser(__doc__)
+    add_model(ap, "flux.1-dev", "reference,bf16,fp8,fp8-attention,fp8-restart")
+    add_dtype(ap, DTYPES, "bf16")
     ap.add_argument("--steps", type=int, help="steps timed a request (default: SETTINGS)")
     ap.add_argument("--guidance", type=float)
     ap.add_argument("--size", type=int, help="width and height (default: the model's)")
@@ -305,7 +305,7 @@ def main() -> int:
     ap.add_argument("--batch-buckets", help="the stage's buckets (default: the server's)")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--cache-dir", help="where the parts' compile caches go (default: a new one)")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     ap.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one part, in this process: its figures as the last line

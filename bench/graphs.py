@@ -49,6 +49,7 @@ import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_dtype, add_model, add_outputs, parser
 from bench.models import build, call_kwargs, denoiser, timed, write
 from bench.raw_diffusers import DTYPES, PROMPT, free
 from bench.server_proc import Server
@@ -187,10 +188,9 @@ def run(part: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="sd15")
-    ap.add_argument("--parts", default="reference,c1")
-    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap = parser(__doc__)
+    add_model(ap, "sd15", "reference,c1")
+    add_dtype(ap, DTYPES, "fp16")
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--guidance", type=float, default=7.5)
@@ -199,8 +199,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32, help="c32's (a CPU smoke: fewer)")
     ap.add_argument("--flags", default="", help="more serve flags (quoted)")
     ap.add_argument("--output-format", default="png")
-    ap.add_argument("--log", default="graphs.log")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log="graphs.log")
     args = ap.parse_args()
     name = os.path.basename(os.path.normpath(args.model))
     for part in args.parts.split(","):

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_flags import add_outputs, parser
 from server_proc import Server
 from serving import closed_loop
 
@@ -49,15 +50,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--clients", type=int, default=128)
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--output-format", default="png", choices=("png", "jpeg", "webp"))
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--label", default="", help="the machine, in words (kept with the run)")
-    ap.add_argument("--log", default=os.devnull)
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log=os.devnull)
     args = ap.parse_args()
     args.steps, args.guidance = 1, 7.5  # (what serving.image_body reads)
     result = {"machine": args.label or platform.node(), "cpus": os.cpu_count(), **measure(args)}

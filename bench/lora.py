@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_dtype, add_model, add_outputs, parser
 from bench.compare import db, psnr
 from bench.raw_diffusers import DTYPES, PROMPT, merge_result
 
@@ -270,10 +271,9 @@ def write(name: str, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="sd15", help="sd15, flux.1-dev, or tiny-image (smoke)")
-    ap.add_argument("--parts", default="base,lora")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
+    ap = parser(__doc__)
+    add_model(ap, "sd15", "base,lora", help="sd15, flux.1-dev, or tiny-image (smoke)")
+    add_dtype(ap, DTYPES, "auto", auto=True)
     ap.add_argument("--batches", type=int, default=4, help="batches of c requests timed")
     ap.add_argument("--c", type=int, help="requests a batch (default: SETTINGS)")
     ap.add_argument("--adapters", type=int)
@@ -283,7 +283,7 @@ def main() -> int:
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--cache-dir", help="compile caches and images (default: a new one)")
     ap.add_argument("--lora-dir", help="where the adapters are written (default: a new one)")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     ap.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     s = settings(args)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_outputs, parser
 from bench.raw_diffusers import device_name
 from vllm_omni_like.models.qwen_image.attention import zeroed_padding_attention
 from vllm_omni_like.models.text_buckets import TEXT_BUCKETS
@@ -134,7 +135,7 @@ def bucket_row(args: argparse.Namespace, bucket: int, device: torch.device) -> d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--heads", type=int, default=24)  # Qwen-Image: 24 x 128
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--image-tokens", type=int, default=4096)  # 1024x1024: (1024 / 16) ** 2
@@ -144,7 +145,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compiled", action="store_true", help="also both under torch.compile")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = [bucket_row(args, b, device) for b in args.buckets]

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.compare import psnr
 from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
 from bench.server_proc import Server
@@ -401,19 +402,17 @@ def write(name: str, entry: dict[str, Any], out_dir: str, prefix: str = "models"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="flux.1-dev")
-    ap.add_argument("--parts", default="reference,server")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap = parser(__doc__)
+    add_model(ap, "flux.1-dev", "reference,server")
+    add_dtype(ap, DTYPES, "bf16")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--guidance", type=float)
     ap.add_argument("--size", type=int)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--compile-mode", default="default")
+    add_compile_mode(ap)
     ap.add_argument("--no-eager", action="store_true", help="time the compiled reference only")
     ap.add_argument("--state", default="/tmp/models-reference.npz")
-    ap.add_argument("--log", default="models.log")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log="models.log")
     # the server profiles its N-th batch, the warm-up's counted (Z-Image's warm-up is 7 batches:
     # with --runs 3, 12 is one more request after the timed ones); its trace lands in --out-dir
     ap.add_argument("--trace-batch", type=int, default=0)

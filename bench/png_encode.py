@@ -15,7 +15,6 @@ pool size by measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_outputs, parser
 from vllm_omni_like import png
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL, encode_image
 
@@ -58,9 +58,9 @@ def pil(pixels: np.ndarray) -> bytes:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--label", default="", help="the machine, in words")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     rng = np.random.default_rng(0)

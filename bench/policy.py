@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import raw_diffusers as ref
+from cli_flags import add_outputs, parser
 from control_plane import pct
 from server_proc import Server
 from serving import closed_loop, sd15_flags
@@ -44,11 +45,11 @@ def measure(args: argparse.Namespace, flags: list[str], log: str) -> dict[str, A
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ref.add_workload_args(ap)
     ap.add_argument("--lone", type=int, default=6, help="requests at concurrency 1")
     ap.add_argument("--rounds", type=int, default=3, help="requests per client at c32")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     name = ref.device_name()

@@ -31,6 +31,7 @@ from typing import Any
 
 import raw_diffusers as ref
 import torch
+from cli_flags import add_dtype, add_outputs
 
 from vllm_omni_like.models.stable_diffusion.adapter import StableDiffusionAdapter
 from vllm_omni_like.stages.diffusion.acceleration import compile_models
@@ -198,12 +199,12 @@ def main() -> None:
     ap.add_argument("--batch", default="1,32", help="images per batch (UNet rows: twice)")
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--dtype", default="fp16", choices=sorted(ref.DTYPES))
+    add_dtype(ap, ref.DTYPES, "fp16")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated; see the top")
     ap.add_argument("--profile", default=PROFILED, help="variants whose kernels are broken down")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

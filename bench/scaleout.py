@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 import raw_diffusers as ref
+from cli_flags import add_outputs, parser
 from compare import PSNR_MIN_DB, db, psnr
 from server_proc import Server
 from serving import closed_loop, image_body, sd15_flags
@@ -171,7 +172,7 @@ def run(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--gpus", default="1,2,4", help="replica counts (GPUs 0..N-1 each)")
     ref.add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=5, help="requests per client")
@@ -199,7 +200,7 @@ def main() -> None:
         "per_gpu_at_<N>_over_best_single takes the better of the two",
     )
     ap.add_argument("--label", default="", help="suffix of the result files' names")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     args = ap.parse_args()
     args.gpus = [int(g) for g in args.gpus.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 import raw_diffusers as ref
+from cli_flags import add_outputs, parser
 from compare import PSNR_MIN_DB, db, psnr
 from control_plane import pct
 from PIL import Image
@@ -286,7 +287,7 @@ def headline(settings: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ref.add_image_args(ap)
     ap.add_argument("--compile", choices=("off", "on", "both"), default="both")
     ap.add_argument("--concurrency", default="1,8,32")
@@ -304,7 +305,7 @@ def main() -> int:
     ap.add_argument("--video-size", help="WxH (default 832x480); smaller only for smoke runs")
     ap.add_argument("--video-frames", type=int)
     ap.add_argument("--video-steps", type=int)
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap)
     ap.add_argument(
         "--phase",
         choices=("all", "reference", "server"),

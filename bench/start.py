@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_model, add_outputs, parser
 from bench.models import write
 from bench.server_proc import Server
 
@@ -104,14 +105,12 @@ def run_part(part: str, args: argparse.Namespace, cache: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="sd15")
-    ap.add_argument("--parts", default="cold,warm,restart")
+    ap = parser(__doc__)
+    add_model(ap, "sd15", "cold,warm,restart")
     ap.add_argument("--flags", default="", help="more serve flags (quoted)")
     ap.add_argument("--cache-dir", default="/tmp/start-bench-cache")
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--log", default="start.log")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log="start.log")
     args = ap.parse_args()
     name = os.path.basename(os.path.normpath(args.model))
     cache = os.path.join(args.cache_dir, name)

@@ -50,6 +50,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_outputs, parser
 from bench.compare import psnr
 from bench.control_plane import pct
 from bench.memory import sd15_args
@@ -307,7 +308,7 @@ def device() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--parts", default="c64,ceiling")
     ap.add_argument("--tiny", action="store_true", help="tiny-image on the CPU (a smoke run)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -326,8 +327,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=0.0, help="mixed-trace's offered req/s")
     ap.add_argument("--gpus", default="", help="a GPU per mode (e.g. 0,1), in --modes' order")
     ap.add_argument("--warmup-sizes", default=WARMUP_SIZES, help="the servers' --warmup-size")
-    ap.add_argument("--log", default="step_level.log")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log="step_level.log")
     args = ap.parse_args()
     parts = args.parts.split(",")
     result: dict[str, Any] = {"device": device(), "parts": parts}

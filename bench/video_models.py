@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.compare import psnr
 from bench.models import ATTENTION, write
 from bench.raw_diffusers import DTYPES, PROMPT, free, sync
@@ -242,19 +243,17 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="wan2.2-ti2v-5b")
-    ap.add_argument("--parts", default="reference,server")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap = parser(__doc__)
+    add_model(ap, "wan2.2-ti2v-5b", "reference,server")
+    add_dtype(ap, DTYPES, "bf16")
     ap.add_argument("--size", help="WxH (default: the model's)")
     ap.add_argument("--frames", type=int)
     ap.add_argument("--steps", type=int, help="the video's steps (default: the model's)")
     ap.add_argument("--timed-steps", type=int, default=8, help="steps each side runs")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--compile-mode", default="default")
+    add_compile_mode(ap)
     ap.add_argument("--state", default="/tmp/video-models-reference.npy")
-    ap.add_argument("--log", default="video_models.log")
-    ap.add_argument("--out-dir", default="bench/results")
+    add_outputs(ap, log="video_models.log")
     args = ap.parse_args()
     s = settings(args)
     name = os.path.basename(os.path.normpath(args.model))

@@ -43,14 +43,15 @@ CLIP_BIG_G = dict(
 )
 
 
-def _kl_vae(out: str, **config: object) -> None:
-    """The KL VAE of SD1.5 and SDXL (its sample size and scaling from `config`)."""
+def _kl_vae(out: str, latent_channels: int = 4, **config: object) -> None:
+    """The KL VAE of SD1.5 and SDXL (4 latent channels), FLUX.1's and SD3's (16): its sample
+    size, scaling and the rest from `config`."""
     from diffusers import AutoencoderKL
 
     AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        latent_channels=4,
+        latent_channels=latent_channels,
         layers_per_block=2,
         block_out_channels=(128, 256, 512, 512),
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -289,16 +290,21 @@ def _index(out: str, cls: str, **entries: object) -> None:
         f.write("\n")
 
 
-def main() -> None:
-    builds: list[tuple[str, Callable[[str], None]]] = [("sd15", sd15), ("sdxl", sdxl)]
-    for model in WAN:
-        builds.append((model, lambda out, model=model: wan(out, model)))
-    for name, build in builds:
+def write_all(builds: dict[str, Callable[[str], None]]) -> None:
+    """Each architecture's folder under OUT, written afresh by its build."""
+    for name, build in builds.items():
         out = os.path.join(OUT, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         build(out)
         print("wrote", os.path.normpath(out), file=sys.stderr)
+
+
+def main() -> None:
+    builds: dict[str, Callable[[str], None]] = {"sd15": sd15, "sdxl": sdxl}
+    for model in WAN:
+        builds[model] = lambda out, model=model: wan(out, model)
+    write_all(builds)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ checked by tests/models/test_mmdit.py.
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 
 import torch
-from make_arch_configs import CLIP_BIG_G, CLIP_L, OUT, _clip, _index
+from make_arch_configs import CLIP_BIG_G, CLIP_L, _clip, _index, _kl_vae, write_all
 
 # T5-v1.1-XXL's encoder (FLUX.1's and SD3's third text encoder): 4.76B parameters
 T5_XXL = dict(
@@ -54,23 +52,16 @@ def _t5(out: str, folder: str, tokenizer) -> None:
 
 def _vae16(out: str, scaling: float, shift: float) -> None:
     """The 16-channel KL VAE of FLUX.1 and SD3 (no quant convs; its scale and shift)."""
-    from diffusers import AutoencoderKL
-
-    AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
+    _kl_vae(
+        out,
         latent_channels=16,
-        layers_per_block=2,
-        block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
         sample_size=1024,
         scaling_factor=scaling,
         shift_factor=shift,
         use_quant_conv=False,
         use_post_quant_conv=False,
         force_upcast=True,
-    ).save_config(os.path.join(out, "vae"))
+    )
 
 
 def _tokenizers(out: str, folders: dict[str, int]) -> None:
@@ -326,14 +317,5 @@ ARCHS = {
 }
 
 
-def main() -> None:
-    for name, build in ARCHS.items():
-        out = os.path.join(OUT, name)
-        shutil.rmtree(out, ignore_errors=True)
-        os.makedirs(out)
-        build(out)
-        print("wrote", os.path.normpath(out), file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    write_all(ARCHS)

@@ -138,3 +138,29 @@ class SequenceShards:
         """(B, T, h, D), this rank's heads of tokens every rank holds -> (B, T, N*h, D)."""
         whole = fc.all_gather_single(x.movedim(2, 0).contiguous(), 0, self.group)
         return whole.movedim(0, 2)
+
+
+class UlyssesProcessor:
+    """What every family's sequence-parallel attention processor shares (its own is in
+    models/<family>/sequence_parallel.py): it is built over this rank's `SequenceShards` and
+    attends through them. A family's processor mixes it in before the diffusers processor it
+    replaces (`class X(UlyssesProcessor, TheirProcessor)`, so the module still sees the type it
+    expects) and keeps its own `__call__`: diffusers passes a processor only the arguments its
+    `__call__` names, and which tokens are whole on every rank is the family's to say."""
+
+    def __init__(self, shards: SequenceShards) -> None:
+        super().__init__()
+        self.shards = shards
+
+    def exchange(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        replicated: int = 0,
+        attend: Attend | None = None,
+    ) -> torch.Tensor:
+        """`SequenceShards.attention` of this rank's (B, L, H, D) queries, keys and values, the
+        heads joined again (B, L, H*D), in the queries' dtype."""
+        out = self.shards.attention(q, k, v, replicated=replicated, attend=attend)
+        return out.flatten(2, 3).to(q.dtype)

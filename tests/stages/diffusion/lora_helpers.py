@@ -1,13 +1,24 @@
 """LoRA adapter files for the tests: random low-rank weights on a denoiser's linear layers,
 written as diffusers/peft files (`unet.<module>.lora_A.weight`) or kohya-style SD files
-(`lora_unet_<module>.lora_down.weight`, `.alpha`), as a trainer would save them."""
+(`lora_unet_<module>.lora_down.weight`, `.alpha`), as a trainer would save them; and the
+test_lora*.py modules' stage, requests and runs on the embedded tiny image model (CPU fp32)."""
 
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import safetensors.torch
 import torch
+
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.models.tiny import ensure_tiny_model
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.stages.base import StageControl
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+from vllm_omni_like.stages.faults import FaultInjector
+from vllm_omni_like.wire import StageRequest
 
 ATTENTION_AND_MLP = ("attn1.to_q", "attn1.to_v", "attn2.to_k", "attn1.to_out.0", "ff.net.2")
 
@@ -53,3 +64,68 @@ def write_kohya(path, weights, alpha: float) -> str:
         tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
     safetensors.torch.save_file(tensors, str(path))
     return str(path)
+
+
+STEPS = 3  # (a request's steps in the test_lora*.py modules)
+
+
+def tiny_image_pipe():
+    """The embedded tiny image model's diffusers pipeline, fp32 on the CPU."""
+    import diffusers
+
+    path = ensure_tiny_model("tiny-image")
+    pipe = diffusers.DiffusionPipeline.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def load_lora_stage(model: str, loras, max_lora_rank: int, **kw) -> DiffusionStage:
+    """A tiny model's fp32 stage on the CPU with adapters `loras`, loaded."""
+    config = StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model=model,
+        dtype="float32",
+        loras=loras,
+        max_lora_rank=max_lora_rank,
+        **kw,
+    )
+    stage = DiffusionStage(config)
+    stage.load("cpu")
+    return stage
+
+
+def lora_request(rid: str, loras=(), seed: int = 3, **params) -> StageRequest:
+    """A text-to-image request ("a red circle", STEPS steps unless given) naming `loras`."""
+    params.setdefault("num_inference_steps", STEPS)
+    p = GenerationParams(seed=seed, loras=tuple(loras), **params)
+    return StageRequest(rid, "a red circle", p, mode="text2img")
+
+
+def run_batch(stage: DiffusionStage, batch: list[StageRequest]) -> list:
+    """The stage's outputs of one batch, each request validated first (as a worker does)."""
+    for r in batch:
+        stage.validate(r)
+    control = StageControl(FaultInjector((), "diffusion"), None)
+    return stage.begin(batch, control).finish(batch)
+
+
+def run_images(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    """Each request's images (as ints) from one batch run by `stage`."""
+    outs = run_batch(stage, batch)
+    return {o.request_id: np.stack([i.pixels for i in o.images]).astype(int) for o in outs}
+
+
+def run_videos(stage: DiffusionStage, batch: list[StageRequest]) -> dict[str, np.ndarray]:
+    """Each request's video frames (as ints) from one batch run by `stage`."""
+    return {o.request_id: o.video.frames.astype(int) for o in run_batch(stage, batch)}
+
+
+def wait_read(pool, refs) -> None:
+    """Until the pool's reads of the adapters `refs` are done (bounded: 60 s)."""
+    deadline = time.monotonic() + 60
+    while not pool.ready(refs):
+        assert time.monotonic() < deadline, "the read did not end within 60 s"
+        pool.wait(refs, 0.5)

@@ -280,11 +280,16 @@ def test_lora_rows_are_static_inputs_copied_into_the_graph_each_step(tmp_path, m
     images of the same compiled stage without graphs (test_lora: each row its solo image), though
     every replay poisoned its inputs;
     a runner that leaves the slots or the scales out of its copies does not."""
-    from tests.stages.diffusion.lora_helpers import low_rank, write_peft
-    from tests.stages.diffusion.test_lora import _pipe, _req, _run
+    from tests.stages.diffusion.lora_helpers import (
+        lora_request,
+        low_rank,
+        run_images,
+        tiny_image_pipe,
+        write_peft,
+    )
     from vllm_omni_like.params import LoraRef
 
-    unet = _pipe().unet
+    unet = tiny_image_pipe().unet
     a = write_peft(tmp_path / "a.safetensors", low_rank(unet, 1, 4))
     b = write_peft(tmp_path / "b.safetensors", low_rank(unet, 2, 8), alpha=4.0)
     double = PoisoningGraphs()
@@ -310,14 +315,14 @@ def test_lora_rows_are_static_inputs_copied_into_the_graph_each_step(tmp_path, m
             {"lora.index", "lora.scale"} <= {k[0] for k in key} for key in runner.graphs
         )
         batch = [
-            _req("a", (LoraRef("a"),), num_inference_steps=2),
-            _req("ab", (LoraRef("a"), LoraRef("b", 0.8)), seed=5, num_inference_steps=2),
+            lora_request("a", (LoraRef("a"),), num_inference_steps=2),
+            lora_request("ab", (LoraRef("a"), LoraRef("b", 0.8)), seed=5, num_inference_steps=2),
         ]
         replays = double.replays
-        graphed = _run(stage, batch)
+        graphed = run_images(stage, batch)
         assert double.replays > replays and double.captures == 2
         stage.runtime.denoise.graphs = GraphRunner()  # the compiled forward itself
-        alone = _run(stage, batch)
+        alone = run_images(stage, batch)
         stage.runtime.denoise.graphs = runner
         for rid in ("a", "ab"):
             np.testing.assert_array_equal(graphed[rid], alone[rid])
@@ -329,7 +334,7 @@ def test_lora_rows_are_static_inputs_copied_into_the_graph_each_step(tmp_path, m
 
             monkeypatch.setattr(GraphRunner, "_copy_in", leaky)
             try:
-                leaked = _run(stage, batch[1:2])["a"]
+                leaked = run_images(stage, batch[1:2])["a"]
             except Exception:  # (poisoned slots index past the pool: the replay raises)
                 continue
             assert not np.array_equal(leaked, alone["a"]), skipped

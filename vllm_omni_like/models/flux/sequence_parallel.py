@@ -21,18 +21,14 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from vllm_omni_like.parallel.ulysses import SequenceShards
+from vllm_omni_like.parallel.ulysses import SequenceShards, UlyssesProcessor
 
 
-class UlyssesJointAttention(FluxAttnProcessor):  # type: ignore[misc]  # untyped
+class UlyssesJointAttention(UlyssesProcessor, FluxAttnProcessor):  # type: ignore[misc]  # untyped
     """A FLUX.1 block's joint attention over [text, image] (projections, QK norms, RoPE and
     output projections as diffusers' processor has them): a double-stream block's text comes
     apart (`encoder_hidden_states`), a single-stream block's is the first tokens of its
     input."""
-
-    def __init__(self, shards: SequenceShards) -> None:
-        super().__init__()
-        self.shards = shards
 
     def __call__(
         self,
@@ -61,7 +57,7 @@ class UlyssesJointAttention(FluxAttnProcessor):  # type: ignore[misc]  # untyped
         if image_rotary_emb is not None:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        out = self.shards.attention(q, k, v, replicated=texts).flatten(2, 3).to(q.dtype)
+        out = self.exchange(q, k, v, replicated=texts)
         if encoder_hidden_states is None:
             return out
         image = attn.to_out[1](attn.to_out[0](out[:, texts:].contiguous()))

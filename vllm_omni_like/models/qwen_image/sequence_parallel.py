@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from vllm_omni_like.models.qwen_image.attention import joint_qkv, zeroed_padding_attention
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel
-from vllm_omni_like.parallel.ulysses import SequenceShards
+from vllm_omni_like.parallel.ulysses import SequenceShards, UlyssesProcessor
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -50,14 +50,10 @@ def text_masked_attention(
     return out.transpose(1, 2)
 
 
-class UlyssesQwenAttention(QwenDoubleStreamAttnProcessor2_0):  # type: ignore[misc]  # untyped
+class UlyssesQwenAttention(UlyssesProcessor, QwenDoubleStreamAttnProcessor2_0):  # type: ignore[misc]  # untyped
     """A double-stream block's joint attention over [text, image] (projections, QK norms, RoPE
     and output projections as diffusers' processor has them, `joint_qkv`), the image tokens
     this rank's share."""
-
-    def __init__(self, shards: SequenceShards) -> None:
-        super().__init__()
-        self.shards = shards
 
     def __call__(
         self,
@@ -76,8 +72,7 @@ class UlyssesQwenAttention(QwenDoubleStreamAttnProcessor2_0):  # type: ignore[mi
         attend = None
         if mask is not None:
             attend = functools.partial(text_masked_attention, text_mask=mask.bool())
-        joint = self.shards.attention(q, k, v, replicated=texts, attend=attend)
-        joint = joint.flatten(2, 3).to(q.dtype)
+        joint = self.exchange(q, k, v, replicated=texts, attend=attend)
         image_out = attn.to_out[0](joint[:, texts:].contiguous())
         if len(attn.to_out) > 1:
             image_out = attn.to_out[1](image_out)  # (dropout)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-from vllm_omni_like.parallel.ulysses import SequenceShards
+from vllm_omni_like.parallel.ulysses import SequenceShards, UlyssesProcessor
 
 
 def _qkv(attn: Any, states: torch.Tensor, added: bool) -> list[torch.Tensor]:
@@ -42,14 +42,10 @@ def _qkv(attn: Any, states: torch.Tensor, added: bool) -> list[torch.Tensor]:
     return qkv
 
 
-class UlyssesSD3Attention(JointAttnProcessor2_0):  # type: ignore[misc]  # untyped
+class UlyssesSD3Attention(UlyssesProcessor, JointAttnProcessor2_0):  # type: ignore[misc]  # untyped
     """An SD3 block's joint attention over [text, image] (`encoder_hidden_states` the text), or
     its image-only one (none), as diffusers' processor computes them, the image tokens this
     rank's share. (The keys' order, text first, changes no softmax.)"""
-
-    def __init__(self, shards: SequenceShards) -> None:
-        super().__init__()
-        self.shards = shards
 
     def __call__(
         self,
@@ -68,7 +64,7 @@ class UlyssesSD3Attention(JointAttnProcessor2_0):  # type: ignore[misc]  # untyp
             texts = encoder_hidden_states.shape[1]
             text_q, text_k, text_v = _qkv(attn, encoder_hidden_states, added=True)
             q, k, v = (torch.cat(pair, dim=1) for pair in ((text_q, q), (text_k, k), (text_v, v)))
-        out = self.shards.attention(q, k, v, replicated=texts).flatten(2, 3).to(q.dtype)
+        out = self.exchange(q, k, v, replicated=texts)
         image = attn.to_out[1](attn.to_out[0](out[:, texts:].contiguous()))
         if encoder_hidden_states is None:
             return image

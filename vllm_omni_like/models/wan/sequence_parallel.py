@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
-from vllm_omni_like.parallel.ulysses import SequenceShards
+from vllm_omni_like.parallel.ulysses import SequenceShards, UlyssesProcessor
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -36,13 +36,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return turned.flatten(-2).type_as(x)
 
 
-class UlyssesSelfAttention(WanAttnProcessor):  # type: ignore[misc]  # untyped
+class UlyssesSelfAttention(UlyssesProcessor, WanAttnProcessor):  # type: ignore[misc]  # untyped
     """A Wan block's self-attention (`attn1`: projections, QK norms across heads, RoPE and the
     output projection as diffusers' processor has them) over every rank's tokens."""
-
-    def __init__(self, shards: SequenceShards) -> None:
-        super().__init__()
-        self.shards = shards
 
     def __call__(
         self,
@@ -59,7 +55,7 @@ class UlyssesSelfAttention(WanAttnProcessor):  # type: ignore[misc]  # untyped
         q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
-        out = self.shards.attention(q, k, v).flatten(2, 3).type_as(q)
+        out = self.exchange(q, k, v)
         projected: torch.Tensor = attn.to_out[1](attn.to_out[0](out))
         return projected
 

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnP
 
 from vllm_omni_like.models.z_image.sequence import project_out, rotated_qkv
 from vllm_omni_like.models.zeroed_keys import has_lse_kernel, zeroed_keys_attention
-from vllm_omni_like.parallel.ulysses import SequenceShards
+from vllm_omni_like.parallel.ulysses import SequenceShards, UlyssesProcessor
 
 Args = tuple[Any, ...]
 _FREQS, _NOISE = 2, 4  # a main layer's positional arguments: its RoPE table, noise mask
@@ -46,13 +46,9 @@ def masked_attention(
     return out.transpose(1, 2)
 
 
-class UlyssesZImageAttention(ZSingleStreamAttnProcessor):  # type: ignore[misc]  # untyped
+class UlyssesZImageAttention(UlyssesProcessor, ZSingleStreamAttnProcessor):  # type: ignore[misc]  # untyped
     """A main layer's self-attention (projections, QK norms, RoPE and the output projection as
     diffusers' processor has them) over every rank's share of the unified sequence."""
-
-    def __init__(self, shards: SequenceShards) -> None:
-        super().__init__()
-        self.shards = shards
 
     def __call__(
         self,
@@ -70,8 +66,7 @@ class UlyssesZImageAttention(ZSingleStreamAttnProcessor):  # type: ignore[misc] 
         attend = None
         if attention_mask is not None:
             attend = functools.partial(masked_attention, keep=attention_mask.bool())
-        out = self.shards.attention(q, k.to(q.dtype), v, attend=attend).flatten(2, 3)
-        return project_out(attn, out.to(q.dtype))
+        return project_out(attn, self.exchange(q, k.to(q.dtype), v, attend=attend))
 
 
 def split_z_image(model: Any, shards: SequenceShards) -> None:

@@ -1,0 +1,192 @@
+"""A LoRA row of our loop (stages/diffusion/lora_*.py) equals diffusers' own adapter loads at
+the same seed, CPU fp32: `load_lora_weights` + `fuse_lora` (peft and kohya files), three
+adapters through `set_adapters`, and a two-expert Wan's adapters loaded into both experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.stages.diffusion.lora_helpers import (
+    STEPS,
+    load_lora_stage,
+    lora_request,
+    low_rank,
+    run_images,
+    run_videos,
+    tiny_image_pipe,
+    write_peft,
+)
+from vllm_omni_like.errors import InvalidRequestError
+from vllm_omni_like.params import GenerationParams, LoraRef
+from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+from vllm_omni_like.wire import StageRequest
+
+pytestmark = pytest.mark.slow
+
+
+def _pipeline_image(pipe, stage: DiffusionStage, seed: int) -> np.ndarray:
+    """The diffusers pipeline's image of the stage's request (its prompt, steps and defaults)."""
+    rt = stage.runtime
+    with torch.inference_mode():
+        out = pipe(
+            "a red circle",
+            num_inference_steps=STEPS,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(seed),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    return (out.images[0] * 255).round().astype(int)
+
+
+def _psnr(x: np.ndarray, y: np.ndarray) -> float:
+    mse = float(((x.astype(float) - y.astype(float)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
+@pytest.mark.parametrize(("name", "scale"), [("b", 0.8), ("kohya", 1.0)])
+def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(
+    lora_stage, lora_files, name, scale
+):
+    ours = run_images(lora_stage, [lora_request("x", (LoraRef(name, scale),), seed=11)])["x"][0]
+    pipe = tiny_image_pipe()
+    pipe.load_lora_weights(lora_files[name])
+    pipe.fuse_lora(lora_scale=scale)
+    theirs = _pipeline_image(pipe, lora_stage, 11)
+    assert _psnr(ours, theirs) >= 35
+
+
+def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(
+    lora_stage, lora_files
+):
+    """More than two adapters a row (`--max-loras-per-request`, 4 by default): three at their
+    scales equal diffusers' load_lora_weights of each, set_adapters with those weights and
+    fuse_lora, at the same seed; a fifth is refused by the stage too."""
+    scales = {"a": 1.0, "b": 0.8, "kohya": 0.5}
+    refs = tuple(LoraRef(n, s) for n, s in scales.items())
+    ours = run_images(lora_stage, [lora_request("x", refs, seed=12), lora_request("base", seed=12)])
+    pipe = tiny_image_pipe()
+    import warnings
+
+    with warnings.catch_warnings():  # (peft: "multiple adapters in the model", as asked)
+        warnings.simplefilter("ignore", UserWarning)
+        for name in scales:
+            pipe.load_lora_weights(lora_files[name], adapter_name=name)
+    pipe.set_adapters(list(scales), adapter_weights=list(scales.values()))
+    pipe.fuse_lora(adapter_names=list(scales))
+    theirs = _pipeline_image(pipe, lora_stage, 12)
+    assert _psnr(ours["x"][0], theirs) >= 35
+    assert _psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
+    five = tuple(LoraRef(n) for n in ("a", "b", "kohya", "c", "fast"))
+    with pytest.raises(InvalidRequestError) as info:
+        lora_stage.validate(lora_request("y", five))
+    assert str(info.value) == "at most 4 LoRA adapters a request (--max-loras-per-request)"
+
+
+def _expert_files(tmp_path) -> dict[str, str]:
+    """A two-expert Wan's adapters: `both` (`transformer.` keys: into both experts, as
+    diffusers' load_lora_weights then again with load_into_transformer_2), and `each` (its
+    `transformer.` keys into the first expert, its `transformer_2.` keys into the second)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        tiny_wan22_experts_path(), subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    both = write_peft(
+        tmp_path / "both.safetensors", low_rank(model, 1, 4, ends, 0.5), "transformer"
+    )
+    first, second = low_rank(model, 2, 4, ends, 0.5), low_rank(model, 3, 2, ends[1:], 0.5)
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(
+        write_peft(tmp_path / "1.safetensors", first, "transformer")
+    )
+    for key, value in safetensors.torch.load_file(
+        write_peft(tmp_path / "2.safetensors", second, "transformer_2")
+    ).items():
+        tensors[key] = value
+    each = str(tmp_path / "each.safetensors")
+    safetensors.torch.save_file(tensors, each)
+    return {
+        "both": both,
+        "each": each,
+        "1": str(tmp_path / "1.safetensors"),
+        "2": str(tmp_path / "2.safetensors"),
+    }
+
+
+def _video_req(rid: str, loras=(), seed: int = 1) -> StageRequest:
+    p = GenerationParams(
+        seed=seed,
+        num_inference_steps=2,
+        num_frames=5,
+        guidance_scale=4.0,
+        loras=loras,
+        width=64,
+        height=64,
+    )
+    return StageRequest(rid, "a red circle moving right", p, mode="text2video")
+
+
+def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
+    """Wan2.2-A14B's shape: one pool over both experts' layers; a file's `transformer.` keys in
+    both, or its `transformer_2.` keys in the second; each row equals diffusers' loads of the
+    same into each expert + fuse_lora at the same seed, in one batch beside the base (two
+    steps: one of each expert)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    files = _expert_files(tmp_path)
+    path = tiny_wan22_experts_path()
+    stage = load_lora_stage(path, (f"both={files['both']}", f"each={files['each']}"), 4)
+    try:
+        batch = [
+            _video_req("both", (LoraRef("both"),)),
+            _video_req("base"),
+            _video_req("each", (LoraRef("each", 0.8),)),
+        ]
+        together = run_videos(stage, batch)
+    finally:
+        stage.close()
+    for name, loads, scale in (
+        ("both", ((files["both"], False), (files["both"], True)), 1.0),
+        ("each", ((files["1"], False), (_renamed(files["2"]), True)), 0.8),
+    ):
+        pipe = diffusers.WanPipeline.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
+        pipe.set_progress_bar_config(disable=True)
+        for file, second in loads:
+            pipe.load_lora_weights(file, load_into_transformer_2=second)
+        pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=scale)
+        with torch.inference_mode():
+            out = pipe(
+                "a red circle moving right",
+                max_sequence_length=pipe.tokenizer.model_max_length,  # (the stage's text)
+                num_inference_steps=2,
+                num_frames=5,
+                guidance_scale=4.0,
+                width=64,
+                height=64,
+                generator=torch.Generator().manual_seed(1),
+                output_type="np",
+            )
+        theirs = (out.frames[0] * 255).round().astype(int)
+        assert _psnr(together[name], theirs) >= 35, name
+    assert np.abs(together["both"] - together["base"]).mean() > 5
+
+
+def _renamed(path: str) -> dict[str, torch.Tensor]:
+    """A `transformer_2.` file's keys as `transformer.` (diffusers loads a second expert's
+    adapter from those, with load_into_transformer_2)."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(path)
+    return {k.replace("transformer_2.", "transformer.", 1): v for k, v in tensors.items()}
