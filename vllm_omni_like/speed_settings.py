@@ -68,7 +68,8 @@ def _check_cache(config: Any, where: str, diffusion: bool) -> None:
 
 
 def _check_offload(config: Any, where: str, diffusion: bool) -> None:
-    """`--offload`: a known mode; idle-expert on a diffusion stage of one rank, not compiled.
+    """`--offload`: a known mode; idle-expert on a diffusion stage of one rank, one lane (the
+    swap policy counts one lane's steps: expert_policy.py), not compiled.
     (The model's two denoisers and a CUDA device are checked at its load.)"""
     if config.offload not in OFFLOAD_MODES:
         raise ConfigError(
@@ -83,6 +84,14 @@ def _check_offload(config: Any, where: str, diffusion: bool) -> None:
         raise ConfigError(
             f"{flag}: not with --cfg-parallel or --sequence-parallel (the ranks' denoiser calls "
             "follow rank 0's rows: each rank would have to swap its expert with rank 0's)"
+        )
+    groups = config.shape_groups
+    if config.batch_level == "step" and isinstance(groups, int) and groups > 1:
+        raise ConfigError(
+            f"{flag}: not with --shape-groups {groups} (each lane of the running set would swap "
+            "the one expert on the device for its own rows: lanes needing different experts "
+            "would swap it at every step, and their rows' waits would not be bounded); pass "
+            "--shape-groups 1"
         )
     if config.compile:
         raise ConfigError(

@@ -32,6 +32,7 @@ def _stage(offload: str) -> DiffusionStage:
         model=tiny_wan22_experts_path(),
         dtype="fp32",
         offload=offload,
+        shape_groups=1,  # (the offload's policy runs one lane: speed_settings.py)
         options=OPTIONS,
     )
     stage = DiffusionStage(config)

@@ -6,6 +6,7 @@ and the refusals at start-up."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -217,7 +218,8 @@ def test_a_step_picks_the_rows_of_one_expert_and_prefetches_before_the_switch():
 
 # ---- refusals --------------------------------------------------------------------------------
 def _config(**more) -> StageConfig:
-    return StageConfig(**{"name": "video", "kind": "diffusion", "offload": "idle-expert"} | more)
+    base = {"name": "video", "kind": "diffusion", "offload": "idle-expert", "shape_groups": 1}
+    return StageConfig(**base | more)
 
 
 @pytest.mark.parametrize(
@@ -227,11 +229,26 @@ def _config(**more) -> StageConfig:
         ({"kind": "llm"}, "--offload idle-expert runs diffusion stages only"),
         ({"compile": True}, "--offload idle-expert: not with --compile yet"),
         ({"cfg_parallel": True}, "not with --cfg-parallel or --sequence-parallel"),
+        (
+            {"shape_groups": 2},
+            "stage 'video': --offload idle-expert: not with --shape-groups 2 (each lane of the "
+            "running set would swap the one expert on the device for its own rows: lanes "
+            "needing different experts would swap it at every step, and their rows' waits "
+            "would not be bounded); pass --shape-groups 1",
+        ),
     ],
 )
 def test_the_config_refuses_what_it_does_not_run(more, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         _config(**more)
+
+
+def test_one_lane_is_asked_of_the_step_level_set_only():
+    """A batch that runs whole (`--batch-level request`) has no lanes: its shape groups do not
+    matter; the step-level set's default (2 lanes) is refused until the user says 1."""
+    assert _config(batch_level="request", shape_groups=3).offload == "idle-expert"
+    with pytest.raises(ConfigError, match=re.escape("--shape-groups 2 (each lane")):
+        StageConfig(name="video", kind="diffusion", offload="idle-expert")
 
 
 def test_a_model_of_one_denoiser_or_a_cpu_device_is_refused():
@@ -254,15 +271,17 @@ def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
     from vllm_omni_like.flags import stage_overrides
     from vllm_omni_like.pipelines.catalog import resolve
 
-    args = build_parser().parse_args(["serve", "tiny-omni", "--offload", "idle-expert"])
-    assert stage_overrides(args) == {"offload": "idle-expert"}
+    flags = ["serve", "tiny-omni", "--offload", "idle-expert", "--shape-groups", "1"]
+    args = build_parser().parse_args(flags)
+    assert stage_overrides(args) == {"offload": "idle-expert", "shape_groups": 1}
     llm, diffusion = resolve("tiny-omni", **stage_overrides(args))[0].stages
     assert (llm.offload, diffusion.offload) == ("none", "idle-expert")
     assert StageConfig(name="d", kind="diffusion").offload == "none"
     yaml_file = tmp_path / "p.yaml"
     yaml_file.write_text(
         "pipelines:\n  - name: v\n    output: video\n    stages:\n"
-        "      - {name: diffusion, kind: diffusion, model: tiny-video, offload: idle-expert}\n"
+        "      - {name: diffusion, kind: diffusion, model: tiny-video, offload: idle-expert,"
+        " shape_groups: 1}\n"
     )
     (stage,) = resolve(str(yaml_file))[0].stages
     assert stage.offload == "idle-expert"
