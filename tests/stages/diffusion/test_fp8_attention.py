@@ -281,6 +281,21 @@ def test_the_cpu_and_the_families_it_does_not_run_are_refused_at_start_up_naming
         check_attention("d", family, "sdpa")  # (nothing to refuse)
 
 
+def test_sequence_parallelism_is_refused_at_start_up():
+    """Its ranks' Ulysses processors (models/*/sequence_parallel.py) call SDPA in place of the
+    FP8-routed ones: refused when the config is built, before anything loads."""
+    kw = {"name": "diffusion", "kind": "diffusion", "model": "tiny-image", "device": "cpu"}
+    with pytest.raises(ConfigError) as info:
+        StageConfig(**kw, attention="fp8", sequence_parallel=2)
+    assert str(info.value) == (
+        "stage 'diffusion': --attention fp8: not with --sequence-parallel 2 (a "
+        "sequence-parallel rank's attention is its family's Ulysses processor, which calls "
+        "PyTorch SDPA: no FP8 attention would run); use --attention sdpa with it"
+    )
+    assert StageConfig(**kw, attention="sdpa", sequence_parallel=2).sequence_parallel == 2
+    assert StageConfig(**kw, attention="fp8").attention == "fp8"
+
+
 def test_a_cuda_device_below_8_9_and_fp16_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB")
