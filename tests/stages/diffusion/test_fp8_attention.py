@@ -121,15 +121,17 @@ def interpreted():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["tail", "cross", "whole", "masked", "strided"])
+@pytest.mark.parametrize("case", ["tail", "cross", "whole", "masked", "strided", "far"])
 def test_the_kernel_computes_the_emulations_maths(interpreted, case):
     """The same maths; only the order of the float32 sums differs, then bf16's rounding
     (measured: 47.8 dB, at most one bf16 step apart). `tail`: a last block of keys and queries
     part-filled; `cross`: fewer keys than queries, head size 128, batch 2; `whole`: whole
     blocks; `masked`: a key-padding mask; `strided`: FLUX.1's fused QKV, views of one
-    projection."""
+    projection; `far`: a batch row whose offsets pass 2^31 elements (int32 offsets wrapped
+    round there: the interpreter read outside the tensor and crashed)."""
     found = interpreted[case]
     assert found["like_q"]
+    assert case != "far" or found["offset"] > 2**31
     assert found["sqnr_db"] > 44 and found["max_bf16_steps"] <= 2, found
 
 
