@@ -22,7 +22,7 @@ from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
 from vllm_omni_like.stages.diffusion.fp8_attention import emulate, run_kernel
 
 # (batch, queries, heads, head size, keys): a tail block, fewer keys than queries, whole blocks
-# (then `masked`, `strided` and `far`, below)
+# (then `masked`, `blank`, `strided` and `far`, below)
 CASES = {
     "tail": (1, 200, 2, 64, 200),
     "cross": (2, 130, 1, 128, 70),
@@ -54,6 +54,10 @@ def main() -> dict[str, dict[str, object]]:
     keep[0, 20:100], keep[1, 63:133] = False, False
     got = run_kernel(q, k, v, 0.125, keep)
     found["masked"] = compare(got, emulate(q, k, v, 0.125, keep), q)
+    keep[1] = False  # row 1 keeps no key: zeros out, not a 0 / 0
+    got = run_kernel(q, k, v, 0.125, keep)
+    found["blank"] = compare(got, emulate(q, k, v, 0.125, keep), q)
+    found["blank"]["zeros"] = bool(torch.equal(got[1], torch.zeros_like(got[1])))
     # FLUX.1's fused QKV: views of one (B, S, 3 H D) projection, not contiguous
     fused = torch.randn(1, 140, 3 * 2 * 64, generator=g).bfloat16()
     q, k, v = (x.unflatten(-1, (2, 64)) for x in fused.chunk(3, dim=-1))

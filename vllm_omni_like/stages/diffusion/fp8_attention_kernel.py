@@ -119,6 +119,7 @@ def _attention(
         acc = acc * alpha[:, None] + tl.dot(_e4m3(p * 448.0, ROUND), v8)
         row_max = new_max
     v_scale = tl.load(vscale_ptr + bh * D + d)
+    row_sum = tl.where(row_sum > 0.0, row_sum, 1.0)  # (no key kept: 0 out, as SDPA gives)
     out = acc * (v_scale[None, :] / 448.0) / row_sum[:, None]
     at = b * o_stride_b + h * o_stride_h + m[:, None] * o_stride_s + d[None, :]
     tl.store(o_ptr + at, out.to(o_ptr.dtype.element_ty), mask=m[:, None] < S_Q)
