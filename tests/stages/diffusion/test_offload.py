@@ -27,6 +27,7 @@ from vllm_omni_like.stages.diffusion.expert_policy import (
     expert_of,
 )
 from vllm_omni_like.stages.diffusion.offload import PREFETCH_UNITS, ExpertOffload
+from vllm_omni_like.wire import Mode
 
 BOUNDARY = 875.0
 
@@ -182,6 +183,28 @@ def test_a_prefetch_no_step_took_is_dropped():
     assert transfer.held(offload) == 0 and offload.resident == HIGH
 
 
+def test_a_swap_time_is_read_once_both_its_marks_are_reached():
+    """CudaTransfer.seconds asks both events: with every unit prefetched the swap's `end` (its
+    last unit's copy, at the prefetch) was recorded before its `start`, so `end` may be reached
+    while `start` is not (CUDA's elapsed_time would raise then)."""
+
+    class Event:
+        def __init__(self, reached: bool) -> None:
+            self.reached = reached
+
+        def query(self) -> bool:
+            return self.reached
+
+        def elapsed_time(self, end: Event) -> float:
+            assert self.reached and end.reached, "elapsed_time of an event not reached"
+            return 1500.0
+
+    transfer = object.__new__(offload_module.CudaTransfer)  # (no CUDA stream: not asked)
+    assert transfer.seconds(Event(True), Event(True)) == 1.5
+    assert transfer.seconds(Event(False), Event(True)) is None  # (end recorded first)
+    assert transfer.seconds(Event(True), Event(False)) is None
+
+
 def test_a_copy_that_fails_leaves_neither_expert_resident_and_the_next_swap_works():
     transfer = FakeTransfer(fail_at=4)
     offload, models = _offload(transfer)
@@ -230,6 +253,12 @@ def _config(**more) -> StageConfig:
         ({"compile": True}, "--offload idle-expert: not with --compile yet"),
         ({"cfg_parallel": True}, "not with --cfg-parallel or --sequence-parallel"),
         (
+            {"sequence_parallel": 2, "device": "cpu"},
+            "stage 'video': --offload idle-expert: not with --cfg-parallel or "
+            "--sequence-parallel (the ranks' denoiser calls follow rank 0's rows: each rank "
+            "would have to swap its expert with rank 0's)",
+        ),
+        (
             {"shape_groups": 2},
             "stage 'video': --offload idle-expert: not with --shape-groups 2 (each lane of the "
             "running set would swap the one expert on the device for its own rows: lanes "
@@ -262,6 +291,23 @@ def test_a_model_of_one_denoiser_or_a_cpu_device_is_refused():
     with pytest.raises(ConfigError, match="--offload idle-expert needs a CUDA device: on cpu"):
         offload_module.check_device(config, torch.device("cpu"))
     offload_module.check_device(dataclasses.replace(config, offload="none"), torch.device("cpu"))
+
+
+def test_a_mode_the_pipelines_own_call_runs_is_refused_at_the_load():
+    """A mode whose rows run the pipeline's own call (it calls both experts in one call) is
+    refused before anything is offloaded (no CUDA is needed to refuse it)."""
+
+    class _Two:
+        def experts(self) -> list[Expert]:
+            return [Expert("transformer", _Model(0), BOUNDARY), Expert("transformer_2", _Model(1))]
+
+    modes = {Mode.INPAINT, Mode.EDIT}
+    with pytest.raises(ConfigError) as info:
+        offload_module.build(_config(), _Two(), torch.device("cuda"), modes)  # type: ignore[arg-type]  # (an adapter's experts)
+    assert str(info.value) == (
+        "stage 'video': --offload idle-expert: edit, inpaint would run the pipeline's own "
+        "call, which calls both experts; the offload runs our own loop's modes only"
+    )
 
 
 def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):

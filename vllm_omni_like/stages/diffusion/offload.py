@@ -123,8 +123,11 @@ class CudaTransfer:
         torch.cuda.current_stream(self.device).wait_event(mark)
 
     def seconds(self, start: Any, end: Any) -> float | None:
-        """(Every unit prefetched: `end` came before `start`, nothing was left to copy.)"""
-        return max(0.0, float(start.elapsed_time(end)) / 1000.0) if end.query() else None
+        """(Every unit prefetched: `end` was recorded before `start`, nothing was left to
+        copy; each is asked, as `elapsed_time` needs both reached.)"""
+        if not (start.query() and end.query()):
+            return None
+        return max(0.0, float(start.elapsed_time(end)) / 1000.0)
 
 
 def arena_bytes(tensors: Sequence[torch.Tensor]) -> int:
