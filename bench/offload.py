@@ -63,7 +63,6 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
     milliseconds on the CPU) and the expert that ran it."""
     from vllm_omni_like.params import GenerationParams
     from vllm_omni_like.stages.base import StageControl
-    from vllm_omni_like.stages.diffusion.expert_policy import expert_of
     from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
     from vllm_omni_like.stages.faults import FaultInjector
     from vllm_omni_like.wire import StageRequest
@@ -80,7 +79,6 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
     request = StageRequest(f"r{seed}", PROMPT, params, mode="text2video")
     control = StageControl(FaultInjector((), "diffusion"))
     rt = stage.runtime
-    boundary = rt.adapter.experts()[0].boundary
     rowset = OwnLoopSet(rt)
     rowset.join([request], control)
     marks, experts = [_mark()], []
@@ -88,7 +86,7 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
         row = rowset.set.rows[0]
         if row.state.done:
             break
-        experts.append(expert_of(float(row.state.timestep), boundary))
+        experts.append(rt.adapter.expert_for(float(row.state.timestep)))
         if not rowset.step(control):
             break
         marks.append(_mark())

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from tests.stages.diffusion.offload_fakes import FakeTransfer
+from tests.stages.diffusion.offload_fakes import FakeTransfer, TwoExperts
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Expert
@@ -24,7 +24,6 @@ from vllm_omni_like.stages.diffusion.expert_policy import (
     SwapPolicy,
     after,
     choose,
-    expert_of,
 )
 from vllm_omni_like.stages.diffusion.offload import PREFETCH_UNITS, ExpertOffload
 from vllm_omni_like.wire import Mode
@@ -34,8 +33,13 @@ BOUNDARY = 875.0
 
 # ---- the policy ------------------------------------------------------------------------------
 def test_the_expert_of_a_timestep_is_the_adapters_rule():
-    assert expert_of(875.0, BOUNDARY) == HIGH  # (at the boundary: still the high-noise one)
-    assert expert_of(874.9, BOUNDARY) == LOW
+    """The offload asks the adapter (`Adapter.expert_for`): Wan's rule, the boundary still
+    the high-noise expert's (tests/models/test_wan22.py holds it to the pipeline's calls)."""
+    adapter = TwoExperts([_Model(0), _Model(1)], BOUNDARY)
+    assert adapter.expert_for(875.0) == HIGH
+    assert adapter.expert_for(874.9) == LOW
+    offload = ExpertOffload(adapter, FakeTransfer(), SwapPolicy())  # type: ignore[arg-type]  # (an adapter's two methods)
+    assert offload.expert_for(874.9) == LOW
 
 
 @pytest.mark.parametrize(
@@ -125,9 +129,8 @@ class _Model(torch.nn.Module):
 
 
 def _offload(transfer: FakeTransfer) -> tuple[ExpertOffload, list[torch.nn.Module]]:
-    models = [_Model(0), _Model(1)]
-    experts = [Expert("transformer", models[0], BOUNDARY), Expert("transformer_2", models[1])]
-    return ExpertOffload(experts, transfer, SwapPolicy()), models
+    models: list[torch.nn.Module] = [_Model(0), _Model(1)]
+    return ExpertOffload(TwoExperts(models, BOUNDARY), transfer, SwapPolicy()), models  # type: ignore[arg-type]  # (an adapter's two methods)
 
 
 SLOTS = 2 + 3 * 3  # embed (2), each block's linear (2) and persistent buffer (1)
@@ -297,13 +300,10 @@ def test_a_mode_the_pipelines_own_call_runs_is_refused_at_the_load():
     """A mode whose rows run the pipeline's own call (it calls both experts in one call) is
     refused before anything is offloaded (no CUDA is needed to refuse it)."""
 
-    class _Two:
-        def experts(self) -> list[Expert]:
-            return [Expert("transformer", _Model(0), BOUNDARY), Expert("transformer_2", _Model(1))]
-
+    two = TwoExperts([_Model(0), _Model(1)], BOUNDARY)
     modes = {Mode.INPAINT, Mode.EDIT}
     with pytest.raises(ConfigError) as info:
-        offload_module.build(_config(), _Two(), torch.device("cuda"), modes)  # type: ignore[arg-type]  # (an adapter's experts)
+        offload_module.build(_config(), two, torch.device("cuda"), modes)  # type: ignore[arg-type]  # (an adapter's experts)
     assert str(info.value) == (
         "stage 'video': --offload idle-expert: edit, inpaint would run the pipeline's own "
         "call, which calls both experts; the offload runs our own loop's modes only"

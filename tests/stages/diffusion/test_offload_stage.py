@@ -35,7 +35,7 @@ def _stage(**more) -> DiffusionStage:
 
 def _offload(stage: DiffusionStage, transfer: FakeTransfer) -> ExpertOffload:
     """The offload the load installs on CUDA, over the fake transfer."""
-    offload = ExpertOffload(stage.runtime.adapter.experts(), transfer, SwapPolicy())
+    offload = ExpertOffload(stage.runtime.adapter, transfer, SwapPolicy())
     stage.runtime.denoise.offload = offload
     return offload
 
