@@ -8,10 +8,10 @@ item 5): one request's steps timed on the device across the high-to-low-noise sw
         --size 64x64 --frames 5 --steps 4                    # the CPU smoke run
 
 The stage is loaded in this process as a worker loads it (`serve <model> --load-format dummy
---offload <mode>`: random weights, eager; the offload refuses --compile), at `--size`,
-`--frames`, `--steps` and CFG `--guidance` (two forwards a step). A request's rows go through
-the stage's running set (`OwnLoopSet`, no decode), a CUDA event after each step: each step's
-milliseconds on the device and the expert that ran it. `--runs` requests one after another:
+--offload <mode> --shape-groups 1`: random weights, eager; the offload refuses --compile), at
+`--size`, `--frames`, `--steps` and CFG `--guidance` (two forwards a step). A request's rows
+go through the stage's running set (`OwnLoopSet`, no decode), a CUDA event after each step: each
+step's milliseconds on the device and the expert that ran it. `--runs` requests one after another:
 the first request's switch has the prefetch (the last high-noise step copies the low-noise
 expert's first blocks), the next request's first step brings the high-noise expert back cold
 (the set was empty: nothing predicted it).
@@ -49,6 +49,7 @@ def stage_for(args: argparse.Namespace) -> Any:
     from vllm_omni_like.stages.base import create_stage
 
     kw = {"load_format": "dummy", "dtype": args.dtype, "offload": args.offload}
+    kw["shape_groups"] = 1  # (--offload idle-expert runs one lane of the running set)
     config = resolve(args.model, **kw)[0].stages[-1]
     width, height = map(int, args.size.split("x"))
     config = dataclasses.replace(config, max_side=max(width, height, 64), max_frames=args.frames)
@@ -62,7 +63,6 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
     milliseconds on the CPU) and the expert that ran it."""
     from vllm_omni_like.params import GenerationParams
     from vllm_omni_like.stages.base import StageControl
-    from vllm_omni_like.stages.diffusion.expert_policy import expert_of
     from vllm_omni_like.stages.diffusion.running_set import OwnLoopSet
     from vllm_omni_like.stages.faults import FaultInjector
     from vllm_omni_like.wire import StageRequest
@@ -79,7 +79,6 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
     request = StageRequest(f"r{seed}", PROMPT, params, mode="text2video")
     control = StageControl(FaultInjector((), "diffusion"))
     rt = stage.runtime
-    boundary = rt.adapter.experts()[0].boundary
     rowset = OwnLoopSet(rt)
     rowset.join([request], control)
     marks, experts = [_mark()], []
@@ -87,7 +86,7 @@ def run_request(stage: Any, args: argparse.Namespace, seed: int) -> tuple[list[f
         row = rowset.set.rows[0]
         if row.state.done:
             break
-        experts.append(expert_of(float(row.state.timestep), boundary))
+        experts.append(rt.adapter.expert_for(float(row.state.timestep)))
         if not rowset.step(control):
             break
         marks.append(_mark())

@@ -1,7 +1,7 @@
 """The diffusion stages' speed settings refused at start-up, torch-free: FP8, the step cache
 (`--cache`, `--cache-threshold`, `--cache-decision`: what they may be; what /health says of
-them) and `--offload` (what it runs beside). stages/diffusion/block_cache.py is the cache
-itself, stages/diffusion/offload.py the offload."""
+them), `--offload` (what it runs beside) and `--attention fp8` (not sequence-parallel).
+stages/diffusion/block_cache.py is the cache itself, stages/diffusion/offload.py the offload."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ OFFLOAD_MODES = ("none", "idle-expert")
 def check_speed(config: Any) -> None:
     """Refuse what the stage `config` (a StageConfig) cannot run: FP8 or a step cache outside
     a diffusion stage; a cache of a kind, threshold or decision not known, or beside what it
-    does not run with."""
+    does not run with; FP8 attention under sequence parallelism (its processors replace the
+    FP8-routed ones)."""
     diffusion = config.kind == "diffusion" or ":" in config.kind  # (or the user's own Stage)
     where = f"stage {config.name!r}"
     if config.quantization != "none" and not diffusion:
@@ -41,6 +42,12 @@ def check_speed(config: Any) -> None:
     if config.cache != "none":
         _check_cache(config, f"{where}: --cache {config.cache}", diffusion)
     _check_offload(config, where, diffusion)
+    if config.attention == "fp8" and config.sequence_parallel > 1:
+        raise ConfigError(
+            f"{where}: --attention fp8: not with --sequence-parallel {config.sequence_parallel} "
+            "(a sequence-parallel rank's attention is its family's Ulysses processor, which "
+            "calls PyTorch SDPA: no FP8 attention would run); use --attention sdpa with it"
+        )
 
 
 def _check_cache(config: Any, where: str, diffusion: bool) -> None:
@@ -68,7 +75,8 @@ def _check_cache(config: Any, where: str, diffusion: bool) -> None:
 
 
 def _check_offload(config: Any, where: str, diffusion: bool) -> None:
-    """`--offload`: a known mode; idle-expert on a diffusion stage of one rank, not compiled.
+    """`--offload`: a known mode; idle-expert on a diffusion stage of one rank, one lane (the
+    swap policy counts one lane's steps: expert_policy.py), not compiled.
     (The model's two denoisers and a CUDA device are checked at its load.)"""
     if config.offload not in OFFLOAD_MODES:
         raise ConfigError(
@@ -83,6 +91,14 @@ def _check_offload(config: Any, where: str, diffusion: bool) -> None:
         raise ConfigError(
             f"{flag}: not with --cfg-parallel or --sequence-parallel (the ranks' denoiser calls "
             "follow rank 0's rows: each rank would have to swap its expert with rank 0's)"
+        )
+    groups = config.shape_groups
+    if config.batch_level == "step" and isinstance(groups, int) and groups > 1:
+        raise ConfigError(
+            f"{flag}: not with --shape-groups {groups} (each lane of the running set would swap "
+            "the one expert on the device for its own rows: lanes needing different experts "
+            "would swap it at every step, and their rows' waits would not be bounded); pass "
+            "--shape-groups 1"
         )
     if config.compile:
         raise ConfigError(

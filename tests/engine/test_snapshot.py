@@ -127,6 +127,7 @@ def test_a_replica_says_its_idle_expert_offload_from_its_start_and_each_batch():
         )
         metrics = Metrics(e).render().decode()
         labels = '{device="auto",pipeline="null-image",replica="0",stage="diffusion"}'
-        assert f"vllm_omni_like_replica_expert_swaps{labels} 1.0" in metrics
+        assert f"vllm_omni_like_replica_expert_swaps_total{labels} 1.0" in metrics
+        assert "# TYPE vllm_omni_like_replica_expert_swaps_total counter" in metrics
         assert f"vllm_omni_like_replica_expert_swap_seconds{labels} 0.25" in metrics
         assert f"vllm_omni_like_replica_expert_device_bytes{labels} 1000.0" in metrics

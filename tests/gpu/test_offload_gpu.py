@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.models.tiny_wan22 import tiny_wan22_experts_path
+from tests.stages.diffusion.offload_fakes import TwoExperts
 from tests.stages.diffusion.test_running_set import _Harness
 from vllm_omni_like.config import StageConfig
-from vllm_omni_like.models.adapter import Expert
 from vllm_omni_like.params import GenerationParams
 from vllm_omni_like.stages.diffusion.expert_policy import HIGH, LOW, SwapPolicy
 from vllm_omni_like.stages.diffusion.offload import CudaTransfer, ExpertOffload
@@ -32,6 +32,7 @@ def _stage(offload: str) -> DiffusionStage:
         model=tiny_wan22_experts_path(),
         dtype="fp32",
         offload=offload,
+        shape_groups=1,  # (the offload's policy runs one lane: speed_settings.py)
         options=OPTIONS,
     )
     stage = DiffusionStage(config)
@@ -109,9 +110,8 @@ def test_the_copies_run_on_the_transfer_stream_beside_the_compute_stream():
     device = torch.device("cuda")
     width = 4096
     models = [_Stack(8, width).half().to(device) for _ in range(2)]
-    experts = [Expert("transformer", models[0], 875.0), Expert("transformer_2", models[1])]
     transfer = CudaTransfer(device)
-    offload = ExpertOffload(experts, transfer, SwapPolicy())
+    offload = ExpertOffload(TwoExperts(list(models), 875.0), transfer, SwapPolicy())  # type: ignore[arg-type]  # (an adapter's two methods)
     torch.cuda.empty_cache()
     assert all(p.device.type == "cpu" and p.is_pinned() for p in models[1].parameters())
     compute = torch.cuda.current_stream()

@@ -71,6 +71,8 @@ def test_each_expert_is_called_as_the_pipeline_calls_it(case):
         assert boundary == 0.875 * 1000
         want = ["transformer" if t >= boundary else "transformer_2" for t in timesteps]
         assert [name for name, _, _ in calls] == want and len(set(want)) == 2
+        # the adapter's rule (`expert_for`, the offload's and the loop's) is the pipeline's
+        assert [experts[adapter.expert_for(float(t))].name for t in timesteps] == want
     else:
         assert adapter.per_token_timesteps and calls[0][1]["timestep"].dim() == 2  # per token
     with torch.inference_mode():

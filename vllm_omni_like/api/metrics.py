@@ -81,7 +81,7 @@ class _EngineCollector:
         yield from (waiting, running, alive, replica_up, gpu_memory, family, *_starts(self.engine))
 
 
-def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
+def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
     """What each replica's last start and restart took, and what its compile cache held (and
     its idle-expert offload's figures, `_offloads`)."""
     labels = ["pipeline", "stage", "replica", "device"]
@@ -118,10 +118,13 @@ def _starts(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
     return start, restart, cache, *_offloads(engine)
 
 
-def _offloads(engine: AsyncOmni) -> tuple[GaugeMetricFamily, ...]:
-    """Each replica's idle-expert offload (`--offload idle-expert`), as its worker last said."""
+def _offloads(
+    engine: AsyncOmni,
+) -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    """Each replica's idle-expert offload (`--offload idle-expert`), as its worker last said:
+    its swaps a counter (`..._total`; a restarted worker's start again from 0, a reset)."""
     labels = ["pipeline", "stage", "replica", "device"]
-    swaps = GaugeMetricFamily(
+    swaps = CounterMetricFamily(
         f"{PREFIX}_replica_expert_swaps",
         "Expert swaps of a replica's worker since its start (--offload idle-expert)",
         labels=labels,

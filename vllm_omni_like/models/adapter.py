@@ -2,17 +2,15 @@
 
 A diffusion stage holds one adapter for its pipeline (`adapter_for`) and asks it everything that
 differs between families; the stage itself names no model class. An adapter describes how its
-denoiser is called and with which conditioning (`predict`, `experts`, `per_token_timesteps`,
-`image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
-latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
-its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split, the
-sequence-parallel split (`split_sequence`),
-and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
-with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
-(`Family.own_loop`) go through the diffusers pipeline's own `__call__`; rows from an image carry
-their own conditioning (models/row_conditions.py). The contract tests (tests/models/) hold each
-family's answers equal to its pipeline's.
-"""
+denoiser is called and with which conditioning (`predict`, `experts`, `expert_for`,
+`per_token_timesteps`, `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers
+it runs, its latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`,
+`preview`), its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel
+split, the sequence-parallel split (`split_sequence`), and what to compile or lay out for speed. Our
+own denoising loop (stages/diffusion/step.py) steps with `encode_text`, `noise`, `predict`, `guide`
+and `scheduler`; the modes it does not run (`Family.own_loop`) go through the pipeline's own
+`__call__`; rows from an image carry their own conditioning (models/row_conditions.py). The contract
+tests (tests/models/) hold each family's answers equal to its pipeline's."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ class Guidance(enum.Enum):
 @dataclass(frozen=True)
 class Expert:
     """One denoiser of a pipeline: the attribute it lives in, and the timestep from which down
-    it runs (`boundary`; None: every step). Wan2.2-A14B switches from `transformer` (high
-    noise) to `transformer_2` at its `boundary_ratio` of the schedule."""
+    it runs (`boundary`; None: every step; a row's: `Adapter.expert_for`)."""
 
     name: str
     model: Any
@@ -95,6 +92,9 @@ class Adapter(RowConditions, StackedBlocks):
 
     def experts(self) -> list[Expert]:
         return [Expert(self.denoiser_name, getattr(self.pipe, self.denoiser_name))]
+
+    def expert_for(self, timestep: float) -> int:
+        return 0  # (the index in `experts()` a row at `timestep` runs: one denoiser here)
 
     @property
     def per_token_timesteps(self) -> bool:

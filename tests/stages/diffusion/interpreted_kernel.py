@@ -22,12 +22,13 @@ from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
 from vllm_omni_like.stages.diffusion.fp8_attention import emulate, run_kernel
 
 # (batch, queries, heads, head size, keys): a tail block, fewer keys than queries, whole blocks
-# (then `masked` and `strided`, below)
+# (then `masked`, `blank`, `strided` and `far`, below)
 CASES = {
     "tail": (1, 200, 2, 64, 200),
     "cross": (2, 130, 1, 128, 70),
     "whole": (1, 256, 1, 64, 256),
 }
+FAR_PAD = 4096  # elements past 2^30 in `far`'s batch stride
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, like: torch.Tensor) -> dict[str, object]:
@@ -53,12 +54,36 @@ def main() -> dict[str, dict[str, object]]:
     keep[0, 20:100], keep[1, 63:133] = False, False
     got = run_kernel(q, k, v, 0.125, keep)
     found["masked"] = compare(got, emulate(q, k, v, 0.125, keep), q)
+    keep[1] = False  # row 1 keeps no key: zeros out, not a 0 / 0
+    got = run_kernel(q, k, v, 0.125, keep)
+    found["blank"] = compare(got, emulate(q, k, v, 0.125, keep), q)
+    found["blank"]["zeros"] = bool(torch.equal(got[1], torch.zeros_like(got[1])))
     # FLUX.1's fused QKV: views of one (B, S, 3 H D) projection, not contiguous
     fused = torch.randn(1, 140, 3 * 2 * 64, generator=g).bfloat16()
     q, k, v = (x.unflatten(-1, (2, 64)) for x in fused.chunk(3, dim=-1))
     got = run_kernel(q, k, v, 0.125)
     found["strided"] = compare(got, emulate(q, k, v, 0.125), q) | {"q_strided": True}
+    found["far"] = far(g)
     return found
+
+
+def far(g: torch.Generator) -> dict[str, object]:
+    """Offsets past 2^31 elements (Wan2.2 at 720p, 81 frames, 6 rows: 2.3e9): Q, K and V as
+    views of one storage of 2^31 + a few elements whose batch stride is 2^30 + FAR_PAD, so
+    the third batch row starts past int32's range while each stride fits int32 (Triton passes
+    it as one). Only the pages of the rows written are touched (the storage is not filled)."""
+    b, s, h, d = 3, 70, 2, 64
+    row = s * h * d
+    stride = 2**30 + FAR_PAD
+    storage = torch.empty(2 * stride + 3 * row, dtype=torch.bfloat16)
+    views = [storage.as_strided((b, s, h, d), (stride, h * d, d, 1), i * row) for i in range(3)]
+    for view in views:
+        view.copy_(torch.randn(b, s, h, d, generator=g).bfloat16())
+    q, k, v = views
+    assert views[0].storage_offset() + 2 * stride + row > 2**31  # (the far row's end)
+    got = run_kernel(q, k, v, 0.125)
+    want = emulate(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    return compare(got, want, q.contiguous()) | {"offset": 2 * stride}
 
 
 if __name__ == "__main__":

@@ -1,13 +1,31 @@
 """A fake `Transfer` for `--offload idle-expert` on the CPU (stages/diffusion/offload.py): masters
 and device copies are CPU clones; it counts the copies an offload still holds (its device
 memory: set in the experts' modules, or prefetched), the marks and the waits, and may fail its
-n-th copy (out of memory)."""
+n-th copy (out of memory). `TwoExperts`: an adapter's two experts over any two models, a row's
+chosen by Wan's own rule."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from vllm_omni_like.models.adapter import Expert
+from vllm_omni_like.models.wan.adapter import WanAdapter
+
+
+class TwoExperts:
+    """What the offload asks of an adapter (`experts`, `expert_for`): `models` as Wan2.2's
+    `transformer` (high noise, from `boundary` down) and `transformer_2`."""
+
+    expert_for = WanAdapter.expert_for  # (it reads `experts()` only)
+
+    def __init__(self, models: list[torch.nn.Module], boundary: float) -> None:
+        self.models, self.boundary = models, boundary
+
+    def experts(self) -> list[Expert]:
+        first = Expert("transformer", self.models[0], self.boundary)
+        return [first, Expert("transformer_2", self.models[1])]
 
 
 class FakeTransfer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -96,6 +97,22 @@ def test_the_emulation_leaves_out_the_keys_a_key_padding_mask_leaves_out():
     assert sqnr_db(want, got) > 24 and torch.isfinite(got).all()  # (measured: 25.9 dB)
 
 
+def test_a_query_whose_keys_are_all_left_out_gives_zeros_as_sdpa_does():
+    """A batch row whose key-padding mask keeps no key: 0 out (no division by a zero row
+    sum), as SDPA gives; the other row is as it was alone."""
+    q, k, v = _qkv(batch=2, seq=130)
+    keep = torch.ones(2, 130, dtype=torch.bool)
+    keep[1] = False
+    got = fa.emulate(q, k, v, 0.125, keep)
+    mask = keep[:, None, None, :]
+    want = F.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), mask, scale=0.125
+    )
+    assert torch.equal(want[1], torch.zeros_like(want[1]))  # (SDPA's answer, this torch's)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.equal(got[:1], fa.emulate(q[:1], k[:1], v[:1], 0.125, keep[:1]))
+
+
 def test_the_emulation_takes_fewer_keys_than_queries_and_a_scale():
     q, k, v = _qkv(seq=150, keys=70, dim=128)
     got = fa.emulate(q, k, v, 0.05)
@@ -121,15 +138,19 @@ def interpreted():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["tail", "cross", "whole", "masked", "strided"])
+@pytest.mark.parametrize("case", ["tail", "cross", "whole", "masked", "blank", "strided", "far"])
 def test_the_kernel_computes_the_emulations_maths(interpreted, case):
     """The same maths; only the order of the float32 sums differs, then bf16's rounding
     (measured: 47.8 dB, at most one bf16 step apart). `tail`: a last block of keys and queries
     part-filled; `cross`: fewer keys than queries, head size 128, batch 2; `whole`: whole
-    blocks; `masked`: a key-padding mask; `strided`: FLUX.1's fused QKV, views of one
-    projection."""
+    blocks; `masked`: a key-padding mask; `blank`: a batch row of no key kept (0 out, not
+    NaN); `strided`: FLUX.1's fused QKV, views of one
+    projection; `far`: a batch row whose offsets pass 2^31 elements (int32 offsets wrapped
+    round there: the interpreter read outside the tensor and crashed)."""
     found = interpreted[case]
     assert found["like_q"]
+    assert case != "far" or found["offset"] > 2**31
+    assert case != "blank" or found["zeros"]
     assert found["sqnr_db"] > 44 and found["max_bf16_steps"] <= 2, found
 
 
@@ -281,6 +302,21 @@ def test_the_cpu_and_the_families_it_does_not_run_are_refused_at_start_up_naming
         check_attention("d", family, "sdpa")  # (nothing to refuse)
 
 
+def test_sequence_parallelism_is_refused_at_start_up():
+    """Its ranks' Ulysses processors (models/*/sequence_parallel.py) call SDPA in place of the
+    FP8-routed ones: refused when the config is built, before anything loads."""
+    kw = {"name": "diffusion", "kind": "diffusion", "model": "tiny-image", "device": "cpu"}
+    with pytest.raises(ConfigError) as info:
+        StageConfig(**kw, attention="fp8", sequence_parallel=2)
+    assert str(info.value) == (
+        "stage 'diffusion': --attention fp8: not with --sequence-parallel 2 (a "
+        "sequence-parallel rank's attention is its family's Ulysses processor, which calls "
+        "PyTorch SDPA: no FP8 attention would run); use --attention sdpa with it"
+    )
+    assert StageConfig(**kw, attention="sdpa", sequence_parallel=2).sequence_parallel == 2
+    assert StageConfig(**kw, attention="fp8").attention == "fp8"
+
+
 def test_a_cuda_device_below_8_9_and_fp16_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB")
@@ -313,12 +349,15 @@ def test_a_triton_that_cannot_build_the_kernel_is_refused_with_its_words(monkeyp
         "--attention fp8: the Triton kernel does not run here: RuntimeError: PassManager::run "
         "failed"
     )
-    monkeypatch.setattr(fa, "kernel_agreement", lambda device: 0.5)
+    monkeypatch.setattr(fa, "kernel_agreement", lambda device: 39.96)
     assert fa.fp8_attention_problem(torch.device("cuda")) == (
-        "--attention fp8: the Triton kernel's results differ from its emulation here"
+        "--attention fp8: the Triton kernel's results differ from its emulation here "
+        "(40.0 dB SQNR, not above 40)"
     )
-    monkeypatch.undo()  # the check itself, run where the op is the emulation: full agreement
-    assert fa.kernel_agreement(torch.device("cpu")) == pytest.approx(1.0, abs=1e-5)
+    monkeypatch.setattr(fa, "kernel_agreement", lambda device: 47.8)
+    assert fa.fp8_attention_problem(torch.device("cuda")) is None
+    monkeypatch.undo()  # the check itself, run where the op is the emulation: the same output
+    assert fa.kernel_agreement(torch.device("cpu")) == math.inf
 
 
 def test_the_precision_a_stage_reports_with_fp8_attention():

@@ -6,11 +6,12 @@ and the refusals at start-up."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
-from tests.stages.diffusion.offload_fakes import FakeTransfer
+from tests.stages.diffusion.offload_fakes import FakeTransfer, TwoExperts
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.models.adapter import Expert
@@ -23,17 +24,22 @@ from vllm_omni_like.stages.diffusion.expert_policy import (
     SwapPolicy,
     after,
     choose,
-    expert_of,
 )
 from vllm_omni_like.stages.diffusion.offload import PREFETCH_UNITS, ExpertOffload
+from vllm_omni_like.wire import Mode
 
 BOUNDARY = 875.0
 
 
 # ---- the policy ------------------------------------------------------------------------------
 def test_the_expert_of_a_timestep_is_the_adapters_rule():
-    assert expert_of(875.0, BOUNDARY) == HIGH  # (at the boundary: still the high-noise one)
-    assert expert_of(874.9, BOUNDARY) == LOW
+    """The offload asks the adapter (`Adapter.expert_for`): Wan's rule, the boundary still
+    the high-noise expert's (tests/models/test_wan22.py holds it to the pipeline's calls)."""
+    adapter = TwoExperts([_Model(0), _Model(1)], BOUNDARY)
+    assert adapter.expert_for(875.0) == HIGH
+    assert adapter.expert_for(874.9) == LOW
+    offload = ExpertOffload(adapter, FakeTransfer(), SwapPolicy())  # type: ignore[arg-type]  # (an adapter's two methods)
+    assert offload.expert_for(874.9) == LOW
 
 
 @pytest.mark.parametrize(
@@ -123,9 +129,8 @@ class _Model(torch.nn.Module):
 
 
 def _offload(transfer: FakeTransfer) -> tuple[ExpertOffload, list[torch.nn.Module]]:
-    models = [_Model(0), _Model(1)]
-    experts = [Expert("transformer", models[0], BOUNDARY), Expert("transformer_2", models[1])]
-    return ExpertOffload(experts, transfer, SwapPolicy()), models
+    models: list[torch.nn.Module] = [_Model(0), _Model(1)]
+    return ExpertOffload(TwoExperts(models, BOUNDARY), transfer, SwapPolicy()), models  # type: ignore[arg-type]  # (an adapter's two methods)
 
 
 SLOTS = 2 + 3 * 3  # embed (2), each block's linear (2) and persistent buffer (1)
@@ -181,6 +186,28 @@ def test_a_prefetch_no_step_took_is_dropped():
     assert transfer.held(offload) == 0 and offload.resident == HIGH
 
 
+def test_a_swap_time_is_read_once_both_its_marks_are_reached():
+    """CudaTransfer.seconds asks both events: with every unit prefetched the swap's `end` (its
+    last unit's copy, at the prefetch) was recorded before its `start`, so `end` may be reached
+    while `start` is not (CUDA's elapsed_time would raise then)."""
+
+    class Event:
+        def __init__(self, reached: bool) -> None:
+            self.reached = reached
+
+        def query(self) -> bool:
+            return self.reached
+
+        def elapsed_time(self, end: Event) -> float:
+            assert self.reached and end.reached, "elapsed_time of an event not reached"
+            return 1500.0
+
+    transfer = object.__new__(offload_module.CudaTransfer)  # (no CUDA stream: not asked)
+    assert transfer.seconds(Event(True), Event(True)) == 1.5
+    assert transfer.seconds(Event(False), Event(True)) is None  # (end recorded first)
+    assert transfer.seconds(Event(True), Event(False)) is None
+
+
 def test_a_copy_that_fails_leaves_neither_expert_resident_and_the_next_swap_works():
     transfer = FakeTransfer(fail_at=4)
     offload, models = _offload(transfer)
@@ -217,7 +244,8 @@ def test_a_step_picks_the_rows_of_one_expert_and_prefetches_before_the_switch():
 
 # ---- refusals --------------------------------------------------------------------------------
 def _config(**more) -> StageConfig:
-    return StageConfig(**{"name": "video", "kind": "diffusion", "offload": "idle-expert"} | more)
+    base = {"name": "video", "kind": "diffusion", "offload": "idle-expert", "shape_groups": 1}
+    return StageConfig(**base | more)
 
 
 @pytest.mark.parametrize(
@@ -227,11 +255,32 @@ def _config(**more) -> StageConfig:
         ({"kind": "llm"}, "--offload idle-expert runs diffusion stages only"),
         ({"compile": True}, "--offload idle-expert: not with --compile yet"),
         ({"cfg_parallel": True}, "not with --cfg-parallel or --sequence-parallel"),
+        (
+            {"sequence_parallel": 2, "device": "cpu"},
+            "stage 'video': --offload idle-expert: not with --cfg-parallel or "
+            "--sequence-parallel (the ranks' denoiser calls follow rank 0's rows: each rank "
+            "would have to swap its expert with rank 0's)",
+        ),
+        (
+            {"shape_groups": 2},
+            "stage 'video': --offload idle-expert: not with --shape-groups 2 (each lane of the "
+            "running set would swap the one expert on the device for its own rows: lanes "
+            "needing different experts would swap it at every step, and their rows' waits "
+            "would not be bounded); pass --shape-groups 1",
+        ),
     ],
 )
 def test_the_config_refuses_what_it_does_not_run(more, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         _config(**more)
+
+
+def test_one_lane_is_asked_of_the_step_level_set_only():
+    """A batch that runs whole (`--batch-level request`) has no lanes: its shape groups do not
+    matter; the step-level set's default (2 lanes) is refused until the user says 1."""
+    assert _config(batch_level="request", shape_groups=3).offload == "idle-expert"
+    with pytest.raises(ConfigError, match=re.escape("--shape-groups 2 (each lane")):
+        StageConfig(name="video", kind="diffusion", offload="idle-expert")
 
 
 def test_a_model_of_one_denoiser_or_a_cpu_device_is_refused():
@@ -247,6 +296,20 @@ def test_a_model_of_one_denoiser_or_a_cpu_device_is_refused():
     offload_module.check_device(dataclasses.replace(config, offload="none"), torch.device("cpu"))
 
 
+def test_a_mode_the_pipelines_own_call_runs_is_refused_at_the_load():
+    """A mode whose rows run the pipeline's own call (it calls both experts in one call) is
+    refused before anything is offloaded (no CUDA is needed to refuse it)."""
+
+    two = TwoExperts([_Model(0), _Model(1)], BOUNDARY)
+    modes = {Mode.INPAINT, Mode.EDIT}
+    with pytest.raises(ConfigError) as info:
+        offload_module.build(_config(), two, torch.device("cuda"), modes)  # type: ignore[arg-type]  # (an adapter's experts)
+    assert str(info.value) == (
+        "stage 'video': --offload idle-expert: edit, inpaint would run the pipeline's own "
+        "call, which calls both experts; the offload runs our own loop's modes only"
+    )
+
+
 def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
     """`--offload idle-expert` overrides every diffusion stage (an LLM stage in front keeps
     none); a YAML stage says `offload: idle-expert` for itself."""
@@ -254,15 +317,17 @@ def test_offload_is_a_stage_field_of_the_flags_and_of_yaml(tmp_path):
     from vllm_omni_like.flags import stage_overrides
     from vllm_omni_like.pipelines.catalog import resolve
 
-    args = build_parser().parse_args(["serve", "tiny-omni", "--offload", "idle-expert"])
-    assert stage_overrides(args) == {"offload": "idle-expert"}
+    flags = ["serve", "tiny-omni", "--offload", "idle-expert", "--shape-groups", "1"]
+    args = build_parser().parse_args(flags)
+    assert stage_overrides(args) == {"offload": "idle-expert", "shape_groups": 1}
     llm, diffusion = resolve("tiny-omni", **stage_overrides(args))[0].stages
     assert (llm.offload, diffusion.offload) == ("none", "idle-expert")
     assert StageConfig(name="d", kind="diffusion").offload == "none"
     yaml_file = tmp_path / "p.yaml"
     yaml_file.write_text(
         "pipelines:\n  - name: v\n    output: video\n    stages:\n"
-        "      - {name: diffusion, kind: diffusion, model: tiny-video, offload: idle-expert}\n"
+        "      - {name: diffusion, kind: diffusion, model: tiny-video, offload: idle-expert,"
+        " shape_groups: 1}\n"
     )
     (stage,) = resolve(str(yaml_file))[0].stages
     assert stage.offload == "idle-expert"

@@ -35,7 +35,7 @@ def _stage(**more) -> DiffusionStage:
 
 def _offload(stage: DiffusionStage, transfer: FakeTransfer) -> ExpertOffload:
     """The offload the load installs on CUDA, over the fake transfer."""
-    offload = ExpertOffload(stage.runtime.adapter.experts(), transfer, SwapPolicy())
+    offload = ExpertOffload(stage.runtime.adapter, transfer, SwapPolicy())
     stage.runtime.denoise.offload = offload
     return offload
 
@@ -157,7 +157,11 @@ def test_lora_adapters_run_through_a_swap(tmp_path):
 
 def test_the_load_refuses_the_offload_on_the_cpu():
     config = StageConfig(
-        name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), offload="idle-expert"
+        name="diffusion",
+        kind="diffusion",
+        model=tiny_wan22_experts_path(),
+        offload="idle-expert",
+        shape_groups=1,
     )
     with pytest.raises(ConfigError, match="--offload idle-expert needs a CUDA device: on cpu"):
         DiffusionStage(config).load("cpu")

@@ -46,6 +46,12 @@ class WanAdapter(Adapter):
         boundary = ratio * self.pipe.scheduler.config.num_train_timesteps
         return [Expert("transformer", first.model, boundary), Expert("transformer_2", second)]
 
+    def expert_for(self, timestep: float) -> int:
+        """The expert a row at `timestep` runs: `transformer` (0) at or above the boundary,
+        `transformer_2` (1) below it (WanPipeline's switch: the boundary still high-noise)."""
+        boundary = self.experts()[0].boundary
+        return 0 if boundary is None or timestep >= boundary else 1
+
     def block_stack(self) -> BlockStack:
         """Its blocks, called by position: each row's text (and image) states and timestep
         projection (a timestep a token: Wan2.2-TI2V's) beside the carried latent tokens."""
@@ -108,8 +114,8 @@ class WanAdapter(Adapter):
         if boundary is None:
             return self._call(experts[0].model, latents, timestep, text, conditioning)
         at = at if at is not None else timestep.tolist()  # (the loop gives them: no wait)
-        high = [i for i, t in enumerate(at) if t >= boundary]
-        low = [i for i, t in enumerate(at) if t < boundary]
+        high = [i for i, t in enumerate(at) if self.expert_for(t) == 0]
+        low = [i for i, t in enumerate(at) if self.expert_for(t) == 1]
         if not low or not high:
             model = experts[0 if high else 1].model
             return self._call(model, latents, timestep, text, conditioning)

@@ -74,7 +74,10 @@ def fp8_attention(adapter: Adapter, stage: str) -> str:
             f"stage {stage!r}: --attention fp8 found no attention of this model that calls "
             "diffusers' dispatch_attention_fn: serve it with --attention sdpa"
         )
-    return f"FP8 attention in {routed} attention modules (unmasked calls)"
+    return (
+        f"FP8 attention in {routed} attention modules (unmasked and key-padding-masked calls; "
+        "other masks to SDPA)"
+    )
 
 
 # ---- kernels that keep the maths ------------------------------------------------------

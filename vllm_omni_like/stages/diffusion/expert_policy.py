@@ -2,7 +2,7 @@
 two-expert model's denoisers on the device, the other in host memory).
 
 A row needs the expert of its timestep (the high-noise `transformer` at or above the boundary,
-`transformer_2` below it: the adapter's own rule, models/wan/adapter.py). Each step runs one
+`transformer_2` below it: the adapter's own rule, `Adapter.expert_for`). Each step runs one
 expert's rows; the rows that need the other expert wait. The resident expert keeps stepping its
 rows until none needs it (then the swap), or until rows of the other expert have waited
 `max_wait` steps (then the swap, and the rows left on the old side wait in turn): a set fed new
@@ -22,11 +22,6 @@ from dataclasses import dataclass
 HIGH, LOW = 0, 1  # the experts' order: the high-noise one first (Adapter.experts)
 # steps the rows of the expert not on the device may wait while the resident one's step
 MAX_WAIT_STEPS = 4
-
-
-def expert_of(timestep: float, boundary: float) -> int:
-    """The expert a row at `timestep` needs (as the adapter chooses it)."""
-    return HIGH if timestep >= boundary else LOW
 
 
 def choose(resident: int | None, needs: Sequence[int], waited: int, max_wait: int) -> int:

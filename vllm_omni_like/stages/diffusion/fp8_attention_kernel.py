@@ -13,6 +13,10 @@ Two launches a call:
    sums from P before its cast; at the end O * v_scale / 448 / row sum, in bf16. With a
    key-padding mask (`keep`, one byte a key), the keys it leaves out score -inf.
 
+Offsets are int64 (the program ids cast before any offset is formed): a tensor of Wan2.2 at
+720p, 81 frames and 6 rows (2.3e9 elements) has offsets past int32's range, where int32 ones
+would wrap round (tests/stages/diffusion/interpreted_kernel.py's `far` case).
+
 Kept to what Triton 3.x has long had (pointer arithmetic, `tl.dot` of float8e4nv operands,
 `tl.trans`, `tl.exp2`): the GPU host's torch 2.11 ships its own Triton. Under the interpreter
 (`TRITON_INTERPRET=1`, the CPU tests) a float32 -> e4m3 cast does not round to nearest even
@@ -50,7 +54,7 @@ def _quantize_kv(
     stride_b, stride_h, stride_s, S, S_PAD, H, BLOCKS,
     D: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # (offsets)
     b, h = bh // H, bh % H
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -87,7 +91,7 @@ def _attention(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
     KEEP: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # (offsets)
     b, h = bh // H, bh % H
     m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -115,6 +119,7 @@ def _attention(
         acc = acc * alpha[:, None] + tl.dot(_e4m3(p * 448.0, ROUND), v8)
         row_max = new_max
     v_scale = tl.load(vscale_ptr + bh * D + d)
+    row_sum = tl.where(row_sum > 0.0, row_sum, 1.0)  # (no key kept: 0 out, as SDPA gives)
     out = acc * (v_scale[None, :] / 448.0) / row_sum[:, None]
     at = b * o_stride_b + h * o_stride_h + m[:, None] * o_stride_s + d[None, :]
     tl.store(o_ptr + at, out.to(o_ptr.dtype.element_ty), mask=m[:, None] < S_Q)

@@ -36,8 +36,8 @@ import torch
 
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.models.adapter import Adapter, Expert
-from vllm_omni_like.stages.diffusion.expert_policy import SwapPolicy, expert_of
+from vllm_omni_like.models.adapter import Adapter
+from vllm_omni_like.stages.diffusion.expert_policy import SwapPolicy
 from vllm_omni_like.stages.diffusion.loop_rows import LoopRow
 from vllm_omni_like.stages.diffusion.quantize import size
 from vllm_omni_like.wire import Mode, OffloadReport
@@ -123,8 +123,11 @@ class CudaTransfer:
         torch.cuda.current_stream(self.device).wait_event(mark)
 
     def seconds(self, start: Any, end: Any) -> float | None:
-        """(Every unit prefetched: `end` came before `start`, nothing was left to copy.)"""
-        return max(0.0, float(start.elapsed_time(end)) / 1000.0) if end.query() else None
+        """(Every unit prefetched: `end` was recorded before `start`, nothing was left to
+        copy; each is asked, as `elapsed_time` needs both reached.)"""
+        if not (start.query() and end.query()):
+            return None
+        return max(0.0, float(start.elapsed_time(end)) / 1000.0)
 
 
 def arena_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -174,13 +177,14 @@ class _Unit:
 
 
 class ExpertOffload:
-    """The two experts of `experts` (the high-noise one resident first), their units and the
-    swap policy of the running set's rows."""
+    """The two experts of `adapter` (the high-noise one resident first; a row's by the
+    adapter's `expert_for`), their units and the swap policy of the running set's rows."""
 
-    def __init__(self, experts: list[Expert], transfer: Transfer, policy: SwapPolicy) -> None:
+    def __init__(self, adapter: Adapter, transfer: Transfer, policy: SwapPolicy) -> None:
+        experts = adapter.experts()
         assert len(experts) == 2 and experts[0].boundary is not None
         self.names = [e.name for e in experts]
-        self.boundary: float = experts[0].boundary
+        self.expert_for = adapter.expert_for
         self.transfer, self.policy = transfer, policy
         self.prefetch_units = PREFETCH_UNITS  # (the bench measures 0 too)
         self.units = [_units(e.model, transfer) for e in experts]
@@ -199,14 +203,14 @@ class ExpertOffload:
         """The rows of `active` that step now (those of the expert chosen), the expert and every
         active row's need; the expert made resident (its copies under way) and, where the step
         after this one will swap, the next expert's first units prefetched."""
-        needs = [expert_of(float(rows[i].state.timestep), self.boundary) for i in active]
+        needs = [self.expert_for(float(rows[i].state.timestep)) for i in active]
         chosen = self.policy.choose(self.resident, needs)
         later = []
         for i, need in zip(active, needs, strict=True):
             if need != chosen:
                 later.append(need)
             elif (upcoming := _next_timestep(rows[i])) is not None:
-                later.append(expert_of(upcoming, self.boundary))
+                later.append(self.expert_for(upcoming))
         nxt = self.policy.upcoming(self.resident, chosen, needs, later)
         self.swap_to(chosen)
         if nxt is not None:
@@ -369,7 +373,7 @@ def build(
             f"{flag}: {', '.join(sorted(pipeline_modes))} would run the pipeline's own call, "
             "which calls both experts; the offload runs our own loop's modes only"
         )
-    offload = ExpertOffload(experts, CudaTransfer(device), SwapPolicy())
+    offload = ExpertOffload(adapter, CudaTransfer(device), SwapPolicy())
     torch.cuda.empty_cache()  # (the idle expert's device memory back to the device)
     return offload
 

@@ -81,10 +81,9 @@ class DenoiseLoop:
         self.batched_cfg = batched_cfg  # False: the two branches in two forwards
         # each bucket's forward replayed from a CUDA graph (graphs.py); none: run as it is
         self.graphs = graphs or GraphRunner()
-        # host timesteps for the adapter only where it chooses an expert by them (Wan2.2)
-        experts = adapter.experts()
-        self.host_times = len(experts) > 1
-        self.boundary = experts[0].boundary  # (two experts: the low-noise one's below it)
+        # host timesteps for the adapter only where it chooses an expert by them (Wan2.2:
+        # `Adapter.expert_for`)
+        self.host_times = len(adapter.experts()) > 1
         # a guidance embedding (FLUX.1): each row's scale goes into its one forward, no CFG
         self.distilled = adapter.guidance is Guidance.DISTILLED
         # --cache first-block (block_cache.py; installed by the load), and its rows' threshold
@@ -343,13 +342,12 @@ class DenoiseLoop:
         return mine, theirs[: len(cfg_states)]
 
     def _expert_scale(self, plan: Plan, like: torch.Tensor) -> float | torch.Tensor:
-        """This step's scale of each guided row: its low-noise one where its timestep is under
-        the boundary (as WanPipeline switches `guidance_scale_2` in with `transformer_2`)."""
-        assert plan.by_expert is not None and self.boundary is not None
+        """This step's scale of each guided row: its low-noise one where its timestep runs the
+        second expert (as WanPipeline switches `guidance_scale_2` in with `transformer_2`)."""
+        assert plan.by_expert is not None and self.host_times
         times = [float(plan.group[j].state.timestep) for j in plan.cfg]  # (host timesteps)
         scales = [
-            low if t < self.boundary else high
-            for (high, low), t in zip(plan.by_expert, times, strict=True)
+            pair[self.adapter.expert_for(t)] for pair, t in zip(plan.by_expert, times, strict=True)
         ]
         if len(set(scales)) == 1 and len(plan.cfg) == len(plan.group):
             return scales[0]
