@@ -6,12 +6,11 @@ denoiser is called and with which conditioning (`predict`, `experts`, `per_token
 `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers it runs, its
 latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`, `preview`),
 its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel split, the
-sequence-parallel split (`split_sequence`),
-and what to compile or lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps
-with `encode_text`, `noise`, `predict`, `guide` and `scheduler`; the modes it does not run
-(`Family.own_loop`) go through the diffusers pipeline's own `__call__`; rows from an image carry
-their own conditioning (models/row_conditions.py). The contract tests (tests/models/) hold each
-family's answers equal to its pipeline's.
+sequence-parallel split (`split_sequence`), what to compile (text encoders: text_encoders.py) or
+lay out for speed. Our own denoising loop (stages/diffusion/step.py) steps with `encode_text`,
+`noise`, `predict`, `guide` and `scheduler`; the modes it does not run (`Family.own_loop`) go
+through the diffusers pipeline's own `__call__`; rows from an image carry their own conditioning
+(models/row_conditions.py). The contract tests hold each family's answers equal to its pipeline's.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from vllm_omni_like.models.block_stack import StackedBlocks
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION, LORA_LAYERS
 from vllm_omni_like.models.row_conditions import RowConditions
+from vllm_omni_like.models.text_encoders import TextEncoders
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 from vllm_omni_like.parallel.patch_decode import Bands
@@ -72,7 +72,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter(RowConditions, StackedBlocks):
+class Adapter(RowConditions, StackedBlocks, TextEncoders):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)
