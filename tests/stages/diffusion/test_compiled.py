@@ -77,9 +77,9 @@ def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_sta
 def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
     at other steps (their own timesteps), a row without guidance, a padded batch and decode
-    groups of every size run on the warm-up's graphs - the text encoder's too, compiled with
-    --compile-text-encoders on, joins of one to three prompts and their negative; only a size not warmed up
-    compiles, and the worker's log says why (the guard that failed)."""
+    groups of every size run on the warm-up's graphs - the text encoder's too (compiled with
+    --compile-text-encoders on: joins of one to three prompts and their negative); only a size
+    not warmed up compiles, and the worker's log says why (the guard that failed)."""
     from torch._dynamo.utils import counters
 
     from tests.stages.diffusion.test_running_set import _Harness, _req
