@@ -123,7 +123,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--guidance", type=float, help="the request's (default: the stage's)")
+    # one thread by default: on a shared CPU, OpenMP's threads wait on each other's cores and
+    # a tiny matmul's time swings by 100x (a tiny CLIP's join 7 to 260 ms from run to run)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     config = StageConfig(
         name="diffusion", kind="diffusion", model=model_path(args.model), dtype=args.dtype
     )
@@ -147,7 +151,8 @@ def main() -> int:
         timer.parts["join (synced)"] = time.perf_counter() - t0
         if run >= 2:
             timer.joins.append(timer.parts)
-    result = {"model": args.model, "device": args.device, "compiled_text_encoders": args.compiled}
+    result = {"model": args.model, "device": args.device, "threads": args.threads}
+    result["compiled_text_encoders"] = args.compiled
     result |= {"ms": timer.medians(), "syncs_per_join": syncs(stage, request)}
     print(json.dumps(result))
     return 0
