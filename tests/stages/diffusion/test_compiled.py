@@ -74,6 +74,7 @@ def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_sta
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # (its text encoders compile too: 80-130 s on two loaded cores)
 def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
     at other steps (their own timesteps), a row without guidance, a padded batch and decode
