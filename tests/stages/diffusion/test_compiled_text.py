@@ -37,7 +37,9 @@ def _path(family: str) -> str:
         "sd3": tiny_sd3_path,
         "z-image": tiny_z_image_path,
     }
-    return ensure_tiny_model("tiny-image") if family == "sd" else paths[family]()
+    if family in ("sd", "wan"):  # (the embedded tiny-image and tiny-video: UMT5)
+        return ensure_tiny_model("tiny-image" if family == "sd" else "tiny-video")
+    return paths[family]()
 
 
 def _adapter(path: str) -> Adapter:
@@ -58,6 +60,7 @@ ENCODERS = {
     "flux": ["text_encoder", "text_encoder_2"],
     "sd3": ["text_encoder", "text_encoder_2", "text_encoder_3"],
     "z-image": ["text_encoder"],
+    "wan": ["text_encoder"],
 }
 HEAVIER = pytest.mark.drill  # (each compiles its family's encoders: seconds on two cores)
 
