@@ -9,7 +9,9 @@ one frame in the transformer's dtype and its timestep as `(1000 - t) / 1000`; th
 back negated, as the pipeline negates it. Guidance above 0: `cond + scale x (cond - uncond)`.
 Edits (img2img, inpainting: models/mmdit.py `FlowEdits`) start from the upload's latents as
 ZImageImg2ImgPipeline and ZImageInpaintPipeline encode it (`(x - shift) x scale`, the default
-`encode_image`), our float32 latents noised to the strength's first step.
+`encode_image`), our float32 latents noised to the strength's first step. Its Qwen3 compiles
+(`--compile-text-encoders`: a graph a caption bucket) with graph breaks where transformers sets
+up the hooks that record its hidden states (three a call, outside the layers).
 """
 
 from __future__ import annotations
