@@ -5,7 +5,7 @@ conditioning (`time_ids`), and a VAE decoding in float32 where its config asks i
 (`force_upcast`: a float32 copy kept beside the float16 one, so a decode never changes the
 model another thread may be using). Its two CLIPs compile (`--compile-text-encoders`) with graph
 breaks where transformers sets up the hooks that record their hidden states (the pipeline asks
-for them: three breaks a call, outside the layers, which compile whole)."""
+for them: the breaks are outside the layers, which compile whole)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Edits (img2img, inpainting: models/mmdit.py `FlowEdits`) start from the upload's
 ZImageImg2ImgPipeline and ZImageInpaintPipeline encode it (`(x - shift) x scale`, the default
 `encode_image`), our float32 latents noised to the strength's first step. Its Qwen3 compiles
 (`--compile-text-encoders`: a graph a caption bucket) with graph breaks where transformers sets
-up the hooks that record its hidden states (three a call, outside the layers).
+up the hooks that record its hidden states (outside the layers, which compile whole).
 """
 
 from __future__ import annotations
