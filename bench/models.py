@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import reference_state
 from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.compare import psnr
 from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
@@ -222,7 +223,7 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     result["diffusers_compiled_step_ms"] = round(step_ms, 2)
     if lead_ms is not None:
         result["diffusers_compiled_lead_ms"] = round(lead_ms, 2)
-    np.savez(args.state, **{str(k): v for k, v in images.items()})
+    reference_state.save(args.state, {str(k): v for k, v in images.items()}, args.state_meta)
     del pipe
     free()
     return result
@@ -264,6 +265,8 @@ def drops_qk_norms(model: torch.nn.Module) -> bool:
 
 
 def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    # another model's (or settings') reference is refused here, before the server starts
+    ref = reference_state.load(args.state, args.state_meta)
     side = f"{s['size']}x{s['size']}"
     flags = [args.model, "--load-format", "dummy", "--dtype", args.dtype]
     flags += ["--max-side", str(max(s["size"], 64)), "--gpu-memory-fraction", "0.9"]
@@ -322,9 +325,8 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     if 1 in steps["step_ms_by_rows"]:
         result["server_step_ms"] = steps["step_ms_by_rows"][1]
     result["server_lead_ms"], result["server_join_ms"] = steps["lead_ms"], steps["join_ms"]
-    if os.path.exists(args.state):
-        ref = np.load(args.state)
-        values = [psnr(got[int(k)], ref[k]) for k in ref.files if int(k) in got]
+    if ref is not None:
+        values = [psnr(got[int(k)], ref[k]) for k in ref if int(k) in got]
         result["psnr_db"] = [round(v, 2) if np.isfinite(v) else "inf" for v in values]
         result["images_equal"] = all(v >= 35 for v in values)
     return result
@@ -411,7 +413,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     add_compile_mode(ap)
     ap.add_argument("--no-eager", action="store_true", help="time the compiled reference only")
-    ap.add_argument("--state", default="/tmp/models-reference.npz")
+    ap.add_argument(
+        "--state",
+        help="the reference's images (default: /tmp/models-reference-<model>[-<override>].npz)",
+    )
     add_outputs(ap, log="models.log")
     # the server profiles its N-th batch, the warm-up's counted (Z-Image's warm-up is 7 batches:
     # with --runs 3, 12 is one more request after the timed ones); its trace lands in --out-dir
@@ -428,6 +433,11 @@ def main() -> int:
     path = arch_path(args.model) if args.model in ARCH_OPTIONS else args.model
     s["edit"] = family_of(path).needs_image  # an edit-only model edits `edit_source`
     name = os.path.basename(os.path.normpath(args.model))
+    given |= {"dtype": None if args.dtype == "bf16" else args.dtype}
+    args.state = args.state or reference_state.default_path("models", args.model, given)
+    args.state = reference_state.npz_path(args.state)
+    args.state_meta = {"model": name, "dtype": args.dtype, "edit": s["edit"]}
+    args.state_meta |= {k: s[k] for k in ("steps", "guidance", "size")}
     entry: dict[str, Any] = {"steps": s["steps"], "guidance": s["guidance"], "size": s["size"]}
     entry["dtype"], entry["compile_mode"] = args.dtype, args.compile_mode
     if "peer_s" in s:

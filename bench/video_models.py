@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import reference_state
 from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.compare import psnr
 from bench.models import ATTENTION, write
@@ -185,7 +186,7 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
     result["diffusers_compiled_step_ms"] = round(step_ms, 2)
     result["diffusers_compiled_s"] = round(at + (s["steps"] - s["timed_steps"]) * step_ms / 1000, 3)
     result["reference_mp4_psnr_db"] = round(psnr(decode_video(mp4), frames), 2)
-    np.save(args.state, frames)
+    reference_state.save(args.state, {"frames": frames}, args.state_meta)
     with open(args.state + ".mp4", "wb") as f:
         f.write(mp4)
     del pipe
@@ -194,6 +195,8 @@ def part_reference(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any
 
 
 def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    # another model's (or settings') reference is refused here, before the server starts
+    ref = reference_state.load(args.state, args.state_meta)
     size = f"{s['width']}x{s['height']}"
     flags = [args.model, "--load-format", "dummy", "--dtype", args.dtype]
     flags += ["--max-side", str(max(s["width"], s["height"])), "--max-frames", str(s["frames"])]
@@ -228,10 +231,10 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"server_timed_s": round(at, 3), "server_step_ms": step_ms}
     result["server_s"] = round(at + (s["steps"] - s["timed_steps"]) * step_ms / 1000, 3)
     result["server_start_s"] = round(server.start_s, 1)
-    if os.path.exists(args.state):  # H.264 is lossy: the MP4s, and each against the frames
+    if ref is not None:  # H.264 is lossy: the MP4s, and each against the frames
         with open(args.state + ".mp4", "rb") as f:
             reference = decode_video(f.read())
-        ours, frames = decode_video(mp4), np.load(args.state)
+        ours, frames = decode_video(mp4), ref["frames"]
         values = {"psnr_db": psnr(ours, reference), "psnr_vs_frames_db": psnr(ours, frames)}
         for key, value in values.items():
             result[key] = round(value, 2) if np.isfinite(value) else "inf"
@@ -252,11 +255,22 @@ def main() -> int:
     ap.add_argument("--timed-steps", type=int, default=8, help="steps each side runs")
     ap.add_argument("--runs", type=int, default=2)
     add_compile_mode(ap)
-    ap.add_argument("--state", default="/tmp/video-models-reference.npy")
+    ap.add_argument(
+        "--state",
+        help="the reference's frames (default: /tmp/video_models-reference-<model>"
+        "[-<override>].npz, its MP4 beside it)",
+    )
     add_outputs(ap, log="video_models.log")
     args = ap.parse_args()
     s = settings(args)
     name = os.path.basename(os.path.normpath(args.model))
+    given = {"size": args.size, "frames": args.frames, "steps": args.steps}
+    given |= {"timed": args.timed_steps if args.timed_steps != 8 else None}
+    given |= {"dtype": None if args.dtype == "bf16" else args.dtype}
+    args.state = reference_state.npz_path(
+        args.state or reference_state.default_path("video_models", args.model, given)
+    )
+    args.state_meta = {"model": name, "dtype": args.dtype, **s}
     entry: dict[str, Any] = {**s, "dtype": args.dtype, "compile_mode": args.compile_mode}
     entry["extrapolated"] = s["timed_steps"] < s["steps"]
     for part in args.parts.split(","):

@@ -17,6 +17,10 @@ REGIONAL_COMPILE_MODES = ("auto", "on", "off")  # auto: on with --quantization f
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 # auto: on for a compiled stage on CUDA that no other rank serves; on: asked for; off: never
 CUDA_GRAPHS_MODES = ("auto", "on", "off")
+# the text encoders compiled too (one graph an encoder: texts encoded one a call, at the
+# family's fixed token length); auto: on with --compile on CUDA, where eager encoders are
+# launch-bound (a join's host time); off: eager encoders (no start-time cost)
+TEXT_ENCODER_COMPILE_MODES = ("auto", "on", "off")
 
 
 def check_compile(config: Any) -> None:
@@ -25,6 +29,7 @@ def check_compile(config: Any) -> None:
     on a replica of several ranks (rank 0 hands each forward to the others: nothing to capture
     on one device)."""
     where = f"stage {config.name!r}"
+    check_text_encoders(config, where)
     if config.compile_mode in CUDA_GRAPH_COMPILE_MODES:
         raise ConfigError(
             f"{where}: --compile-mode {config.compile_mode} is refused: torch.compile's own CUDA "
@@ -42,3 +47,25 @@ def check_compile(config: Any) -> None:
             f"{where}: --cuda-graphs on is not built for a replica of several ranks "
             "(--cfg-parallel, --sequence-parallel): leave it auto or off"
         )
+
+
+def check_text_encoders(config: Any, where: str) -> None:
+    """`--compile-text-encoders`: one of its choices; `on` needs --compile (it compiles with
+    the stage's backend and is warmed up by the stage's warm-up)."""
+    mode = config.compile_text_encoders
+    if mode not in TEXT_ENCODER_COMPILE_MODES:
+        raise ConfigError(
+            f"{where}: compile_text_encoders must be one of "
+            f"{', '.join(TEXT_ENCODER_COMPILE_MODES)}, not {mode!r}"
+        )
+    if mode == "on" and not config.compile:
+        raise ConfigError(
+            f"{where}: --compile-text-encoders on compiles the text encoders beside the "
+            "denoiser, warmed up by its warm-up: it needs --compile"
+        )
+
+
+def text_encoders_compiled(config: Any, device_type: str) -> bool:
+    """Whether a stage compiles its text encoders: `on`, or `auto` with --compile on CUDA."""
+    mode = config.compile_text_encoders
+    return config.compile and (mode == "on" or (mode == "auto" and device_type == "cuda"))

@@ -194,6 +194,7 @@ class StageConfig:
     cache_decision: str = "sync"
     # with compile: each bucket's denoiser forward a CUDA graph (compile_choices.py)
     cuda_graphs: str = "auto"
+    compile_text_encoders: str = "auto"  # with compile: the text encoders too (compile_choices)
     # with compile: where compiled graphs persist across starts and restarts ("": the cache
     # dir's inductor/, or TORCHINDUCTOR_CACHE_DIR; `serve`: <storage dir>/compile-cache)
     compile_cache: str = ""

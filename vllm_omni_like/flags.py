@@ -76,6 +76,7 @@ STAGE_FLAGS = (
     "max_lora_rank",
     "max_loras_per_request",
     "cuda_graphs",
+    "compile_text_encoders",
     "compile_cache",
     "max_side",
     "max_pixels",

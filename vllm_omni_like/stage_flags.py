@@ -7,7 +7,11 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from vllm_omni_like.compile_choices import CUDA_GRAPHS_MODES, REGIONAL_COMPILE_MODES
+from vllm_omni_like.compile_choices import (
+    CUDA_GRAPHS_MODES,
+    REGIONAL_COMPILE_MODES,
+    TEXT_ENCODER_COMPILE_MODES,
+)
 from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
 from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES, OFFLOAD_MODES
 
@@ -245,6 +249,16 @@ def add_graph_args(g: Any) -> None:
         "back to the compiled forward with a warning; /health lists each replica's graphs); "
         "auto: on CUDA, for a replica of one rank",
         choices=CUDA_GRAPHS_MODES,
+    )
+    stage_flag(
+        g,
+        "compile_text_encoders",
+        "with --compile: the text encoders compiled too, each text encoded alone at its "
+        "family's fixed token length (one graph an encoder, warmed up at start-up), so a "
+        "request's join is not launch-bound: SD1.5, SDXL, SD3, FLUX.1, Z-Image, Wan (not "
+        "Qwen-Image, nor a mode the pipeline's own call runs); adds their compile to the "
+        "start-up; auto: on CUDA",
+        choices=TEXT_ENCODER_COMPILE_MODES,
     )
     stage_flag(
         g,

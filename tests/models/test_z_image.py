@@ -108,3 +108,32 @@ def test_a_step_hands_each_row_its_tokens_without_waiting(stage):
         for _ in range(2):
             assert rowset.step(control)
     assert spy.waits == []
+
+
+def test_its_text_is_the_pipelines_read_at_the_caption_bucket_without_a_sync():
+    """Qwen3 run at the caption bucket of the longest prompt (not the pipeline's 512 tokens)
+    gives the pipeline's own states, bit for bit on the CPU, a truncated prompt's too; the
+    token counts come from the host (no `nonzero`: the pipeline's boolean-mask read)."""
+    from torch.profiler import profile
+
+    from vllm_omni_like.models.adapter import adapter_for
+    from vllm_omni_like.models.registry import family_of
+
+    path = tiny_z_image_path()
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    adapter = adapter_for(pipe, family_of(path))
+    texts = ["a red fox", "red " * 40, None, "word " * 600]  # (the last: past 512 tokens)
+    cpu = torch.device("cpu")
+    with torch.inference_mode(), profile() as prof:
+        got = adapter.encode_text(texts, cpu, 0)
+    assert "aten::nonzero" not in {e.key for e in prof.key_averages()}
+    with torch.inference_mode():
+        rows = pipe._encode_prompt(prompt=[t or "" for t in texts], device=cpu)
+    assert got["lengths"].tolist() == [r.shape[0] for r in rows]
+    assert got["embeds"].shape[1] == 512 and got["mask"].shape == (4, 512)
+    for i, row in enumerate(rows):
+        n = row.shape[0]
+        assert torch.equal(got["embeds"][i, :n], row)
+        assert not got["embeds"][i, n:].any() and int(got["mask"][i].sum()) == n
+    short = adapter.encode_text(["a red fox"], cpu, 0)
+    assert short["embeds"].shape[1] == 32  # (its own bucket: 32 tokens read, not 512)

@@ -1,16 +1,14 @@
 """What a worker does differently for each model family: the adapter interface.
 
 A diffusion stage holds one adapter for its pipeline (`adapter_for`) and asks it everything that
-differs between families; the stage itself names no model class. An adapter describes how its
-denoiser is called and with which conditioning (`predict`, `experts`, `expert_for`,
-`per_token_timesteps`, `image_conditions`), its guidance style (`guidance`, `guide`), the schedulers
-it runs, its latents (`latent_shape`), its latent decode as the pipeline does it (`decoder`,
-`preview`), its video hooks (`chunk_source`: the streamed MP4), the CFG batching and CFG-parallel
-split, the sequence-parallel split (`split_sequence`), and what to compile or lay out for speed. Our
-own denoising loop (stages/diffusion/step.py) steps with `encode_text`, `noise`, `predict`, `guide`
-and `scheduler`; the modes it does not run (`Family.own_loop`) go through the pipeline's own
-`__call__`; rows from an image carry their own conditioning (models/row_conditions.py). The contract
-tests (tests/models/) hold each family's answers equal to its pipeline's."""
+differs between families (the stage names no model class): how its denoiser is called
+(`predict`, `experts`, `expert_for`, `per_token_timesteps`, `image_conditions`), its guidance
+(`guidance`, `guide`), schedulers, latents (`latent_shape`), decode (`decoder`, `preview`), video
+hooks (`chunk_source`), the CFG and sequence-parallel splits, what to compile (text encoders:
+text_encoders.py) or lay out for speed. Our own loop (stages/diffusion/step.py) steps with
+`encode_text`, `noise`, `predict`, `guide` and `scheduler`; modes it does not run go through the
+pipeline's `__call__`; rows from an image carry their own conditioning (models/row_conditions.py).
+The contract tests (tests/models/) hold each family's answers equal to its pipeline's."""
 
 from __future__ import annotations
 
@@ -28,6 +26,7 @@ from vllm_omni_like.models.block_stack import StackedBlocks
 from vllm_omni_like.models.family import Family
 from vllm_omni_like.models.precision import DEFAULT_HIGH_PRECISION, LORA_LAYERS
 from vllm_omni_like.models.row_conditions import RowConditions
+from vllm_omni_like.models.text_encoders import TextEncoders
 from vllm_omni_like.parallel.branches import BatchedCFG
 from vllm_omni_like.parallel.cfg_parallel import Leader, PairCFG, SplitCFG
 from vllm_omni_like.parallel.patch_decode import Bands
@@ -69,7 +68,7 @@ class ChunkSource:
     to_pixels: Callable[[torch.Tensor], torch.Tensor]
 
 
-class Adapter(RowConditions, StackedBlocks):
+class Adapter(RowConditions, StackedBlocks, TextEncoders):
     """The family-specific side of one pipeline (`pipe`). Subclasses: one per family."""
 
     family: Family  # (a class's, or the generic adapter's model's own)

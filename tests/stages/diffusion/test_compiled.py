@@ -74,19 +74,22 @@ def test_compiled_stage_pads_to_its_bucket_and_matches_single_requests(plain_sta
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # (its text encoders compile too: 80-130 s on two loaded cores)
 def test_a_compiled_running_set_never_recompiles_after_its_warm_up(capfd):
     """Compiled (the eager backend: real dynamo guards), buckets 1, 4, 8: a set that rows join
     at other steps (their own timesteps), a row without guidance, a padded batch and decode
-    groups of every size run on the warm-up's graphs; only a size not warmed up compiles, and
-    the worker's log says why (the guard that failed)."""
+    groups of every size run on the warm-up's graphs - the text encoder's too (compiled with
+    --compile-text-encoders on: joins of one to three prompts and their negative); only a size
+    not warmed up compiles, and the worker's log says why (the guard that failed)."""
     from torch._dynamo.utils import counters
 
     from tests.stages.diffusion.test_running_set import _Harness, _req
 
-    stage = _compiled_stage(8, (1, 4, 8))
+    stage = _compiled_stage(8, (1, 4, 8), compile_text_encoders="on")  # (its CLIP too)
+    assert type(stage.runtime.pipe.text_encoder).__name__ == "OptimizedModule"
     graphs = counters["stats"]["unique_graphs"]
     h = _Harness(stage, lanes=2, group=(3, 0.0))
-    h.add(1, _req("a", 1, 6), _req("b", 2, 6), _req("c", 3, 4))
+    h.add(1, _req("a", 1, 6), _req("b", 2, 6, "a blue square"), _req("c", 3, 4, "a dot"))
     h.steps(2)
     h.add(2, _req("d", 4, 5, guidance_scale=1.0))  # joins at step 2, without guidance
     h.steps()

@@ -40,6 +40,10 @@ class GenericAdapter(Adapter):
             return unet_compile_targets(self.pipe)
         return super().compile_targets()
 
+    def text_encoder_targets(self) -> list[tuple[Any, str]]:
+        """None: the pipeline's own call encodes a whole batch's prompts, a shape a batch."""
+        return []
+
     def split_cfg(self, leader: Leader) -> SplitCFG | PairCFG:
         if self.denoiser_name != "unet":
             return super().split_cfg(leader)

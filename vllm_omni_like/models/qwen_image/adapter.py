@@ -152,6 +152,12 @@ class QwenImageAdapter(PackedLatents, FlowEdits):
     def compile_targets(self) -> list[tuple[Any, str]]:
         return [(self.pipe, "transformer")]
 
+    def text_encoder_targets(self) -> list[tuple[Any, str]]:
+        """None: Qwen2.5-VL reads each prompt at its own token count (the pipeline pads a batch
+        to its longest; an edit's upload adds its vision tokens), a graph each: compiled, a
+        new prompt length would compile on a request. Its encoder stays eager."""
+        return []
+
     def split_sequence(self, shards: SequenceShards) -> int:
         """The image tokens split (Qwen-Image-Edit's: the noise's, then the upload's), the
         masked text whole (models/qwen_image/sequence_parallel.py)."""

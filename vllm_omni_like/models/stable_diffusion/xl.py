@@ -3,7 +3,9 @@ penultimate states of both side by side, the second's pooled embedding; a negati
 given is zeros where the model says `force_zeros_for_empty_prompt`), the size and crop
 conditioning (`time_ids`), and a VAE decoding in float32 where its config asks it to
 (`force_upcast`: a float32 copy kept beside the float16 one, so a decode never changes the
-model another thread may be using)."""
+model another thread may be using). Its two CLIPs compile (`--compile-text-encoders`) with graph
+breaks where transformers sets up the hooks that record their hidden states (the pipeline asks
+for them: the breaks are outside the layers, which compile whole)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ one frame in the transformer's dtype and its timestep as `(1000 - t) / 1000`; th
 back negated, as the pipeline negates it. Guidance above 0: `cond + scale x (cond - uncond)`.
 Edits (img2img, inpainting: models/mmdit.py `FlowEdits`) start from the upload's latents as
 ZImageImg2ImgPipeline and ZImageInpaintPipeline encode it (`(x - shift) x scale`, the default
-`encode_image`), our float32 latents noised to the strength's first step.
+`encode_image`), our float32 latents noised to the strength's first step. Its Qwen3 compiles
+(`--compile-text-encoders`: a graph a caption bucket) with graph breaks where transformers sets
+up the hooks that record its hidden states (outside the layers, which compile whole).
 """
 
 from __future__ import annotations
@@ -50,10 +52,42 @@ class ZImageAdapter(ShiftedVAE, FlowEdits):
         return int(self.pipe.transformer.config.cap_feat_dim)
 
     def encode_text(self, texts: list[str | None], device: torch.device, max_length: int) -> Any:
+        """ZImagePipeline._encode_prompt's states (its chat template, Qwen3's second-to-last
+        hidden states of each prompt's tokens), Qwen3 run at the caption bucket of the longest
+        prompt instead of the pipeline's 512 tokens: a causal encoder, its prompts padded on
+        the right, so the padding changes none of a prompt's states (the bucket is a shape the
+        warm-up ran: compiled, nothing compiles on a request). Each prompt's token count comes
+        from the tokenizer's mask on the host (the pipeline selects the tokens by a boolean
+        mask on the device: a sync a call); the padding's states are zeros."""
+        pipe = self.pipe
+        if pipe.tokenizer.padding_side != "right":  # (its prompts at the end: as the pipeline)
+            return self._pipeline_text(texts, device)
+        chats = [_chat(pipe.tokenizer, t or "") for t in texts]
+        tokens = pipe.tokenizer(
+            chats,
+            padding="max_length",
+            max_length=MAX_TEXT_TOKENS,
+            truncation=True,
+            return_tensors="pt",
+        )
+        lengths = [int(n) for n in tokens.attention_mask.sum(dim=1).tolist()]  # (on the host)
+        bucket = text_bucket(max(lengths), CAPTION_BUCKETS)
+        ids = tokens.input_ids[:, :bucket].to(device)
+        keys = tokens.attention_mask[:, :bucket].to(device).bool()
+        states = pipe.text_encoder(
+            input_ids=ids, attention_mask=keys, output_hidden_states=True
+        ).hidden_states[-2]
+        mask = key_mask(lengths, bucket, states.device)
+        embeds = states * mask.unsqueeze(-1).to(states.dtype)
+        text = {"embeds": embeds, "mask": mask.long(), "lengths": torch.tensor(lengths)}
+        return pad_tokens(text, bucket)
+
+    def _pipeline_text(self, texts: list[str | None], device: torch.device) -> Any:
+        """The pipeline's own encoding at 512 tokens, padded to the bucket of the longest."""
         rows = self.pipe._encode_prompt(
             prompt=[t or "" for t in texts], device=device, max_sequence_length=MAX_TEXT_TOKENS
         )
-        lengths = [int(r.shape[0]) for r in rows]  # (the tokenizer's counts: on the host)
+        lengths = [int(r.shape[0]) for r in rows]
         bucket = text_bucket(max(lengths), CAPTION_BUCKETS)
         embeds = torch.stack(
             [torch.cat([r, r.new_zeros((bucket - r.shape[0], r.shape[1]))]) for r in rows]
@@ -180,6 +214,15 @@ class ZImageAdapter(ShiftedVAE, FlowEdits):
         if isinstance(scale, torch.Tensor):
             return cond + (scale * diff).to(diff.dtype)
         return cond + scale * diff
+
+
+def _chat(tokenizer: Any, prompt: str) -> str:
+    """A prompt in Qwen3's chat template, as ZImagePipeline writes it."""
+    message = [{"role": "user", "content": prompt}]
+    chat: str = tokenizer.apply_chat_template(
+        message, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    return chat
 
 
 ADAPTER = ZImageAdapter

@@ -145,13 +145,7 @@ def compile_models(
     image VAE decoder too), each denoiser block by block where `regional`; returns what was
     compiled. Shapes are static: batches are padded to buckets. With `precompile`, the
     denoisers' compiled modules run their precompiled forwards (precompiled.py)."""
-    import torch._dynamo
-
-    # every (size, bucket) pair is one graph; let all of them stay compiled
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    kwargs: dict[str, Any] = {"backend": backend, "dynamic": False}
-    if backend == "inductor" and mode != "default":
-        kwargs["mode"] = mode
+    kwargs = _compile_kwargs(mode, backend)
     names: dict[str, list[str]] = {}  # what was compiled, by where it is
     inside = {id(m) for e in adapter.experts() for m in e.model.modules()}  # the denoisers'
     for owner, name in regional_targets(adapter) if regional else adapter.compile_targets():
@@ -163,6 +157,31 @@ def compile_models(
     # (a list of blocks once: "transformer.layers.0-29")
     spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}
     return [f"{where}.{span}" if where else span for where, span in spans.items()]
+
+
+def compile_text_encoders(adapter: Adapter, mode: str, backend: str) -> list[str]:
+    """Compile in place the text encoders the family's adapter names (models/text_encoders.py:
+    each called with one text at a fixed length, one graph an encoder; not precompiled: their
+    compiled code comes from the compile cache's FX graphs, dynamo traces them at each start);
+    returns their names."""
+    kwargs = _compile_kwargs(mode, backend)
+    names = []
+    for owner, name in adapter.text_encoder_targets():
+        setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
+        names.append(f"{path_of(adapter.pipe, owner) or ''}.{name}".lstrip("."))
+    return names
+
+
+def _compile_kwargs(mode: str, backend: str) -> dict[str, Any]:
+    """torch.compile's arguments: static shapes (batches are padded to buckets)."""
+    import torch._dynamo
+
+    # every (size, bucket) pair is one graph; let all of them stay compiled
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    kwargs: dict[str, Any] = {"backend": backend, "dynamic": False}
+    if backend == "inductor" and mode != "default":
+        kwargs["mode"] = mode
+    return kwargs
 
 
 def regional_targets(adapter: Adapter) -> list[tuple[Any, str]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_like.compile_choices import text_encoders_compiled
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.models import limits as model_limits
 from vllm_omni_like.models.adapter import Adapter, adapter_for
@@ -64,7 +65,7 @@ def load_runtime(
     family, pipe, adapter = _load_pipeline(config, path, device, dtype)
     loops, own = _choose_loops(config.name, path, family)
     # 3. text, limits, what a request leaves unsaid
-    text = _prompt_encoder(pipe, adapter, options, device)
+    text = _prompt_encoder(config, pipe, adapter, options, device, set(family.modes) - own)
     limits = model_limits.diffusion_limits(config)
     # 4. speed: kernels, memory format; FP8, the sequence-parallel split, compiled with them
     speed = _speed_up(config, pipe, adapter, device, pipeline_loop=set(loops) - own)
@@ -191,15 +192,39 @@ def _choose_loops(
 
 
 def _prompt_encoder(
-    pipe: Any, adapter: Adapter, options: DiffusionOptions, device: torch.device
+    config: StageConfig,
+    pipe: Any,
+    adapter: Adapter,
+    options: DiffusionOptions,
+    device: torch.device,
+    pipeline_loop: set[Mode],
 ) -> PromptEncoder:
-    """The text encoders, or a dummy's seeded random embeddings where it has none."""
+    """The text encoders (compiled with --compile-text-encoders where every mode runs our own
+    loop: the pipeline's call encodes a batch at a time, a shape a batch size), or a dummy's
+    seeded random embeddings where it has none."""
     denoiser_dtype = getattr(pipe, adapter.denoiser_name).dtype  # (`dtype` walks modules)
     tokenizer = getattr(pipe, "tokenizer", None)
     random_shape = None
     if "text_encoder" in pipe.components and pipe.text_encoder is None:
         random_shape = options.max_sequence_length, adapter.text_embed_dim()
-    return PromptEncoder(adapter, device, tokenizer, random_shape, denoiser_dtype)
+    compiled: list[str] = []
+    if random_shape is None and text_encoders_compiled(config, device.type):
+        if pipeline_loop:
+            logger.info(
+                "stage %s: text encoders eager: %s run the pipeline's call",
+                config.name,
+                ", ".join(sorted(pipeline_loop)),
+            )
+        else:
+            compiled = accel.compile_text_encoders(
+                adapter, config.compile_mode, options.compile_backend
+            )
+            logger.info(
+                "stage %s: compiled text encoders %s",
+                config.name,
+                ", ".join(compiled) or "(none: the family names none)",
+            )
+    return PromptEncoder(adapter, device, tokenizer, random_shape, denoiser_dtype, bool(compiled))
 
 
 def _defaults(

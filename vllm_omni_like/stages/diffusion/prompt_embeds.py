@@ -9,6 +9,7 @@ The same text always gives the same embedding (seeded by its CRC-32), on any dev
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_omni_like.models.adapter import Adapter
-from vllm_omni_like.stages.diffusion.row_tensors import Text
+from vllm_omni_like.stages.diffusion.row_tensors import Text, cat_rows
 
 
 def random_prompt_embeds(
@@ -40,6 +41,10 @@ class PromptEncoder:
     tokenizer: Any  # a transformers tokenizer, or None
     random_shape: tuple[int, int] | None
     dtype: torch.dtype  # the denoiser's (random embeddings only)
+    # the text encoders are compiled (--compile-text-encoders): each text encoded alone, so an
+    # encoder sees one shape whatever a join's count of texts (the warm-up's: nothing compiles
+    # on a request)
+    one_text_a_call: bool = False
 
     def __call__(self, texts: list[str | None], images: list[Any] | None = None) -> Text:
         """`images`: what each text is read with, where the family's text reads an image (a
@@ -51,4 +56,7 @@ class PromptEncoder:
         if images is not None:
             return self.adapter.encode_text_with_images(texts, images, self.device)
         max_length = self.tokenizer.model_max_length if self.tokenizer is not None else 512
-        return self.adapter.encode_text(texts, self.device, max_length)
+        if not self.one_text_a_call:
+            return self.adapter.encode_text(texts, self.device, max_length)
+        encoded = [self.adapter.encode_text([t], self.device, max_length) for t in texts]
+        return functools.reduce(cat_rows, encoded)
