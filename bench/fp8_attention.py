@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.masked_attention import clock
 from bench.raw_diffusers import merge_result
 from vllm_omni_like.stages.diffusion.fp8 import sqnr_db
 from vllm_omni_like.stages.diffusion.fp8_attention import emulate, fp8_attention
@@ -49,17 +49,8 @@ DEVICE = "cuda"  # (a dry run of this script's code on the CPU sets "cpu")
 
 
 def median_ms(fn: Callable[[], Any], warmup: int, runs: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
+    """Median milliseconds of `fn` on the GPU (masked_attention.py's clock)."""
+    return round(clock(fn, runs, torch.device("cuda"), warmup), 4)
 
 
 def inputs(args: argparse.Namespace) -> list[torch.Tensor]:

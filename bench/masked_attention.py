@@ -44,9 +44,9 @@ KERNELS = {
 }
 
 
-def clock(fn: Callable[[], Any], runs: int, device: torch.device) -> float:
-    """Median milliseconds of `fn` (two warm-ups; CUDA events on a GPU)."""
-    for _ in range(2):
+def clock(fn: Callable[[], Any], runs: int, device: torch.device, warmup: int = 2) -> float:
+    """Median milliseconds of `fn` (after `warmup` calls; CUDA events on a GPU)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(runs):
