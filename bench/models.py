@@ -24,7 +24,6 @@ figure at the same settings, where there is one), `images_equal` (PSNR >= 35 dB)
 from __future__ import annotations
 
 import argparse
-import base64
 import inspect
 import io
 import itertools
@@ -47,7 +46,7 @@ from bench import reference_state
 from bench.cli_flags import add_compile_mode, add_dtype, add_model, add_outputs, parser
 from bench.compare import psnr
 from bench.raw_diffusers import DTYPES, PROMPT, device_name, free, sync
-from bench.server_proc import Server
+from bench.server_proc import Server, histograms, keep_timeline, pixels, png_bytes
 from bench.step_profile import host_spans, step_timeline
 from vllm_omni_like.media import PNG_COMPRESS_LEVEL
 from vllm_omni_like.models.registry import family_of
@@ -330,56 +329,6 @@ def part_server(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
         result["psnr_db"] = [round(v, 2) if np.isfinite(v) else "inf" for v in values]
         result["images_equal"] = all(v >= 35 for v in values)
     return result
-
-
-def keep_timeline(directory: str, path: str) -> None:
-    """Append the server's timeline (each set's marks, device and host clocks) to `path`."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as out:
-        for name in sorted(os.listdir(directory)):
-            if name.endswith("-timeline.jsonl"):
-                with open(os.path.join(directory, name)) as f:
-                    out.write(f.read())
-
-
-PARTS = {  # the /metrics histograms of a request's parts
-    "e2e_latency_seconds": "engine",  # the engine's end to end (before the API's encoding)
-    "stage_latency_seconds": "worker",  # in the stage's worker
-    "batch_phase_seconds": "",  # the worker's phases: denoise, finish (the decode)
-}
-
-
-def histograms(url: str) -> dict[str, tuple[float, float]]:
-    """{part: (sum, count)} of the request parts' histograms, summed over their other labels."""
-    out: dict[str, tuple[float, float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for name, part in PARTS.items():
-            for kind in ("_sum", "_count"):
-                if name + kind not in line or line.startswith("#"):
-                    continue
-                labels, value = line.rsplit(" ", 1)
-                key = part or labels.split('phase="')[1].split('"')[0]
-                total, count = out.get(key, (0.0, 0.0))
-                if kind == "_sum":
-                    out[key] = (total + float(value), count)
-                else:
-                    out[key] = (total, count + float(value))
-    return out
-
-
-def png_bytes(pixels: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def pixels(r: httpx.Response) -> np.ndarray:
-    from PIL import Image
-
-    png = base64.b64decode(r.json()["data"][0]["b64_json"])
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
 def write(name: str, entry: dict[str, Any], out_dir: str, prefix: str = "models") -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
+import os
 import socket
 import subprocess
 import sys
@@ -11,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 
 
 def free_port() -> int:
@@ -108,3 +112,54 @@ def make_video(http: Any, body: dict[str, Any]) -> bytes:
     if job["status"] != "completed":
         raise RuntimeError(f"video failed: {job}")
     return bytes(http.get(f"/v1/videos/{job['id']}/content").content)
+
+
+# ---- what a benchmark reads from a running server ----------------------------------------------
+def keep_timeline(directory: str, path: str) -> None:
+    """Append the server's timeline (each set's marks, device and host clocks) to `path`."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as out:
+        for name in sorted(os.listdir(directory)):
+            if name.endswith("-timeline.jsonl"):
+                with open(os.path.join(directory, name)) as f:
+                    out.write(f.read())
+
+
+PARTS = {  # the /metrics histograms of a request's parts
+    "e2e_latency_seconds": "engine",  # the engine's end to end (before the API's encoding)
+    "stage_latency_seconds": "worker",  # in the stage's worker
+    "batch_phase_seconds": "",  # the worker's phases: denoise, finish (the decode)
+}
+
+
+def histograms(url: str) -> dict[str, tuple[float, float]]:
+    """{part: (sum, count)} of the request parts' histograms, summed over their other labels."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for name, part in PARTS.items():
+            for kind in ("_sum", "_count"):
+                if name + kind not in line or line.startswith("#"):
+                    continue
+                labels, value = line.rsplit(" ", 1)
+                key = part or labels.split('phase="')[1].split('"')[0]
+                total, count = out.get(key, (0.0, 0.0))
+                if kind == "_sum":
+                    out[key] = (total + float(value), count)
+                else:
+                    out[key] = (total, count + float(value))
+    return out
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def pixels(r: httpx.Response) -> np.ndarray:
+    from PIL import Image
+
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
