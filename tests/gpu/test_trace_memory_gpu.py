@@ -1,5 +1,5 @@
 """`VLLM_OMNI_LIKE_TRACE_MEMORY` on CUDA (stages/trace.py): a batch that makes the caching
-allocator malloc on the device at least that often gets the allocator's history written beside
+allocator malloc on the device at least that often, once the stage serves, gets the allocator's history written beside
 its timeline, naming the code behind each new segment; one that mallocs nothing gets none.
 Skipped where CUDA is absent (CI)."""
 
@@ -27,7 +27,10 @@ def test_a_batch_that_grows_the_pool_writes_the_allocators_history(tmp_path, mon
     tracer = BatchTracer("diffusion", 0, torch.device("cuda"))
     kept: list[torch.Tensor] = []
     try:
-        for mallocs in (4, 4, 0, 2):  # batches 1..4: the first is never written (its load)
+        with tracer.batch():  # a warm-up's batch: before `serving`, nothing is recorded
+            grow_the_pool(kept, 4)
+        tracer.serving()
+        for mallocs in (4, 0, 2):  # batches 2..4
             with tracer.batch():
                 grow_the_pool(kept, mallocs)
                 tracer.mark("step")

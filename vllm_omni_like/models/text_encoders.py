@@ -19,6 +19,10 @@ class TextEncoders:
     """The adapter's side of compiling the text encoders."""
 
     pipe: Any
+    # compile each encoder's repeated blocks (one graph a kind of block and a length, its
+    # blocks sharing it) rather than the encoder whole (one graph of every layer a length): for
+    # an encoder read at several lengths, each a compile of its own at every start
+    text_encoders_by_block = False
 
     def text_encoder_targets(self) -> list[tuple[Any, str]]:
         """(owner, attribute) of each text encoder to compile: those of the pipeline's

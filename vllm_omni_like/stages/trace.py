@@ -57,10 +57,16 @@ class BatchTracer:
         self._shared: contextlib.ExitStack | None = None
         self._alloc: dict[str, int] = {}  # the allocator's counters at the batch's begin
         self.memory_mallocs = int(os.environ.get(TRACE_MEMORY_ENV, "0") or 0)
-        self.memory_snapshots = MEMORY_SNAPSHOTS if self.memory_mallocs > 0 else 0
-        if self.directory and self.memory_snapshots and self._on_cuda():
+        self.memory_snapshots = 0  # (set once the stage serves: `serving`)
+
+    def serving(self) -> None:
+        """The stage is loaded and warmed up: from now on, with `TRACE_MEMORY_ENV`, the
+        allocator records its history (python stacks for every allocation: a compile warm-up
+        under it took minutes longer on an H100, and its batches are not the ones looked for)."""
+        if self.directory and self.memory_mallocs > 0 and self._on_cuda():
             import torch
 
+            self.memory_snapshots = MEMORY_SNAPSHOTS
             torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
 
     def _on_cuda(self) -> bool:
@@ -128,7 +134,7 @@ class BatchTracer:
             now = self._alloc_counts()
             grew = {k: now[k] - self._alloc.get(k, 0) for k in now}
             line["alloc"] = grew
-            if self.count > 1 and grew["num_device_alloc"] >= max(self.memory_mallocs, 1):
+            if grew["num_device_alloc"] >= max(self.memory_mallocs, 1):
                 self._dump_memory()
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"{self.stage}-rank{self.rank}-timeline.jsonl")

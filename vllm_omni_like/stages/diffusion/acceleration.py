@@ -154,22 +154,35 @@ def compile_models(
         if precompile is not None and id(module) in inside:
             precompile.install(module, compiled, backend, mode)
         names.setdefault(path_of(adapter.pipe, owner), []).append(name)
-    # (a list of blocks once: "transformer.layers.0-29")
-    spans = {k: got[0] + (f"-{got[-1]}" if len(got) > 1 else "") for k, got in names.items()}
-    return [f"{where}.{span}" if where else span for where, span in spans.items()]
+    return _spans(names)
 
 
 def compile_text_encoders(adapter: Adapter, mode: str, backend: str) -> list[str]:
     """Compile in place the text encoders the family's adapter names (models/text_encoders.py:
-    each called with one text at a fixed length, one graph an encoder; not precompiled: their
-    compiled code comes from the compile cache's FX graphs, dynamo traces them at each start);
-    returns their names."""
+    each called with one text at a fixed length, one graph an encoder; or, where the adapter
+    says `text_encoders_by_block`, each encoder's repeated blocks, one graph a length shared by
+    its blocks; not precompiled: their compiled code comes from the compile cache's FX graphs,
+    dynamo traces them at each start); returns what was compiled."""
     kwargs = _compile_kwargs(mode, backend)
-    names = []
+    names: dict[str, list[str]] = {}
     for owner, name in adapter.text_encoder_targets():
-        setattr(owner, name, torch.compile(getattr(owner, name), **kwargs))
-        names.append(f"{path_of(adapter.pipe, owner) or ''}.{name}".lstrip("."))
-    return names
+        encoder = getattr(owner, name)
+        blocks = block_targets(encoder) if adapter.text_encoders_by_block else []
+        for part, key in blocks or [(owner, name)]:
+            setattr(part, key, torch.compile(getattr(part, key), **kwargs))
+            names.setdefault(path_of(adapter.pipe, part), []).append(key)
+    return _spans(names)
+
+
+def _spans(names: dict[str, list[str]]) -> list[str]:
+    """What was compiled, by where it is: a list's blocks once ("transformer.layers.0-29"),
+    other attributes each by name."""
+    found = []
+    for where, got in names.items():
+        if len(got) > 1 and all(n.isdigit() for n in got):
+            got = [f"{got[0]}-{got[-1]}"]
+        found += [f"{where}.{n}" if where else n for n in got]
+    return found
 
 
 def _compile_kwargs(mode: str, backend: str) -> dict[str, Any]:

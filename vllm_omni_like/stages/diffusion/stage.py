@@ -46,14 +46,14 @@ class DiffusionStage(Stage):
         self.own_loop = OwnLoop(runtime)
         self.pipeline_call = PipelineCall(runtime)
         # 2) compiled: every warm-up shape now, so no request pays for it
-        if not self.config.compile:
-            return
-        if self.ranks.rank > 0 and self.config.leads:
-            self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
-        else:
-            self._warm_up()
-            self.end_branches(cfg_parallel.WARM_UP)
-        runtime.adapter.warmed_up()
+        if self.config.compile:
+            if self.ranks.rank > 0 and self.config.leads:
+                self.serve_branches(cfg_parallel.WARM_UP)  # rank 0's warm-up compiles its own
+            else:
+                self._warm_up()
+                self.end_branches(cfg_parallel.WARM_UP)
+            runtime.adapter.warmed_up()
+        runtime.tracer.serving()
 
     def serve_branches(self, batch_id: int) -> None:
         """A rank > 0: serve rank 0's calls of batch `batch_id` (its CFG branches, or its
