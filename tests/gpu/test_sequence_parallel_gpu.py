@@ -71,6 +71,9 @@ def one_rank_steps(
         ),
         "return_dict": False,
     }
+    with torch.inference_mode():  # eager first: a model's own error raises as itself (under
+        for model in (plain, split):  # dynamo it is an "Observed exception" graph break)
+            model(**kwargs)
     compiled = [torch.compile(m, fullgraph=True, dynamic=False) for m in (plain, split)]
     with torch.inference_mode():
         for model in compiled:  # compile and warm up

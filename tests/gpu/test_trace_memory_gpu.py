@@ -1,6 +1,7 @@
-"""`VLLM_OMNI_LIKE_TRACE_MEMORY` on CUDA (stages/trace.py): a batch that makes the caching
-allocator malloc on the device at least that often, once the stage serves, gets the allocator's history written beside
-its timeline, naming the code behind each new segment; one that mallocs nothing gets none.
+"""`VLLM_OMNI_LIKE_TRACE_MEMORY` on CUDA (stages/trace.py): once the stage serves, a batch
+that makes the caching allocator malloc on the device at least that often gets the allocator's
+history written beside its timeline, naming the code behind each new segment; one that mallocs
+nothing gets none, nor does a batch before the stage serves (a warm-up's).
 Skipped where CUDA is absent (CI)."""
 
 from __future__ import annotations
