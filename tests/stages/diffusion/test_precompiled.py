@@ -256,8 +256,9 @@ def test_an_artifact_that_cannot_be_saved_still_runs_in_its_process(tmp_path, ca
 def test_a_torch_whose_compiled_functions_have_no_aot_compile_precompiles_nothing(
     monkeypatch, caplog
 ):
-    """torch 2.11 (the H100 machine's) has the loader but no `aot_compile`: the stage says so
-    once and traces as before, instead of warning for every forward at every start."""
+    """A torch whose compiled functions lack `aot_compile` (as 2.11's did with the API switched
+    off, before `available` switched it on): the stage says so once and traces as before,
+    instead of warning for every forward at every start."""
     from vllm_omni_like.config import StageConfig
 
     config = StageConfig(
@@ -279,3 +280,16 @@ def test_a_torch_whose_compiled_functions_have_no_aot_compile_precompiles_nothin
         "aot_compile): they are traced at each start, their compiled graphs read from the "
         "compile cache"
     ]
+
+
+def test_a_torch_whose_aot_compile_is_switched_off_gets_it_switched_on(monkeypatch):
+    """torch 2.11 gives compiled functions `aot_compile` only while dynamo's
+    `enable_aot_compile` is on, off by default there (2.13: on, the same gate): `available`
+    turns it on, so the stage's compile that follows can precompile."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "enable_aot_compile", False)
+    assert not hasattr(torch.compile(lambda x: x), "aot_compile")  # (as on torch 2.11)
+    assert precompiled.available()
+    assert dynamo_config.enable_aot_compile is True
+    assert hasattr(torch.compile(lambda x: x), "aot_compile")

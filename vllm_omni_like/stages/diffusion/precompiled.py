@@ -90,8 +90,13 @@ LOADED: dict[str, Any] = {}
 
 def available() -> bool:
     """Whether this torch can precompile: it loads compiled functions and its compiled ones
-    have `aot_compile` (torch 2.13 has both; 2.11 has the loader but no `aot_compile`, found on
-    an H100: every forward then warned at each start)."""
+    have `aot_compile`. torch 2.11 (the H100 machine's) gives them `aot_compile` only while
+    `torch._dynamo.config.enable_aot_compile` is on, off by default there (on in 2.13): this
+    turns it on first, so it must run before the stage's compile (`for_stage` does)."""
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(dynamo_config, "enable_aot_compile", True) is False:
+        dynamo_config.enable_aot_compile = True  # (it gates the API only, nothing else)
     if not hasattr(torch.compiler, "load_compiled_function"):
         return False
     return hasattr(torch.compile(call_module), "aot_compile")  # (wraps only: compiles nothing)
