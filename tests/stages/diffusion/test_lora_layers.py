@@ -69,7 +69,7 @@ def test_a_new_mix_and_a_new_adapter_written_in_place_compile_nothing_again():
     assert len(graphs) == 1
     with torch.no_grad(), context.rows((torch.tensor([[1, 0]] * 3), torch.ones(3, 2))):
         eager = model(x)
-        update = (x @ layer.lora_a[1].T) @ layer.lora_b[1].T
+        update = (x @ layer.lora_a[1].T) @ layer.lora_b[1]
         second = targets["2"].layer  # (its slot 1 holds no adapter)
         assert torch.allclose(eager, second.base(model[1](layer.base(x) + update)), atol=1e-5)
     assert not torch.equal(outs[0][1], outs[2][1])

@@ -1,15 +1,16 @@
 """Many LoRA adapters in one forward: a linear layer's base matmul once, then each row's
-low-rank update gathered from a device pool by the row's adapter index.
+low-rank update from a device pool by the row's adapter slots.
 
 `LoraLinear` wraps a denoiser's linear layer - an `nn.Linear`, or `--quantization fp8`'s
 `Fp8Linear` (fp8.py): the one wrapper of a linear layer both take - and holds its slice of the
-pool: `lora_a` (slots, parts x rank, in) and `lora_b` (slots, out, parts x rank), slot 0 all
+pool: `lora_a` (slots, parts x rank, in) and `lora_b` (slots, parts x rank, out), slot 0 all
 zeros (a row without an adapter). A forward reads the batch's `LoraContext`: each model row's
 adapter slots (rows, K: `--max-loras-per-request`), a device tensor, and their scales; the
-update is two batched matmuls over the rows' gathered A and B, so a new mix of adapters is new
-values in the same tensors: nothing recompiles. An adapter's weights are written into its slot
-in place (lora_pool.py), ranks below the pool's padded with zeros (the same product); its
-alpha / rank is folded into B as it is written. The base weights are never touched.
+update is its kernel's (lora_kernels.py: the rows' A and B gathered, or the pool's slots read
+once each), so a new mix of adapters is new values in the same tensors: nothing recompiles.
+An adapter's weights are written into its slot in place (lora_pool.py), ranks below the pool's
+padded with zeros (the same product); its alpha / rank is folded into B as it is written. The
+base weights are never touched.
 
 A fused projection (diffusers' `fuse_qkv_projections`: `to_qkv`, a cross-attention's `to_kv`,
 the added `to_added_qkv`) takes a fused B: its parts' A stacked on the rank axis and their B
@@ -28,6 +29,7 @@ import torch
 
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.stages.diffusion.fp8 import Fp8Linear
+from vllm_omni_like.stages.diffusion.lora_kernels import UPDATES
 
 # a fused projection's parts, in the order its weights were concatenated (diffusers' own)
 FUSED = {
@@ -68,8 +70,10 @@ class LoraLinear(torch.nn.Module):
         parts: tuple[int, ...],
         context: LoraContext,
         dtype: torch.dtype,
+        kernel: str = "gather",
     ) -> None:
         super().__init__()
+        self.kernel = kernel  # (lora_kernels.py: its `choose` at the pool's build)
         self.base = base
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
@@ -78,7 +82,7 @@ class LoraLinear(torch.nn.Module):
         device = next(itertools.chain(base.buffers(), base.parameters())).device
         wide = rank * len(parts)
         a = torch.zeros(slots, wide, self.in_features, dtype=dtype, device=device)
-        b = torch.zeros(slots, self.out_features, wide, dtype=dtype, device=device)
+        b = torch.zeros(slots, wide, self.out_features, dtype=dtype, device=device)
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
 
@@ -87,16 +91,8 @@ class LoraLinear(torch.nn.Module):
         index, scale = self.context.index, self.context.scale
         if index is None or scale is None:
             return out
-        rows = x.shape[0]
-        a = self.lora_a[index]  # (rows, K, wide, in)
-        b = self.lora_b[index]  # (rows, K, out, wide)
-        per_row, wide = a.shape[1], a.shape[2]
-        a = a.reshape(rows, per_row * wide, self.in_features)
-        b = b.permute(0, 2, 1, 3).reshape(rows, self.out_features, per_row * wide)
-        flat = x.reshape(rows, -1, self.in_features).to(a.dtype)
-        low = torch.bmm(flat, a.transpose(1, 2))  # (rows, tokens, K x wide)
-        low = low * scale.to(low.dtype).repeat_interleave(wide, dim=1).unsqueeze(1)
-        update = torch.bmm(low, b.transpose(1, 2))  # (rows, tokens, out)
+        flat = x.reshape(x.shape[0], -1, self.in_features).to(self.lora_a.dtype)
+        update = UPDATES[self.kernel](flat, self.lora_a, self.lora_b, index, scale)
         return out + update.reshape(out.shape).to(out.dtype)
 
     @torch.no_grad()
@@ -109,7 +105,7 @@ class LoraLinear(torch.nn.Module):
         # would wait for the running set's steps)
         self.lora_a[slot, start : start + rank].copy_(to_device(a, self.lora_a.device))
         rows = slice(top, top + self.parts[part])
-        self.lora_b[slot, rows, start : start + rank].copy_(to_device(b, self.lora_b.device))
+        self.lora_b[slot, start : start + rank, rows].copy_(to_device(b.T, self.lora_b.device))
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -117,7 +113,8 @@ class LoraLinear(torch.nn.Module):
         self.lora_b[slot].zero_()
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, parts={len(self.parts)}, slots={self.lora_a.shape[0]}"
+        slots = self.lora_a.shape[0]
+        return f"rank={self.rank}, parts={len(self.parts)}, slots={slots}, kernel={self.kernel}"
 
 
 @dataclass(frozen=True)
@@ -137,6 +134,7 @@ def wrap(
     rank: int,
     context: LoraContext,
     dtype: torch.dtype,
+    kernel: str = "gather",
 ) -> dict[str, Target]:
     """Wrap `model`'s linear layers whose names match `patterns` (fnmatch; a fused projection
     by its parts' names) in `LoraLinear`s; returns each module name an adapter may target."""
@@ -152,7 +150,7 @@ def wrap(
             if not isinstance(linear, LINEARS) or not any(_matches(n, patterns) for n in names):
                 continue
             outs = tuple(getattr(module, p).out_features for p in parts)
-            layer = LoraLinear(linear, slots, rank, outs, context, dtype)
+            layer = LoraLinear(linear, slots, rank, outs, context, dtype, kernel)
             setattr(module, fused, layer)
             for i, (n, out) in enumerate(zip(names, outs, strict=True)):
                 targets[n] = Target(layer, i, linear.in_features, out)
@@ -160,7 +158,7 @@ def wrap(
     for name, module in modules:
         if name in done or not isinstance(module, LINEARS) or not _matches(name, patterns):
             continue
-        layer = LoraLinear(module, slots, rank, (module.out_features,), context, dtype)
+        layer = LoraLinear(module, slots, rank, (module.out_features,), context, dtype, kernel)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         targets[name] = Target(layer, 0, module.in_features, module.out_features)

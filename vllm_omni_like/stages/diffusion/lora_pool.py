@@ -31,6 +31,7 @@ from vllm_omni_like.models.adapter import Adapter
 from vllm_omni_like.models.columns import to_device
 from vllm_omni_like.params import LoraRef
 from vllm_omni_like.stages.diffusion.lora_files import AdapterWeights, LoraError, read_adapter
+from vllm_omni_like.stages.diffusion.lora_kernels import choose
 from vllm_omni_like.stages.diffusion.lora_layers import LoraContext, LoraLinear, Target, wrap
 from vllm_omni_like.stages.diffusion.lora_reads import Key, LoraReads, key_of
 
@@ -279,29 +280,33 @@ def build(
 ) -> LoraPool | None:
     """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
     `--max-loras` slots of `--max-lora-rank` (and slot 0, none), `--max-loras-per-request` a
-    row, the registered adapters read and checked against the base now (by rank 0: the other
-    ranks' slots are copies of its)."""
+    row, the update's kernel chosen by those sizes (lora_kernels.choose), the registered
+    adapters read and checked against the base now (by rank 0: the other ranks' slots are
+    copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
     experts, context = adapter.experts(), LoraContext()
     sizes = config.max_loras, config.max_lora_rank, config.max_loras_per_request
+    kernel = choose(config.max_loras, config.max_loras_per_request)
     targets: dict[str, Target] = {}
     known: set[str] = set()
     for expert in experts:  # (two experts, Wan2.2-A14B's: one pool over both, named by expert)
         named = "" if len(experts) == 1 else expert.name + "."
         known |= {named + m for m in module_names(expert.model)}
-        wrapped = wrap(expert.model, adapter.lora_layers(), sizes[0] + 1, sizes[1], context, dtype)
+        patterns = adapter.lora_layers()
+        wrapped = wrap(expert.model, patterns, sizes[0] + 1, sizes[1], context, dtype, kernel)
         targets |= {named + m: t for m, t in wrapped.items()}
     reader = type(adapter.pipe), tuple(e.name for e in experts)
     pool = LoraPool(config.loras, config.lora_dir, targets, known, reader, sizes, context)
     if leader:
         pool.check_registered(config.name)
     logger.info(
-        "stage %s: LoRA pool of %d adapters of rank %d over %d layers (%s registered)",
+        "stage %s: LoRA pool of %d adapters of rank %d over %d layers, %s kernel (%s registered)",
         config.name,
         sizes[0],
         sizes[1],
         len(pool.layers),
+        kernel,
         ", ".join(s.name for s in config.loras) or "none",
     )
     return pool
