@@ -13,20 +13,22 @@ import pytest
 import torch
 
 from tests.models import test_family_contract as contract
-from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
+from tests.models.tiny_wan22 import (
+    OPTIONS,
+    experts_stage,
+    tiny_wan22_experts_path,
+    tiny_wan22_ti2v_path,
+    video_frames,
+    video_request,
+)
 from tests.stages.diffusion.test_running_set import _Harness
-from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.models.adapter import adapter_for
 from vllm_omni_like.models.limits import diffusion_limits
 from vllm_omni_like.models.registry import family_of
-from vllm_omni_like.params import GenerationParams
-from vllm_omni_like.stages.diffusion.stage import DiffusionStage
-from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
 VARIANTS = {"experts": tiny_wan22_experts_path, "ti2v": tiny_wan22_ti2v_path}
-OPTIONS = {"default_size": 64}  # (not a tiny model's name: its default would be 512)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -108,37 +110,23 @@ def test_rows_on_both_sides_of_the_boundary_in_one_forward():
 
 
 def test_requests_of_other_step_counts_sharing_a_set_make_what_they_make_alone():
-    stage = DiffusionStage(
-        StageConfig(
-            name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), options=OPTIONS
-        )
-    )
-    stage.load("cpu")
-
-    def request(rid: str, seed: int, steps: int, **more) -> StageRequest:
-        params = GenerationParams(seed=seed, num_inference_steps=steps, num_frames=5, **more)
-        return StageRequest(rid, "a red circle", params, mode="text2video")
-
-    def frames(h: _Harness, rid: str) -> np.ndarray:
-        out = h.outputs[rid]
-        assert out.error is None, out.error
-        return out.video.frames.astype(np.int16)
-
-    a, b = request("a", 3, 6), request("b", 4, 3)
-    c = request("c", 5, 4, guidance_scale_2=1.5)  # its own low-noise scale, beside a's and b's
+    stage = experts_stage()
+    a, b = video_request("a", 3, 6), video_request("b", 4, 3)
+    # its own low-noise scale, beside a's and b's
+    c = video_request("c", 5, 4, guidance_scale_2=1.5)
     alone = {}
     for r in (a, b, c):
         h = _Harness(stage)
         h.add(1, r)
         h.steps()
-        alone[r.request_id] = frames(h, r.request_id)
+        alone[r.request_id] = video_frames(h.outputs, r.request_id)
     h = _Harness(stage)
     h.add(1, a)
     h.steps(2)  # a is past the boundary (its third timestep is under 875); b joins at its first
     h.add(2, b, c)
     h.steps()
     for rid, video in alone.items():
-        assert np.abs(frames(h, rid) - video).max() <= 1, rid
+        assert np.abs(video_frames(h.outputs, rid) - video).max() <= 1, rid
 
 
 # published sizes ("14B" rounds 14.29B: the tolerance is the rounding's)
@@ -190,8 +178,7 @@ def test_the_low_noise_expert_takes_its_own_scale():
     """`guidance_scale_2` as WanPipeline applies it: from the step the low-noise expert takes
     over; a model of one denoiser refuses it."""
     case = contract.Case("wan", *[tiny_wan22_experts_path()] * 2, True, False, OPTIONS)
-    params = GenerationParams(seed=3, num_inference_steps=4, num_frames=5, guidance_scale_2=2.0)
-    request = StageRequest("r", "a red circle", params, mode="text2video")
+    request = video_request("r", 3, 4, guidance_scale_2=2.0)
     got = contract._run(case.stage(), request)
     pipe = case.pipeline()
     want = contract._pixels(case, case.call(pipe, num_inference_steps=4, guidance_scale_2=2.0))
@@ -206,10 +193,7 @@ def test_the_low_noise_expert_takes_its_own_scale():
 
 def test_a_two_expert_model_says_where_its_experts_are(caplog):
     caplog.set_level("INFO", logger="vllm_omni_like.stages.diffusion.stage")
-    config = StageConfig(
-        name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), options=OPTIONS
-    )
-    DiffusionStage(config).load("cpu")
+    experts_stage()
     said = [r.getMessage() for r in caplog.records if "two experts" in r.getMessage()]
     assert said == [
         "stage diffusion: two experts switched at timestep 875: transformer on cpu, "

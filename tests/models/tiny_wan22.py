@@ -3,13 +3,26 @@ test process). WanPipeline as Wan2.2 ships it: `experts` - two transformers swit
 `boundary_ratio` of the train timesteps (T2V-A14B's 0.875: the high-noise expert first); `ti2v`
 - one transformer given a timestep per latent token (`expand_timesteps`, TI2V-5B's) over
 Wan2.2's VAE (a residual VAE on 2x2-patched pixels, 12 channels in). WanImageToVideoPipeline:
-`wan21_i2v` (a CLIP image encoder) and `wan22_i2v_experts` (two experts, none)."""
+`wan21_i2v` (a CLIP image encoder) and `wan22_i2v_experts` (two experts, none). And the
+two-expert model's stage and video requests, as its tests run them (test_wan22.py,
+stages/diffusion/test_offload_stage.py)."""
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from tests.models.model_dir import model_dir
+from vllm_omni_like.config import StageConfig
+from vllm_omni_like.params import GenerationParams
+from vllm_omni_like.wire import StageRequest
+
+if TYPE_CHECKING:
+    from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+
+OPTIONS = {"default_size": 64}  # (not a tiny model's name: its default would be 512)
 
 
 def _save(pipe, name: str) -> str:
@@ -148,3 +161,35 @@ def tiny_wan22_i2v_experts_path() -> str:
         boundary_ratio=0.9,
     )
     return _save(pipe, "tiny-wan22-i2v-experts")
+
+
+def experts_config(**more: Any) -> StageConfig:
+    """The two-expert model's diffusion stage; `more`: its other fields."""
+    return StageConfig(
+        name="diffusion",
+        kind="diffusion",
+        model=tiny_wan22_experts_path(),
+        **{"options": OPTIONS, **more},
+    )
+
+
+def experts_stage(**more: Any) -> DiffusionStage:
+    """`experts_config(**more)`'s stage, loaded on the CPU."""
+    from vllm_omni_like.stages.diffusion.stage import DiffusionStage
+
+    stage = DiffusionStage(experts_config(**more))
+    stage.load("cpu")
+    return stage
+
+
+def video_request(rid: str, seed: int, steps: int, **more: Any) -> StageRequest:
+    """A text-to-video request of 5 frames; `more`: its other parameters."""
+    params = GenerationParams(seed=seed, num_inference_steps=steps, num_frames=5, **more)
+    return StageRequest(rid, "a red circle", params, mode="text2video")
+
+
+def video_frames(outputs: dict, rid: str) -> np.ndarray:
+    """The frames of request `rid`'s output among `outputs` (which must not be an error)."""
+    out = outputs[rid]
+    assert out.error is None, out.error
+    return out.video.frames.astype(np.int16)

@@ -73,14 +73,23 @@ def test_r16_restarts_that_lack_descriptors_wait_for_room(tmp_path):
         server.cleanup()
 
 
+# What a request may take on the CPU: a guard against a hang, not a latency this test claims.
+# Its 2 steps run in about 0.3 s on an idle 2-core machine; with the machine's cores taken by
+# other processes, a step of the tiny UNet took up to 6.5 s (a run of its default 20 steps
+# took 32 s and outlived the client's 30 s).
+REQUEST_S = 60
+BODY = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 2}
+
+
+@pytest.mark.timeout(300)  # (the sum of its bounds: two model loads and two requests, loaded)
 def test_r16_a_killed_torch_worker_leaves_nothing_in_dev_shm(tmp_path_factory):
     before = shm_entries()
+    # (live_server returns once the worker loaded its model, within 60 s: no request waits
+    # for a load)
     with live_server(tmp_path_factory, "tiny-image") as server, server.http() as http:
         pool = server.engine.orchestrator.pools["tiny-image"][0]
         for round_ in range(2):  # a request (its progress bar), then the worker dies
-            r = http.post(
-                "/v1/images/generations", json={"prompt": "a red circle", "size": "64x64"}
-            )
+            r = http.post("/v1/images/generations", json=BODY, timeout=REQUEST_S)
             assert r.status_code == 200, r.text
             if round_ == 1:
                 break

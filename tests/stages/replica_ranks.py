@@ -2,7 +2,9 @@
 one replica's executor started with a probe's environment, its messages collected until its
 groups end and its ranks gone (tests/stages/test_cfg_parallel_loop.py, test_sequence_parallel.py);
 a served replica's ranks, the wait until they are all gone, and a request aborted mid-step
-beside the next one (tests/stages/test_cfg_parallel.py, test_sequence_parallel_deaths.py)."""
+beside the next one (tests/stages/test_cfg_parallel.py, test_sequence_parallel_deaths.py);
+tiny-video's LoRA batch that every rank layout must run as one rank does
+(test_sequence_parallel.py, test_cfg_parallel_lora.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.engine.helpers import final
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.executor import MultiprocExecutor
 from vllm_omni_like.inputs import OmniRequest
 from vllm_omni_like.outputs import OmniRequestOutput
-from vllm_omni_like.wire import BatchDone
+from vllm_omni_like.params import GenerationParams, LoraRef
+from vllm_omni_like.wire import BatchDone, StageRequest
 
 
 class ProbedReplica:
@@ -113,3 +117,33 @@ def abort_mid_step(
         return await asyncio.wait_for(task, 10), await final(eng, after)
 
     return asyncio.run(main())
+
+
+def lora_videos(where: Path) -> tuple[tuple[str, str], list[StageRequest]]:
+    """Two adapters of tiny-video's transformer (v and w, on its attention and MLP layers)
+    written under `where`, as a stage's `loras`; and one batch of three rows: one of v, a base
+    row of the same seed (what v changes), one of v at 0.7 with w."""
+    import diffusers
+
+    from tests.stages.diffusion.lora_helpers import low_rank, write_peft
+    from vllm_omni_like.models.tiny import ensure_tiny_model
+
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        ensure_tiny_model("tiny-video"), subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    v, w = (
+        write_peft(where / f"{n}.safetensors", low_rank(model, s, 4, ends, 0.5), "transformer")
+        for n, s in (("v", 1), ("w", 2))
+    )
+
+    def video(rid: str, seed: int, *refs: LoraRef) -> StageRequest:
+        params = GenerationParams(seed=seed, num_inference_steps=3, num_frames=5, loras=refs)
+        return StageRequest(rid, "a red circle", params, mode="text2video")
+
+    rows = [
+        video("v", 3, LoraRef("v")),
+        video("base", 3),
+        video("vw", 5, LoraRef("v", 0.7), LoraRef("w")),
+    ]
+    return (f"v={v}", f"w={w}"), rows

@@ -64,36 +64,11 @@ def test_lora_rows_equal_one_rank_on_2_x_2_ranks(tmp_path):
     to rank 2, which copies it into its group's rank 3; each forward's rows go with it. tiny-
     video's rows of one adapter, two and none, in one batch, equal one rank's (its branches in
     two forwards)."""
-    import diffusers
-
-    from tests.stages.test_sequence_parallel import _request as sp_request
+    from tests.stages.replica_ranks import lora_videos
     from tests.stages.test_sequence_parallel import check_equal_to_one_rank as sp_check
 
-    model = diffusers.WanTransformer3DModel.from_pretrained(
-        ensure_tiny_model("tiny-video"), subfolder="transformer", dtype=torch.float32
-    )
-    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
-    files = [
-        write_peft(tmp_path / f"{n}.safetensors", low_rank(model, s, 4, ends, 0.5), "transformer")
-        for n, s in (("v", 1), ("w", 2))
-    ]
-    both = {
-        "loras": (f"v={files[0]}", f"w={files[1]}"),
-        "max_lora_rank": 4,
-        "together": True,
-        "batched_cfg": False,
-    }
-
-    def video(rid: str, seed: int, *refs: LoraRef) -> object:
-        return sp_request(
-            rid, "text2video", seed=seed, num_inference_steps=3, num_frames=5, loras=refs
-        )
-
-    requests = [
-        video("v", 3, LoraRef("v")),
-        video("base", 3),
-        video("vw", 5, LoraRef("v", 0.7), LoraRef("w")),
-    ]
+    loras, requests = lora_videos(tmp_path)
+    both = {"loras": loras, "max_lora_rank": 4, "together": True, "batched_cfg": False}
     sp_check("tiny-video", 2, requests, tmp_path, both=both, cfg_parallel=True)
     got = {r: torch.load(tmp_path / "one" / f"{r}.pt") for r in ("v", "base")}
     assert (got["v"] - got["base"]).abs().mean() > 0.01  # (the adapter does something)

@@ -17,7 +17,7 @@ import torch
 from tests.models.test_family_contract import EDIT_IMAGE
 from tests.models.tiny_mmdit import tiny_flux_path
 from tests.models.tiny_wan22 import tiny_wan22_experts_path, tiny_wan22_ti2v_path
-from tests.stages.replica_ranks import probed_replica
+from tests.stages.replica_ranks import lora_videos, probed_replica
 from tests.stages.sequence_probe import PROBE_ENV
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
@@ -247,32 +247,8 @@ def test_lora_adapters_mixed_in_one_batch_equal_one_rank(tmp_path):
     a base row in one batch (its slots written on rank 0 at the join and copied to rank 1; each
     forward's rows go with it) equal one rank's running the same batch (a row's float rounding
     depends on its batch's rows: alone, a row is within a level of it, test_lora.py)."""
-    import diffusers
-
-    from tests.stages.diffusion.lora_helpers import low_rank, write_peft
-    from vllm_omni_like.models.tiny import ensure_tiny_model
-    from vllm_omni_like.params import LoraRef
-
-    model = diffusers.WanTransformer3DModel.from_pretrained(
-        ensure_tiny_model("tiny-video"), subfolder="transformer", dtype=torch.float32
-    )
-    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
-    files = [
-        write_peft(tmp_path / f"{n}.safetensors", low_rank(model, s, 4, ends, 0.5), "transformer")
-        for n, s in (("v", 1), ("w", 2))
-    ]
-    loras = {"loras": (f"v={files[0]}", f"w={files[1]}"), "max_lora_rank": 4, "together": True}
-
-    def video(rid: str, seed: int, *refs: LoraRef) -> StageRequest:
-        return _request(
-            rid, "text2video", seed=seed, num_inference_steps=3, num_frames=5, loras=refs
-        )
-
-    requests = [
-        video("v", 3, LoraRef("v")),
-        video("base", 4),
-        video("vw", 5, LoraRef("v", 0.7), LoraRef("w")),
-    ]
-    check_equal_to_one_rank("tiny-video", 2, requests, tmp_path, both=loras)
+    loras, requests = lora_videos(tmp_path)
+    both = {"loras": loras, "max_lora_rank": 4, "together": True}
+    check_equal_to_one_rank("tiny-video", 2, requests, tmp_path, both=both)
     got = {r: torch.load(tmp_path / "one" / f"{r}.pt") for r in ("v", "base")}
     assert (got["v"] - got["base"]).abs().mean() > 0.01  # (the adapter does something)

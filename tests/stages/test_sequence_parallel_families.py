@@ -37,25 +37,21 @@ def test_a_family_without_a_split_is_refused_saying_so():
     assert adapter.split_decode(Bands(0, 2, None)) is None  # (a decode on rank 0 alone)
 
 
+def _image(rid: str, prompt: str, seed: int, steps: int, **more) -> StageRequest:
+    """A text-to-image request, 80x48 unless `more` says otherwise (60 image tokens over the
+    tiny VAE's factor 4 and the 2x2 packing)."""
+    size = {"width": 80, "height": 48}
+    params = GenerationParams(seed=seed, num_inference_steps=steps, **{**size, **more})
+    return StageRequest(rid, prompt, params, mode="text2img")
+
+
 def _qwen_requests() -> list[StageRequest]:
     """Two prompts of different token counts (each padded to the 64-token text bucket with
     its own mask, beside true CFG's negative " " in the same forward) at 60 and 140 image
     tokens (48x80 and 112x80 over the tiny VAE's factor 4 and the 2x2 packing: multiples of 4,
     not of 3)."""
-    return [
-        StageRequest(
-            "short",
-            "a red circle",
-            GenerationParams(seed=1, num_inference_steps=3, width=80, height=48),
-            mode="text2img",
-        ),
-        StageRequest(
-            "long",
-            "a big blue square beside a small green triangle on a grey floor",
-            GenerationParams(seed=2, num_inference_steps=2, width=80, height=112),
-            mode="text2img",
-        ),
-    ]
+    long = "a big blue square beside a small green triangle on a grey floor"
+    return [_image("short", "a red circle", 1, 3), _image("long", long, 2, 2, height=112)]
 
 
 def test_qwen_image_equals_one_rank_on_2_ranks(tmp_path):
@@ -99,18 +95,8 @@ def test_sd35_medium_equals_one_rank(tmp_path, n):
     VAE's factor 4 and 2x2 patches), CFG's two branches in one forward, a text every rank
     holds whole; 3 ranks divide neither and pad the 4 heads to 6."""
     requests = [
-        StageRequest(
-            "short",
-            "a red circle",
-            GenerationParams(seed=1, num_inference_steps=3, width=80, height=48),
-            mode="text2img",
-        ),
-        StageRequest(
-            "long",
-            "a blue square",
-            GenerationParams(seed=2, num_inference_steps=2, width=80, height=112, n=2),
-            mode="text2img",
-        ),
+        _image("short", "a red circle", 1, 3),
+        _image("long", "a blue square", 2, 2, height=112, n=2),
     ]
     whole = check_equal_to_one_rank(tiny_sd3_path(True), n, requests, tmp_path)[1]
     assert whole == [60, 140]
@@ -125,26 +111,10 @@ def test_z_image_equals_one_rank(tmp_path, n):
     over the padded unified sequence: 64 image tokens, the 48x80 image's 60 as the transformer
     pads them, then 128); one without, 80x80 (100 image tokens padded to 128, then 32). 3
     ranks divide the 160 unevenly."""
+    negative = "a red circle and a blue square " * 12
     requests = [
-        StageRequest(
-            "guided",
-            "a red circle",
-            GenerationParams(
-                seed=1,
-                num_inference_steps=3,
-                width=80,
-                height=48,
-                guidance_scale=0.5,
-                negative_prompt="a red circle and a blue square " * 12,
-            ),
-            mode="text2img",
-        ),
-        StageRequest(
-            "plain",
-            "a blue square",
-            GenerationParams(seed=2, num_inference_steps=2, width=80, height=80),
-            mode="text2img",
-        ),
+        _image("guided", "a red circle", 1, 3, guidance_scale=0.5, negative_prompt=negative),
+        _image("plain", "a blue square", 2, 2, height=80),
     ]
     whole = check_equal_to_one_rank(tiny_z_image_path(), n, requests, tmp_path)[1]
     assert whole == [160, 192]
@@ -165,9 +135,7 @@ def test_a_compiled_replica_equals_one_rank(tmp_path, family):
         "options": {"compile_backend": "eager"},
     }
     path = tiny_qwen_image_path() if family == "qwen-image" else tiny_z_image_path()
-    params = GenerationParams(seed=7, num_inference_steps=2, width=80, height=48)
-    requests = [StageRequest("c", "a red circle", params, mode="text2img")]
-    check_equal_to_one_rank(path, 2, requests, tmp_path, **compiled)
+    check_equal_to_one_rank(path, 2, [_image("c", "a red circle", 7, 2)], tmp_path, **compiled)
 
 
 @pytest.mark.drill

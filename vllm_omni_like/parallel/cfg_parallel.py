@@ -43,6 +43,7 @@ import torch
 from vllm_omni_like.errors import is_fatal_device_error, is_out_of_memory
 from vllm_omni_like.parallel.branches import BatchedCFG, DenoiserWrapper
 from vllm_omni_like.parallel.rank_link import (
+    BatchEnds,
     Link,
     RankDiverged,
     Replicated,
@@ -175,7 +176,7 @@ class Follower:
         # the previous call's tensors (its kept ones come again, in the next batch too: our
         # own loop's running set steps on across its batches' ends)
         self.held: list[torch.Tensor] = []
-        self.ended: set[int] = set()  # batches rank 0 ended before this rank served them
+        self.ends = BatchEnds()
 
     def serve(
         self, model: Any, batch_id: int, mark: Callable[[str], None] = lambda label: None
@@ -183,21 +184,11 @@ class Follower:
         """Run rank 0's branch calls on `model` until it ends batch `batch_id`. A call of a new
         shape answers with a status object (the output's shape); others with a status tensor
         and an output of the remembered shape (zeros after a failure, which rank 0's `settle`
-        reports). `mark` is called as each branch starts and ends (stages/trace.py). Rank 0
-        ends each batch once, in the order its batches end (a running set's short group may end
-        before a long one that came first): an end of another batch is kept, and that batch,
-        when its turn comes, is over at once."""
-        if batch_id in self.ended:
-            self.ended.discard(batch_id)
-            return
+        reports). `mark` is called as each branch starts and ends (stages/trace.py). Batch ends
+        in another order than the batches': rank_link.BatchEnds."""
         link = self.link
-        while True:
-            match link.recv_obj():
-                case ("end", ended):
-                    if ended == batch_id:
-                        return
-                    self.ended.add(ended)
-                    continue
+        for message in self.ends.messages(link, batch_id):
+            match message:
                 case ("call", meta, specs, first):
                     args, kwargs, every = self._received(meta, specs)
                 case ("share", key, specs):

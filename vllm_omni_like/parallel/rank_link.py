@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -225,6 +225,31 @@ class Link:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class BatchEnds:
+    """A serving rank's (CFG-parallel's rank 1, a sequence-parallel follower) account of rank
+    0's batch ends. Rank 0 ends each batch once, in the order its batches end (a running set's
+    short group may end before a long one that came first): an end of another batch than the
+    one served is kept, and that batch, when its turn comes, is over at once."""
+
+    def __init__(self) -> None:
+        self.early: set[int] = set()  # batches rank 0 ended before this rank served them
+
+    def messages(self, link: Link, batch_id: int) -> Iterator[Any]:
+        """Rank 0's messages (its calls, its shares) while this rank serves batch `batch_id`,
+        until rank 0 ends it; none where it ended before."""
+        if batch_id in self.early:
+            self.early.discard(batch_id)
+            return
+        while True:
+            match message := link.recv_obj():
+                case ("end", ended) if ended == batch_id:
+                    return
+                case ("end", ended):
+                    self.early.add(ended)
+                case _:
+                    yield message
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 
 from vllm_omni_like.parallel.branches import DenoiserWrapper
 from vllm_omni_like.parallel.rank_link import (
+    BatchEnds,
     Link,
     RankDiverged,
     Replicated,
@@ -101,30 +102,20 @@ class SequenceLeader:
 
 
 class SequenceFollower:
-    """A rank > 0: serves rank 0's forwards, batch after batch. Rank 0 ends each batch once, in
-    the order its batches end (a running set's short group may end before a long one that came
-    first); an end for a batch other than the one served is kept, and that batch, when its turn
-    comes, is over at once."""
+    """A rank > 0: serves rank 0's forwards, batch after batch (ends in another order than the
+    batches': rank_link.BatchEnds)."""
 
     def __init__(self, link: Link, replicated: Replicated | None = None) -> None:
         self.link = link
-        self.ended: set[int] = set()  # batches rank 0 ended before this rank served them
+        self.ends = BatchEnds()
         self.held: list[torch.Tensor] = []  # the previous forward's tensors
         self.replicated = replicated
 
     def serve(self, models: dict[str, Callable[..., Any]], batch_id: int) -> None:
         """Run rank 0's forwards on `models` (by name) until it ends batch `batch_id`. Any
         failure raises (the worker exits: the other ranks wait in the forward's collectives)."""
-        if batch_id in self.ended:
-            self.ended.discard(batch_id)
-            return
-        link = self.link
-        while True:
-            match link.recv_obj():
-                case ("end", ended):
-                    if ended == batch_id:
-                        return
-                    self.ended.add(ended)
+        for message in self.ends.messages(self.link, batch_id):
+            match message:
                 case ("call", name, meta, specs) if name in models:
                     tensors = [self._received(shape, dtype) for shape, dtype in specs]
                     every: list[torch.Tensor] = []

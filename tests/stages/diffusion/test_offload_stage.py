@@ -9,28 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.models.tiny_wan22 import tiny_wan22_experts_path
+from tests.models.tiny_wan22 import experts_config, experts_stage, video_frames, video_request
 from tests.stages.diffusion.offload_fakes import FakeTransfer
 from tests.stages.diffusion.test_running_set import _Harness
-from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
-from vllm_omni_like.params import GenerationParams, LoraRef
+from vllm_omni_like.params import LoraRef
 from vllm_omni_like.stages.diffusion.expert_policy import HIGH, SwapPolicy
 from vllm_omni_like.stages.diffusion.offload import ExpertOffload
 from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
-OPTIONS = {"default_size": 64}
-
-
-def _stage(**more) -> DiffusionStage:
-    config = StageConfig(
-        name="diffusion", kind="diffusion", model=tiny_wan22_experts_path(), options=OPTIONS
-    )
-    stage = DiffusionStage(StageConfig(**{**config.__dict__, **more}))
-    stage.load("cpu")
-    return stage
 
 
 def _offload(stage: DiffusionStage, transfer: FakeTransfer) -> ExpertOffload:
@@ -53,32 +42,21 @@ def _steps_of(offload: ExpertOffload) -> list[tuple[int, list[int]]]:
     return log
 
 
-def _request(rid: str, seed: int, steps: int, **more) -> StageRequest:
-    params = GenerationParams(seed=seed, num_inference_steps=steps, num_frames=5, **more)
-    return StageRequest(rid, "a red circle", params, mode="text2video")
-
-
-def _frames(h: _Harness, rid: str) -> np.ndarray:
-    out = h.outputs[rid]
-    assert out.error is None, out.error
-    return out.video.frames.astype(np.int16)
-
-
 def _alone(stage: DiffusionStage, request: StageRequest) -> np.ndarray:
     h = _Harness(stage)
     h.add(1, request)
     h.steps(64)
-    return _frames(h, request.request_id)
+    return video_frames(h.outputs, request.request_id)
 
 
 def test_rows_on_both_sides_of_the_switch_make_their_own_videos():
     """a steps once alone, then b and c join at their first (high-noise) steps while a is past
     the boundary: the set steps one expert's rows at a time (the others wait, a swap between),
     and each request's video is its video without the offload, alone."""
-    stage = _stage()
+    stage = experts_stage()
     try:
-        a, b = _request("a", 3, 4), _request("b", 4, 3)
-        c = _request("c", 5, 4, guidance_scale_2=1.5)
+        a, b = video_request("a", 3, 4), video_request("b", 4, 3)
+        c = video_request("c", 5, 4, guidance_scale_2=1.5)
         want = {r.request_id: _alone(stage, r) for r in (a, b, c)}
         transfer = FakeTransfer()
         offload = _offload(stage, transfer)
@@ -90,7 +68,7 @@ def test_rows_on_both_sides_of_the_switch_make_their_own_videos():
         h.steps(64)  # (a bound: 4 + 3 + 4 set steps at most, one expert's rows each)
         assert not h.rows.running and len(h.stepped) <= 4 + 3 + 4
         for rid, video in want.items():
-            assert np.abs(_frames(h, rid) - video).max() <= 1, rid
+            assert np.abs(video_frames(h.outputs, rid) - video).max() <= 1, rid
         # a's high-noise step; b's and c's (a waits one step); then the low-noise one's
         high = [(0, [0]), (0, [1, 0, 0])]
         assert log == [*high, (1, [1, 1, 1]), (1, [1, 1, 1]), (1, [1, 1])], log
@@ -102,9 +80,9 @@ def test_rows_on_both_sides_of_the_switch_make_their_own_videos():
 
 @pytest.mark.drill
 def test_an_abort_after_a_prefetch_leaves_nothing_held():
-    stage = _stage()
+    stage = experts_stage()
     try:
-        a = _request("a", 3, 6)
+        a = video_request("a", 3, 6)
         want = _alone(stage, a)
         transfer = FakeTransfer()
         offload = _offload(stage, transfer)
@@ -117,16 +95,16 @@ def test_an_abort_after_a_prefetch_leaves_nothing_held():
         assert not h.rows.running and "a" not in h.outputs
         assert offload.staged == {} and transfer.held(offload) == 0
         assert offload.resident == HIGH and offload.swaps == 0
-        assert np.array_equal(_alone(stage, _request("a2", 3, 6)), want)  # it serves on
+        assert np.array_equal(_alone(stage, video_request("a2", 3, 6)), want)  # it serves on
     finally:
         stage.close()
 
 
 @pytest.mark.drill
 def test_fp8_weights_move_as_they_are():
-    stage = _stage(quantization="fp8")
+    stage = experts_stage(quantization="fp8")
     try:
-        a = _request("a", 3, 4)
+        a = video_request("a", 3, 4)
         want = _alone(stage, a)
         offload = _offload(stage, FakeTransfer())
         assert np.array_equal(_alone(stage, a), want) and offload.swaps == 1
@@ -143,9 +121,9 @@ def test_lora_adapters_run_through_a_swap(tmp_path):
     from tests.stages.diffusion.test_lora import _expert_files
 
     files = _expert_files(tmp_path)
-    stage = _stage(dtype="float32", loras=(f"each={files['each']}",), max_lora_rank=4)
+    stage = experts_stage(dtype="float32", loras=(f"each={files['each']}",), max_lora_rank=4)
     try:
-        a = _request("a", 3, 4, loras=(LoraRef("each", 0.8),))
+        a = video_request("a", 3, 4, loras=(LoraRef("each", 0.8),))
         want = _alone(stage, a)
         offload = _offload(stage, FakeTransfer())
         assert np.array_equal(_alone(stage, a), want) and offload.swaps == 1
@@ -156,12 +134,6 @@ def test_lora_adapters_run_through_a_swap(tmp_path):
 
 
 def test_the_load_refuses_the_offload_on_the_cpu():
-    config = StageConfig(
-        name="diffusion",
-        kind="diffusion",
-        model=tiny_wan22_experts_path(),
-        offload="idle-expert",
-        shape_groups=1,
-    )
+    config = experts_config(options={}, offload="idle-expert", shape_groups=1)
     with pytest.raises(ConfigError, match="--offload idle-expert needs a CUDA device: on cpu"):
         DiffusionStage(config).load("cpu")
