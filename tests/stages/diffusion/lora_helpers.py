@@ -129,3 +129,36 @@ def wait_read(pool, refs) -> None:
     while not pool.ready(refs):
         assert time.monotonic() < deadline, "the read did not end within 60 s"
         pool.wait(refs, 0.5)
+
+
+def expert_files(tmp_path) -> dict[str, str]:
+    """A two-expert Wan's adapters: `both` (`transformer.` keys: into both experts, as
+    diffusers' load_lora_weights then again with load_into_transformer_2), and `each` (its
+    `transformer.` keys into the first expert, its `transformer_2.` keys into the second)."""
+    import diffusers
+
+    from tests.models.tiny_wan22 import tiny_wan22_experts_path
+
+    model = diffusers.WanTransformer3DModel.from_pretrained(
+        tiny_wan22_experts_path(), subfolder="transformer", dtype=torch.float32
+    )
+    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
+    both = write_peft(
+        tmp_path / "both.safetensors", low_rank(model, 1, 4, ends, 0.5), "transformer"
+    )
+    first, second = low_rank(model, 2, 4, ends, 0.5), low_rank(model, 3, 2, ends[1:], 0.5)
+    tensors = safetensors.torch.load_file(
+        write_peft(tmp_path / "1.safetensors", first, "transformer")
+    )
+    for key, value in safetensors.torch.load_file(
+        write_peft(tmp_path / "2.safetensors", second, "transformer_2")
+    ).items():
+        tensors[key] = value
+    each = str(tmp_path / "each.safetensors")
+    safetensors.torch.save_file(tensors, each)
+    return {
+        "both": both,
+        "each": each,
+        "1": str(tmp_path / "1.safetensors"),
+        "2": str(tmp_path / "2.safetensors"),
+    }

@@ -10,13 +10,12 @@ import torch
 
 from tests.stages.diffusion.lora_helpers import (
     STEPS,
+    expert_files,
     load_lora_stage,
     lora_request,
-    low_rank,
     run_images,
     run_videos,
     tiny_image_pipe,
-    write_peft,
 )
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams, LoraRef
@@ -86,41 +85,6 @@ def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(
     assert str(info.value) == "at most 4 LoRA adapters a request (--max-loras-per-request)"
 
 
-def _expert_files(tmp_path) -> dict[str, str]:
-    """A two-expert Wan's adapters: `both` (`transformer.` keys: into both experts, as
-    diffusers' load_lora_weights then again with load_into_transformer_2), and `each` (its
-    `transformer.` keys into the first expert, its `transformer_2.` keys into the second)."""
-    import diffusers
-
-    from tests.models.tiny_wan22 import tiny_wan22_experts_path
-
-    model = diffusers.WanTransformer3DModel.from_pretrained(
-        tiny_wan22_experts_path(), subfolder="transformer", dtype=torch.float32
-    )
-    ends = ("attn1.to_q", "attn2.to_v", "ffn.net.2")
-    both = write_peft(
-        tmp_path / "both.safetensors", low_rank(model, 1, 4, ends, 0.5), "transformer"
-    )
-    first, second = low_rank(model, 2, 4, ends, 0.5), low_rank(model, 3, 2, ends[1:], 0.5)
-    import safetensors.torch
-
-    tensors = safetensors.torch.load_file(
-        write_peft(tmp_path / "1.safetensors", first, "transformer")
-    )
-    for key, value in safetensors.torch.load_file(
-        write_peft(tmp_path / "2.safetensors", second, "transformer_2")
-    ).items():
-        tensors[key] = value
-    each = str(tmp_path / "each.safetensors")
-    safetensors.torch.save_file(tensors, each)
-    return {
-        "both": both,
-        "each": each,
-        "1": str(tmp_path / "1.safetensors"),
-        "2": str(tmp_path / "2.safetensors"),
-    }
-
-
 def _video_req(rid: str, loras=(), seed: int = 1) -> StageRequest:
     p = GenerationParams(
         seed=seed,
@@ -143,7 +107,7 @@ def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
 
     from tests.models.tiny_wan22 import tiny_wan22_experts_path
 
-    files = _expert_files(tmp_path)
+    files = expert_files(tmp_path)
     path = tiny_wan22_experts_path()
     stage = load_lora_stage(path, (f"both={files['both']}", f"each={files['each']}"), 4)
     try:

@@ -6,6 +6,8 @@ kohya-style SD1.5, SDXL and FLUX.1 files; what is not supported is refused by na
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -230,3 +232,29 @@ def test_a_pickle_file_is_refused_unread_and_a_broken_one_named(tmp_path):
     (tmp_path / "y.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(LoraError, match=r"y\.safetensors cannot be read as safetensors"):
         _read(tmp_path / "y.safetensors", pipe.unet, type(pipe))
+
+
+READ_THEN_TRUNCATE = """
+import sys
+from vllm_omni_like.loras import LoraSpec
+from vllm_omni_like.stages.diffusion import lora_files
+tensors, meta = lora_files._load(LoraSpec("x", sys.argv[1]))
+open(sys.argv[1], "r+b").truncate(0)  # (the file replaced under the read's tensors)
+print(meta["default_steps"], float(tensors["a"].abs().sum()) > 0)
+"""
+
+
+def test_a_file_truncated_under_its_read_tensors_does_not_fault_the_worker(tmp_path):
+    """The read holds the file's bytes, not a mapping of it (safetensors' `load_file` maps
+    it): with a mapping, a file truncated while its tensors are read - a deploy replacing
+    adapters beside a request's read - killed the process with SIGBUS (exit -7)."""
+    path = str(tmp_path / "x.safetensors")
+    safetensors.torch.save_file({"a": torch.randn(256, 256)}, path, {"default_steps": "4"})
+    done = subprocess.run(
+        [sys.executable, "-c", READ_THEN_TRUNCATE, path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4", "True"]

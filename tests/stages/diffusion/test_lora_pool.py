@@ -108,6 +108,7 @@ def test_a_file_broken_after_its_validation_fails_its_join_alone(lora_stage, lor
     try:
         request = lora_request("x", (LoraRef("later"),))
         lora_stage.validate(request)  # (read and checked: fine)
+        wait_read(lora_stage.runtime.denoise.loras, request.params.loras)
         with open(path, "wb") as f:
             f.write(b"\x00" * 16)  # (then the file changes under it)
         control = StageControl(FaultInjector((), "diffusion"), None)

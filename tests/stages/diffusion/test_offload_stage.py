@@ -118,9 +118,9 @@ def test_fp8_weights_move_as_they_are():
 def test_lora_adapters_run_through_a_swap(tmp_path):
     """The pool's slots stay on the device (a join writes them): an adapter's rows across the
     switch make what they make without the offload."""
-    from tests.stages.diffusion.test_lora import _expert_files
+    from tests.stages.diffusion.lora_helpers import expert_files
 
-    files = _expert_files(tmp_path)
+    files = expert_files(tmp_path)
     stage = experts_stage(dtype="float32", loras=(f"each={files['each']}",), max_lora_rank=4)
     try:
         a = video_request("a", 3, 4, loras=(LoraRef("each", 0.8),))

@@ -111,16 +111,25 @@ def _load(spec: LoraSpec) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise LoraError(f"LoRA {spec.name!r}: {pickle_refusal(spec.path)}")
     if not spec.path.endswith(SUFFIX):
         raise LoraError(f"LoRA {spec.name!r}: {base} is not a {SUFFIX} file")
-    try:
-        with safetensors.safe_open(spec.path, "pt") as f:
-            meta = dict(f.metadata() or {})
-        tensors = safetensors.torch.load_file(spec.path)
+    try:  # (read whole, not mapped: a file replaced while its tensors are read would fault
+        with open(spec.path, "rb") as f:  # the worker with SIGBUS, under a mapping's pages)
+            data = f.read()
+        tensors = safetensors.torch.load(data)
+        meta = _metadata(data)
     except (OSError, ValueError, RuntimeError, safetensors.SafetensorError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise LoraError(
             f"LoRA {spec.name!r}: {base} cannot be read as safetensors: {first}"
         ) from None
     return tensors, meta
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors file's `__metadata__` (its header: an 8-byte little-endian length, then
+    JSON), read from the bytes `safetensors.torch.load` has accepted."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    return {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
 
 
 def _convert(
