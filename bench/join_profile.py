@@ -8,10 +8,12 @@ the join makes (ops that read the device back: `aten::_local_scalar_dense` - `.i
     python bench/join_profile.py --model z-image --device cuda    # a GPU's (median of --runs)
 
 `--model`: tiny-image, or a tiny test model (sdxl, flux, sd3, z-image: built as the tests build
-them), or a model directory. `--compiled`: the stage's text encoders compiled as
+them), or a model directory (`--load-format dummy`: an architecture's, random weights, e.g.
+vllm_omni_like/assets/archs/sdxl). `--compiled`: the stage's text encoders compiled as
 `--compile-text-encoders on` compiles them (inductor; one text a call), warmed up with one
 text first. Prints one JSON line: the first join's ms (compiled: the encoders' compile), each
-part's median ms a join, and the syncs a join makes.
+part's median ms a join (nested: `encode_text` holds the tokenizers, encoders and diffusers'
+lookups; "rest": the join less its top parts, the rows' bookkeeping), and its syncs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from vllm_omni_like.stages.faults import FaultInjector
 from vllm_omni_like.wire import StageRequest
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+TOP_PARTS = ("encode_text", "_schedule", "noise", "conditions")  # (the join's, not nested)
 PROMPT = "a photo of a red fox in the snow, golden hour, detailed fur"
 
 
@@ -83,7 +86,8 @@ class Timer:
 
 def instrument(stage: DiffusionStage, timer: Timer) -> None:
     """Wrap the join's parts: tokenizers (their class's `__call__`), each text encoder's
-    forward, the adapter's encode, the loop's schedule, noise and conditioning."""
+    forward, the adapter's encode, diffusers' execution-device lookups and textual-inversion
+    pass, the loop's schedule, noise and conditioning."""
     rt = stage.runtime
     pipe, loop = rt.pipe, rt.denoise
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
@@ -95,6 +99,13 @@ def instrument(stage: DiffusionStage, timer: Timer) -> None:
         module = getattr(owner, name)
         module.forward = timer.wrap(name, module.forward)
     rt.adapter.encode_text = timer.wrap("encode_text", rt.adapter.encode_text)  # type: ignore[method-assign]  # (timing only)
+    for base in type(pipe).__mro__:  # diffusers' lookups: the encoders' execution device
+        module: Any = sys.modules.get(base.__module__)
+        lookup = getattr(module, "get_module_execution_device", None)
+        if lookup is not None and not hasattr(lookup, "__wrapped__"):
+            module.get_module_execution_device = timer.wrap("device lookups", lookup)
+    if hasattr(pipe, "maybe_convert_prompt"):  # (and the textual-inversion pass)
+        pipe.maybe_convert_prompt = timer.wrap("textual inversion", pipe.maybe_convert_prompt)
     for name in ("_schedule", "noise", "conditions"):
         setattr(loop, name, timer.wrap(name, getattr(loop, name)))
 
@@ -121,6 +132,7 @@ def main() -> int:
     ap.add_argument("--model", default="tiny-image")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--guidance", type=float, help="the request's (default: the stage's)")
@@ -130,7 +142,11 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config = StageConfig(
-        name="diffusion", kind="diffusion", model=model_path(args.model), dtype=args.dtype
+        name="diffusion",
+        kind="diffusion",
+        model=model_path(args.model),
+        dtype=args.dtype,
+        load_format=args.load_format,
     )
     stage = DiffusionStage(config)
     stage.load(args.device)
@@ -150,6 +166,8 @@ def main() -> int:
         timer.parts["join (host)"] = time.perf_counter() - t0
         sync()
         timer.parts["join (synced)"] = time.perf_counter() - t0
+        inner = sum(timer.parts.get(k, 0.0) for k in TOP_PARTS)
+        timer.parts["rest (rows' bookkeeping)"] = timer.parts["join (host)"] - inner
         if run >= 2:
             timer.joins.append(timer.parts)
         elif run == 0:  # (compiled: the encoders' compile, the start-up cost it adds)

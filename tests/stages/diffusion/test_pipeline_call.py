@@ -1,6 +1,6 @@
 """The diffusion stage answers diffusers' per-call lookups from its load (acceleration.py:
-pin_execution_device, the CFG wrappers' dtype): a denoising loop walks neither the denoiser's
-nor the VAE's modules."""
+pin_execution_device, the CFG wrappers' dtype, the text encoders' device from encoder_lookups):
+a denoising loop walks no model's modules."""
 
 from __future__ import annotations
 
@@ -48,10 +48,9 @@ def test_a_video_batch_walks_no_modules_and_equals_the_walking_pipeline(monkeypa
     monkeypatch.setattr(offloading, "_get_group_onload_device", counted("onload", onload))
     monkeypatch.setattr(modeling, "get_parameter_dtype", counted("dtype", dtype))
     part = stage.begin(batch, control)
-    # no walk over the denoiser's or the VAE's modules (the text encoder's device is looked up
-    # once per encode, prompts and negative prompts, by a diffusers function: its T5 is the
-    # smallest model of the three)
-    assert calls == {"onload": ["UMT5EncoderModel"] * 2, "dtype": []}
+    # no walk over any model's modules (the text encoder's device, which diffusers' own
+    # `encode_prompt` asks for, is the load's: encoder_lookups.py)
+    assert calls == {"onload": [], "dtype": []}
     pinned = part.finish(batch)[0].video.frames
     # the pipeline's own call with diffusers' own lookups (the walks) gives the same video (one
     # level apart at most: our loop runs both guidance branches in one forward)

@@ -24,7 +24,14 @@ from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
-from vllm_omni_like.stages.diffusion import lora_pool, offload, precompiled, quantize, ranks_load
+from vllm_omni_like.stages.diffusion import (
+    encoder_lookups,
+    lora_pool,
+    offload,
+    precompiled,
+    quantize,
+    ranks_load,
+)
 from vllm_omni_like.stages.diffusion.block_cache import FirstBlockCache
 from vllm_omni_like.stages.diffusion.fp8_attention import check_fp8_attention
 from vllm_omni_like.stages.diffusion.graphs import GraphRunner, backend_for
@@ -152,6 +159,7 @@ def _load_pipeline(
     pipe.set_progress_bar_config(disable=True)
     pipe = pipe.to(device)
     accel.pin_execution_device(pipe, device)
+    encoder_lookups.pin(pipe, device)
     adapter = adapter_for(pipe, family)
     if (warning := adapter.load_warning()) is not None:
         logger.warning("stage %s: %s", config.name, warning)

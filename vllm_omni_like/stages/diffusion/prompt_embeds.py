@@ -49,6 +49,20 @@ class PromptEncoder:
     def __call__(self, texts: list[str | None], images: list[Any] | None = None) -> Text:
         """`images`: what each text is read with, where the family's text reads an image (a
         dummy's random embeddings read none)."""
+        if texts == [None] and images is None:
+            return self._absent
+        return self._encode(texts, images)
+
+    @functools.cached_property
+    def _absent(self) -> Text:
+        """The absent text's conditioning (a batch's negative prompt where none was given,
+        encoded alone as `rows` encodes a batch's negatives): the same for every request -
+        nothing of a request reaches the encoders (no LoRA or per-request length reads them) -
+        so encoded once, on first use (the warm-up's), and kept (`rows` joins it to the
+        prompts' rows: a copy, the kept one never changes)."""
+        return self._encode([None], None)
+
+    def _encode(self, texts: list[str | None], images: list[Any] | None) -> Text:
         if self.random_shape is not None:
             seq_len, dim = self.random_shape
             given = [t or "" for t in texts]
