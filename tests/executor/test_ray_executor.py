@@ -96,6 +96,7 @@ def test_an_abort_reaches_the_actor_during_its_batch(nothing_left):
         ex.shutdown()
 
 
+@pytest.mark.drill  # (a second Ray node started and lost: ~10 s)
 def test_a_lost_node_under_load_reroutes_its_requests_and_the_replica_comes_back(cluster):
     """Two replicas, one on each node; the second node removed without grace while requests
     run: none fails or hangs, the live replica takes them, the lost one restarts once a node

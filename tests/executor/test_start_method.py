@@ -65,6 +65,7 @@ def _image(eng) -> np.ndarray:
     return out.result.images[0].pixels
 
 
+@pytest.mark.drill  # (three engine starts: ~22 s; every CPU worker forks from it anyway)
 def test_a_cpu_worker_forks_from_the_fork_server_with_the_engines_environment(
     monkeypatch, tmp_path
 ):

@@ -95,6 +95,7 @@ def test_one_step_is_refused_where_it_is_undefined(stage):
     )
 
 
+@pytest.mark.drill  # (every text bucket compiled: ~21 s; Z-Image's buckets run by default)
 def test_a_compiled_stage_runs_every_text_bucket_on_its_warm_up_graphs(stage):
     """Its warm-up ran a prompt a text bucket (models/text_buckets.py): a prompt of another
     bucket than the first, true CFG's two lengths beside it, compiles nothing at run time."""

@@ -160,6 +160,7 @@ def _vision_inputs(text_encoder) -> tuple[list, object]:
     return seen, text_encoder.register_forward_pre_hook(record, with_kwargs=True)
 
 
+@pytest.mark.drill  # (Qwen2.5-VL over two uploads and the pipeline: ~24 s; the contract edits)
 def test_the_vision_encoder_reads_the_upload_fitted_as_the_pipelines_single_image_call():
     """Rows of small uploads (40x24 and 24x40: Qwen2.5-VL would read each as one merged patch)
     of another size than the output (64x64), two in one batch and one of another size (its own
@@ -295,6 +296,7 @@ def test_edits_of_two_upload_shapes_step_in_two_lanes_in_turn(monkeypatch):
         assert np.abs(h.pixels(rid) - image).max() <= 1, rid
 
 
+@pytest.mark.drill  # (a text past 512 tokens through Qwen2.5-VL and the pipeline: ~9 s)
 def test_an_edit_whose_text_passes_512_tokens_is_the_pipelines_padded_to_a_bucket_past_it():
     """QwenImageEditPipeline cuts no edit text (its `max_sequence_length` is never applied to
     one; a real upload's vision tokens alone pass 512): a prompt of 640 tokens read with its

@@ -194,7 +194,7 @@ def test_a_compiled_ti2v_stage_runs_a_first_frame_on_its_text_rows_graph(caplog)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
 
 
-@pytest.mark.slow
+@pytest.mark.drill  # (two image-only families compiled with their encoders: ~28 s on 2 cores)
 @pytest.mark.parametrize("family", ["qwen-image-edit", "wan-i2v"])
 def test_a_compiled_stage_that_only_starts_from_an_image_warms_up_from_a_blank_one(
     family, monkeypatch
