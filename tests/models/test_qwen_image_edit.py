@@ -80,6 +80,7 @@ def server(tmp_path_factory):
         yield s
 
 
+@pytest.mark.drill  # (~13 s; the contract runs its edit, tests/api every edit route)
 def test_edits_by_instruction_over_http(server):
     client = server.client()
     model = client.models.retrieve(client.models.list().data[0].id).model_dump()

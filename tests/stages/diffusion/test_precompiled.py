@@ -78,22 +78,32 @@ def _start(tmp_path) -> tuple[dict, str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, took
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_restart_loads_every_shape_without_a_trace_and_a_changed_source_compiles_anew(
-    tmp_path,
-):
+def _cold_start(tmp_path) -> tuple[dict, float]:
+    """The first start over an empty cache: each shape traced, compiled and saved."""
     (tmp_path / "tiny_precompiled_model.py").write_text(TINY)
     cold, _, cold_s = _start(tmp_path)
     assert cold["saved"] == 2 and cold["loaded"] == 0 and cold["fallbacks"] == 0, cold
     assert cold["traced"] == 2 and cold["compiled"] == 2, cold
     assert len(os.listdir(tmp_path / "cache" / "precompiled")) == 2
+    return cold, cold_s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restart_loads_every_shape_without_a_trace(tmp_path):
+    cold, cold_s = _cold_start(tmp_path)
     warm, _, warm_s = _start(tmp_path)  # a restart: a fresh process over the same cache
     assert warm["loaded"] == 2 and warm["saved"] == 0 and warm["fallbacks"] == 0, warm
     # no dynamo frame converted, no graph traced, nothing through AOTAutograd and inductor
     assert warm["traced"] == 0 and warm["frames"] == 0 and warm["compiled"] == 0, warm
     assert warm["outs"] == cold["outs"]
     assert warm_s < cold_s, (warm_s, cold_s)
+
+
+@pytest.mark.drill  # (two starts that compile: ~35 s on 2 cores; the restart's test above and
+@pytest.mark.timeout(600)  # the artifact's key tests below run by default)
+def test_a_changed_source_refuses_the_artifacts_and_compiles_anew(tmp_path):
+    cold, _ = _cold_start(tmp_path)
     # the model's source changes (one line added): its artifacts are stale, refused, replaced
     (tmp_path / "tiny_precompiled_model.py").write_text(TINY + "\n# changed\n")
     again, stderr, _ = _start(tmp_path)
