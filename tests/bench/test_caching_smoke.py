@@ -4,13 +4,10 @@ path, shapes small): every key the issue asks for is written."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench.bench_run import run_bench
 
 
 @pytest.mark.drill  # (about 15 tiny runs: ~12 s on this CPU; the suite is over its 12 minutes)
@@ -18,15 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_caching_bench_writes_the_issues_keys(tmp_path):
     out = tmp_path / "caching-cpu.json"
     args = ["--tiny", "--device", "cpu", "--concurrency", "2", "--repeats", "1", "--steps", "4"]
-    run = subprocess.run(
-        [sys.executable, "bench/caching.py", *args, "--out", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=550,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_bench("caching.py", [*args, "--out", str(out)], timeout=550)
     result = json.loads(out.read_text())["models"]["tiny-video"]
     for key in ("skipped_share", "speedup_b1", "speedup_batched", "diffusers_fbcache_speedup_b1"):
         assert key in result

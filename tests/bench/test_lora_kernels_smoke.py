@@ -5,27 +5,16 @@ and which was fastest."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.bench.bench_run import run_bench
 
 
 @pytest.mark.drill  # (a subprocess importing torch: ~7 s on this CPU)
 @pytest.mark.timeout(120)
 def test_the_lora_kernels_bench_smoke_writes_each_case(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "bench/lora_kernels.py", "--smoke", "--out-dir", str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_bench("lora_kernels.py", ["--smoke", "--out-dir", str(tmp_path)], timeout=100)
     data = json.loads((tmp_path / "lora_kernels-cpu.json").read_text())
     assert data["device"] == "cpu" and data["dtype"] == "fp32"
     assert len(data["results"]) == data["summary"]["cases"] == 6
