@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.cli_flags import add_outputs, parser
+from bench.masked_attention import once_ms
 from bench.raw_diffusers import DTYPES, device_name
 from vllm_omni_like.stages.diffusion.lora_kernels import choose, gather, pooled
 
@@ -131,21 +131,10 @@ def timed(
     calls: dict[str, Callable[[], torch.Tensor]], reps: int, device: torch.device
 ) -> dict[str, float]:
     """Each call's median ms over `reps` interleaved repetitions (after 3 warm-up rounds)."""
-    cuda = device.type == "cuda"
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(reps + 3):
         for name, call in calls.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                call()
-                ms = (time.perf_counter() - t0) * 1e3
+            ms = once_ms(call, device)
             if rep >= 3:
                 times[name].append(ms)
     return {name: statistics.median(t) for name, t in times.items()}

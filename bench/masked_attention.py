@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,26 +45,25 @@ KERNELS = {
 }
 
 
+def once_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds of one call of `fn` (CUDA events on a GPU, the host's clock elsewhere)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
 def clock(fn: Callable[[], Any], runs: int, device: torch.device, warmup: int = 2) -> float:
     """Median milliseconds of `fn` (after `warmup` calls; CUDA events on a GPU)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return statistics.median(once_ms(fn, device) for _ in range(runs))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, kernel: str) -> Any:
