@@ -67,20 +67,21 @@ def tokens(pipe, captions: list[str]) -> torch.Tensor:
 def train(pipe, latents, ids, empty, steps: int, batch: int, lr: float, log: Log) -> None:
     from diffusers import DDPMScheduler
 
+    device = latents.device
     noise_sched = DDPMScheduler.from_config(pipe.scheduler.config)
     unet = pipe.unet
     params = [p for p in unet.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     unet.train()
     with torch.no_grad():
-        texts = pipe.text_encoder(torch.cat([ids, empty[None]]))[0]
+        texts = pipe.text_encoder(torch.cat([ids, empty[None]]).to(device))[0]
     conds, blank = texts[:-1], texts[-1]
     for step in range(steps):
-        idx = torch.randint(0, len(latents), (batch,))
+        idx = torch.randint(0, len(latents), (batch,), device=device)
         x0, cond = latents[idx], conds[idx].clone()
-        cond[torch.rand(batch) < 0.1] = blank  # unconditional rows, for guidance
+        cond[torch.rand(batch, device=device) < 0.1] = blank  # unconditional rows, for guidance
         noise = torch.randn_like(x0)
-        t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,))
+        t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,), device=device)
         pred = unet(noise_sched.add_noise(x0, noise, t), t, encoder_hidden_states=cond).sample
         loss = F.mse_loss(pred, noise)
         opt.zero_grad(set_to_none=True)
@@ -120,10 +121,11 @@ def one(args: argparse.Namespace, name: str) -> dict:
         ensure_tiny_model("tiny-image"), local_files_only=True, dtype=torch.float32
     )
     pipe.set_progress_bar_config(disable=True)
+    pipe.to(args.device)
     for part in (pipe.vae, pipe.text_encoder, pipe.unet):
         part.requires_grad_(False)
     images, captions = data(name, args.n, args.seed, args.plain)
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float().to(args.device) / 127.5 - 1
     with torch.no_grad():
         latents = torch.cat(
             [
@@ -164,7 +166,7 @@ def one(args: argparse.Namespace, name: str) -> dict:
         "held_out_prompts": args.eval,
         f"{ADAPTERS[name]}_read_as_{name}_with_adapter": found,
         f"{ADAPTERS[name]}_read_as_{name}_base": base,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
     }
 
 
@@ -189,6 +191,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     for name in args.adapters.split(","):
         seed_all(args.seed)
