@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as fc
 
-from vllm_omni_like.parallel.ulysses import pad_dim
+from vllm_omni_like.parallel.ulysses import gather_single, pad_dim
 
 
 @dataclass(frozen=True)
@@ -62,5 +61,5 @@ class Bands:
         it (this rank's: its window's kept rows)."""
         per = -(-rows // self.size) * scale
         first = pad_dim(band, dim, per).movedim(dim, 0).contiguous()
-        whole = fc.all_gather_single(first, 0, self.group)
+        whole = gather_single(first, 0, self.group)
         return whole.narrow(0, 0, rows * scale).movedim(0, dim)

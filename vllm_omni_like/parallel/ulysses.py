@@ -33,6 +33,13 @@ import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
 
+# `all_gather_single` is torch 2.13's name; 2.11 (the GPU machines' torch) has only
+# `all_gather_tensor`, the same collective with the same arguments, deprecated in 2.13.
+gather_single: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single", None) or (
+    fc.all_gather_tensor
+)
+
+
 def padded(length: int, parts: int) -> int:
     """`length` rounded up to a multiple of `parts`."""
     return -(-length // parts) * parts
@@ -87,7 +94,7 @@ class SequenceShards:
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence (`length` tokens along `dim`) from every rank's share `x`."""
         first = x.movedim(dim, 0).contiguous()
-        whole = fc.all_gather_single(first, 0, self.group)
+        whole = gather_single(first, 0, self.group)
         return whole.narrow(0, 0, self.length).movedim(0, dim)
 
     def attention(
@@ -136,7 +143,7 @@ class SequenceShards:
 
     def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h, D), this rank's heads of tokens every rank holds -> (B, T, N*h, D)."""
-        whole = fc.all_gather_single(x.movedim(2, 0).contiguous(), 0, self.group)
+        whole = gather_single(x.movedim(2, 0).contiguous(), 0, self.group)
         return whole.movedim(0, 2)
 
 
