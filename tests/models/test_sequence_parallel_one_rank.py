@@ -3,7 +3,10 @@ first half, on the CPU; its step time against the plain step's is the GPU's to m
 tests/gpu/test_sequence_parallel_gpu.py). One gloo rank in a process of its own; the tiny
 Wan2.1 (tiny-video) and FLUX.1-dev transformers, split (models/<family>/sequence_parallel.py)
 and compiled by dynamo with a counting backend (no `fullgraph`: a break would be counted, not
-raised): one graph, no break recorded, and the output the plain model's within 1e-5."""
+raised): one graph, no break recorded, and the output the plain model's within 1e-5. Over one
+rank the exchange is skipped (`SequenceShards`: nothing to exchange); the collectives inside a
+compiled graph are the 2- and 4-rank tests' (tests/parallel/test_ulysses.py,
+tests/models/test_wan_sequence_parallel.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ import torch
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
-
 # `all_gather_single` is torch 2.13's name; 2.11 (the GPU machines' torch) has only
 # `all_gather_tensor`, the same collective with the same arguments, deprecated in 2.13.
 gather_single: Callable[..., torch.Tensor] = getattr(fc, "all_gather_single", None) or (
@@ -93,6 +92,8 @@ class SequenceShards:
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence (`length` tokens along `dim`) from every rank's share `x`."""
+        if self.size == 1:  # (one rank holds the whole sequence: no copy, no collective)
+            return x
         first = x.movedim(dim, 0).contiguous()
         whole = gather_single(first, 0, self.group)
         return whole.narrow(0, 0, self.length).movedim(0, dim)
@@ -110,7 +111,13 @@ class SequenceShards:
         rank's share of the split sequence. Returns this rank's L tokens, every head.
         `attend`: the attention each rank runs over [replicated, the whole split sequence] for
         its heads, once exchanged (a family's masked one: a padded text's keys left out);
-        unmasked SDPA by default."""
+        unmasked SDPA by default.
+
+        Over a one-rank group nothing is exchanged: every head and token is already here, and
+        the exchange's copies (the layout the collective takes, the collective itself, and
+        back) cost a Wan2.1-1.3B step 3.7% on an H100 (bench/README.md, #60)."""
+        if self.size == 1:
+            return (attend or sdpa)(q, k, v)
         heads = q.shape[2]
         per = -(-heads // self.size)  # each rank's heads (zero heads pad the last ones)
         qkv = pad_dim(torch.cat([q, k, v]), 2, per * self.size)

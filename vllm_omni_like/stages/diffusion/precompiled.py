@@ -92,14 +92,20 @@ def available() -> bool:
     """Whether this torch can precompile: it loads compiled functions and its compiled ones
     have `aot_compile`. torch 2.11 (the H100 machine's) gives them `aot_compile` only while
     `torch._dynamo.config.enable_aot_compile` is on, off by default there (on in 2.13): this
-    turns it on first, so it must run before the stage's compile (`for_stage` does)."""
-    import torch._dynamo.config as dynamo_config
-
-    if getattr(dynamo_config, "enable_aot_compile", True) is False:
-        dynamo_config.enable_aot_compile = True  # (it gates the API only, nothing else)
+    turns it on first (`Precompile.install` again: the flag is read as `torch.compile` wraps a
+    function, and the artifacts' are wrapped at their first forward)."""
+    switch_on_aot_compile()
     if not hasattr(torch.compiler, "load_compiled_function"):
         return False
     return hasattr(torch.compile(call_module), "aot_compile")  # (wraps only: compiles nothing)
+
+
+def switch_on_aot_compile() -> None:
+    """torch 2.11's `torch._dynamo.config.enable_aot_compile` on (it gates the API only)."""
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(dynamo_config, "enable_aot_compile", True) is False:
+        dynamo_config.enable_aot_compile = True
 
 
 class Precompiled:
@@ -211,6 +217,7 @@ class Precompile:
     def install(self, model: torch.nn.Module, optimized: Any, backend: str, mode: str) -> None:
         """Run `optimized` (torch.compile's module of `model`) through its precompiled
         forwards."""
+        switch_on_aot_compile()
         options: dict[str, Any] = {"backend": backend}
         if backend == "inductor" and mode != "default":
             import torch._inductor
