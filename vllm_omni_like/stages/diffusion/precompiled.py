@@ -92,8 +92,8 @@ def available() -> bool:
     """Whether this torch can precompile: it loads compiled functions and its compiled ones
     have `aot_compile`. torch 2.11 (the H100 machine's) gives them `aot_compile` only while
     `torch._dynamo.config.enable_aot_compile` is on, off by default there (on in 2.13): this
-    turns it on first (`Precompile.install` again: the flag is read as `torch.compile` wraps a
-    function, and the artifacts' are wrapped at their first forward)."""
+    turns it on first (`Precompiled._compile` again, where it wraps: the flag is read as
+    `torch.compile` wraps a function)."""
     switch_on_aot_compile()
     if not hasattr(torch.compiler, "load_compiled_function"):
         return False
@@ -166,6 +166,7 @@ class Precompiled:
     def _compile(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         options = {**self.options, "guard_filter_fn": keep_guard}
         backend = options.pop("backend")
+        switch_on_aot_compile()
         try:
             compiled: Any = torch.compile(
                 call_module, backend=backend, fullgraph=True, dynamic=False, options=options
@@ -217,7 +218,6 @@ class Precompile:
     def install(self, model: torch.nn.Module, optimized: Any, backend: str, mode: str) -> None:
         """Run `optimized` (torch.compile's module of `model`) through its precompiled
         forwards."""
-        switch_on_aot_compile()
         options: dict[str, Any] = {"backend": backend}
         if backend == "inductor" and mode != "default":
             import torch._inductor
