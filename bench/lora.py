@@ -103,11 +103,22 @@ def write_adapters(model: torch.nn.Module, prefix: str, s: dict[str, Any], out: 
 
 
 # ---- a part: our stage, loaded as a worker loads it --------------------------------------------
+def note(what: str) -> None:
+    """A progress line on stderr (streamed through the parent: a GPU call's log says where a
+    part is when the call's limit ends it)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 def stage_of(args: argparse.Namespace, s: dict[str, Any], loras: bool) -> Any:
+    """Our stage as a worker loads it; the `lora` part's batches are all of c requests (and
+    one image of 1), so it compiles those two buckets only; the `base` part every bucket (the
+    peers' sub-batches of an adapter each take any size)."""
     from vllm_omni_like.pipelines.catalog import resolve
     from vllm_omni_like.stages.base import create_stage
 
     kw: dict[str, Any] = {"dtype": args.dtype, "compile": True, "max_batch_size": s["c"]}
+    if loras:
+        kw["batch_buckets"] = tuple(sorted({1, s["c"]}))
     kw |= {"warmup_sizes": (f"{s['size']}x{s['size']}",), "max_side": max(s["size"], 64)}
     if args.model not in ("tiny-image",):
         kw["load_format"] = "dummy"
@@ -177,14 +188,17 @@ def image(stage: Any, s: dict[str, Any], adapter: int | None) -> np.ndarray:
 
 
 def part_base(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    note("base: loading and compiling the stage (every bucket warmed up)")
     stage = stage_of(args, s, loras=False)
     stage.load("cuda" if torch.cuda.is_available() else "cpu")
+    note("base: loaded; writing the adapters, then timing")
     expert = stage.runtime.adapter.experts()[0]
     write_adapters(expert.model, expert.name, s, args.lora_dir)
     path = lambda k: os.path.join(args.lora_dir, f"a{k}.safetensors")  # noqa: E731
     picks = draws(s, args.batches)
     timed(stage, [requests(s, None)])  # (a first batch: nothing of the warm-up's left)
     found = {"img_s_no_lora": timed(stage, [requests(s, None) for _ in picks])}
+    note(f"base: {found['img_s_no_lora']:.3f} img/s without adapters; now one adapter a batch")
     t0, images = time.perf_counter(), 0
     for batch in picks:  # one adapter a sub-batch, merged in and out (the peers' way)
         for k in sorted(set(batch)):
@@ -196,6 +210,7 @@ def part_base(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     found["per_batch_img_s"] = images / (time.perf_counter() - t0)
+    note(f"base: {found['per_batch_img_s']:.3f} img/s one adapter a sub-batch; now merged")
     merge(expert.model, path(0), expert.name, 1.0)  # every request the most popular adapter
     found["img_s_merged_same"] = timed(stage, [requests(s, None) for _ in picks])
     np.save(os.path.join(args.cache_dir, "merged.npy"), image(stage, s, None))
@@ -207,13 +222,16 @@ def part_lora(args: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
 
     from vllm_omni_like.params import LoraRef
 
+    note("lora: loading and compiling the stage (its pool of every adapter)")
     stage = stage_of(args, s, loras=True)
     stage.load("cuda" if torch.cuda.is_available() else "cpu")
+    note("lora: loaded; timing")
     pool = stage.runtime.denoise.loras
     picks = draws(s, args.batches)
     timed(stage, [requests(s, picks[0])])  # (every popular adapter written once)
     graphs = counters["stats"]["unique_graphs"]
     found = {"img_s_lora": timed(stage, [requests(s, batch) for batch in picks])}
+    note(f"lora: {found['img_s_lora']:.3f} img/s, each request its adapter, in one batch")
     found["img_s_lora_same"] = timed(stage, [requests(s, None, 0) for _ in picks])
     found["recompiles"] = counters["stats"]["unique_graphs"] - graphs
     loads = []
@@ -237,11 +255,11 @@ def run_part(args: argparse.Namespace, part: str) -> dict[str, Any]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.cache_dir, part)}
     argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", part]
     argv += ["--cache-dir", args.cache_dir, "--lora-dir", args.lora_dir]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    sys.stderr.write(done.stderr[-4000:])
-    if done.returncode != 0:
-        return {f"{part}_error": done.stderr.strip().splitlines()[-1][-500:]}
-    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)  # (stderr: ours)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {f"{part}_error": f"exit status {done.returncode} (its stderr is above)"}
+    found: dict[str, Any] = json.loads(lines[-1])
     return found
 
 

@@ -121,7 +121,7 @@ def case(
             raise SystemExit(f"{name} disagrees with gather by {err:.3g} at {entry}")
         calls[name] = functools.partial(fn, x, a, b, index, scale)
     entry |= {f"{k}_ms": round(v, 4) for k, v in timed(calls, args.reps, device).items()}
-    entry["rule"] = choose(pool, args.per_row)
+    entry["rule"] = choose(pool, args.per_row, device)
     timed_kernels = [k for k in ("gather", "pooled", "grouped_mm") if f"{k}_ms" in entry]
     entry["fastest"] = min(timed_kernels, key=lambda k: entry[f"{k}_ms"])
     return entry

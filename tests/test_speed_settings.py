@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from vllm_omni_like.config import StageConfig
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.protocol.schemas import ImageRequest, VideoRequest
-from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, describe_cache
+from vllm_omni_like.speed_settings import describe_cache
 
 
 def _config(**kw) -> StageConfig:
@@ -58,11 +58,12 @@ def test_a_step_cache_runs_diffusion_stages_only():
 def test_a_cached_stage_compiles_block_by_block_and_health_describes_it():
     config = _config(cache="first-block", compile=True)
     assert config.regional and not _config(compile=True).regional
-    assert describe_cache(config) == {
-        "mode": "first-block",
-        "threshold": DEFAULT_THRESHOLD,
-        "decision": "sync",
-    }
+    # (the decisions' defaults: the H100 sweep of bench/cache_quality.py)
+    assert describe_cache(config) == {"mode": "first-block", "threshold": 0.1, "decision": "lagged"}
+    sync = describe_cache(_config(cache="first-block", cache_decision="sync"))
+    assert sync == {"mode": "first-block", "threshold": 0.05, "decision": "sync"}
+    own = _config(cache="first-block", cache_decision="lagged", cache_threshold=0.0)
+    assert describe_cache(own) == {"mode": "first-block", "threshold": 0.0, "decision": "lagged"}
     assert describe_cache(_config()) is None
 
 

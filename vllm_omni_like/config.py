@@ -16,7 +16,7 @@ from vllm_omni_like.compile_choices import (
 )
 from vllm_omni_like.errors import ConfigError
 from vllm_omni_like.loras import PER_REQUEST, LoraSpec, check_loras
-from vllm_omni_like.speed_settings import DEFAULT_THRESHOLD, check_speed
+from vllm_omni_like.speed_settings import check_speed
 from vllm_omni_like.stage_options import parse_options
 
 FAULTS_ENV = "VLLM_OMNI_LIKE_FAULTS"
@@ -188,10 +188,11 @@ class StageConfig:
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
     # by all of them) instead of the whole denoiser: "auto" does so with fp8 or a step cache
     regional_compile: str = "auto"
-    # a step cache of our own loop's rows, its threshold and decision (speed_settings.py)
+    # a step cache of our own loop's rows, its threshold (None: the decision's default) and
+    # decision (speed_settings.py)
     cache: str = "none"
-    cache_threshold: float = DEFAULT_THRESHOLD
-    cache_decision: str = "sync"
+    cache_threshold: float | None = None
+    cache_decision: str = "lagged"
     # with compile: each bucket's denoiser forward a CUDA graph (compile_choices.py)
     cuda_graphs: str = "auto"
     compile_text_encoders: str = "auto"  # with compile: the text encoders too (compile_choices)

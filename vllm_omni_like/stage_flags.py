@@ -13,7 +13,12 @@ from vllm_omni_like.compile_choices import (
     TEXT_ENCODER_COMPILE_MODES,
 )
 from vllm_omni_like.config import BATCH_LEVELS, BATCH_POLICIES, QUANTIZATIONS, ROUTINGS, StageConfig
-from vllm_omni_like.speed_settings import CACHE_DECISIONS, CACHE_MODES, OFFLOAD_MODES
+from vllm_omni_like.speed_settings import (
+    CACHE_DECISIONS,
+    CACHE_MODES,
+    DEFAULT_THRESHOLDS,
+    OFFLOAD_MODES,
+)
 
 _STAGE = {f.name: f.default for f in fields(StageConfig) if f.default is not MISSING}
 
@@ -183,6 +188,7 @@ def add_cache_args(g: Any) -> None:
         "residual under which it reuses; 0: never (the uncached images, bit for bit)",
         type=float,
         metavar="T",
+        shown=", ".join(f"{t:g} with {d}" for d, t in DEFAULT_THRESHOLDS.items()),
     )
     stage_flag(
         g,

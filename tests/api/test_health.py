@@ -246,7 +246,7 @@ def test_health_says_each_stages_step_cache_and_a_video_sends_its_own_threshold(
     kw = {"cache": "first-block", "cache_threshold": 0.1}
     with live_server(tmp_path_factory, "tiny-video", stage_kw=kw) as server, server.http() as h:
         (stage,) = h.get("/health").json()["stages"]
-        assert stage["cache"] == {"mode": "first-block", "threshold": 0.1, "decision": "sync"}
+        assert stage["cache"] == {"mode": "first-block", "threshold": 0.1, "decision": "lagged"}
         body = {"prompt": "a red circle", "seconds": "1", "num_inference_steps": 4}
         bad = h.post("/v1/videos", json={**body, "cache": {"threshold": -1}})
         assert bad.status_code == 400 and "threshold" in bad.text

@@ -38,6 +38,9 @@ NEVER, ALWAYS = 0.0, 1e9  # (a peer that always computes, one that reuses whenev
 
 def _stage(model: str, **config) -> DiffusionStage:
     config.setdefault("options", {"default_size": 64})  # (a real model's: slow on the CPU)
+    # (these tests read sync's decisions, a step's own; lagged's, the default's, are a step
+    # late: its tests below turn it on)
+    config.setdefault("cache_decision", "sync")
     stage = DiffusionStage(
         StageConfig(name="diffusion", kind="diffusion", model=model, dtype="float32", **config)
     )
@@ -160,17 +163,23 @@ def test_a_threshold_that_never_fires_gives_the_uncached_latents_bit_for_bit(cac
 
 
 def test_a_row_decides_alone_whatever_its_peers_decide(cached):
-    threshold, alone = _firing(cached, seed=3)
-    mixed = _Run(cached)
+    _decides_alone(cached, first_reuse=1)
+
+
+def _decides_alone(stage, first_reuse: int) -> None:
+    threshold, alone = _firing(stage, seed=3)
+    mixed = _Run(stage)
     mixed.join(
-        _request(cached, "never", 4, NEVER),
-        _request(cached, "a", 3, threshold),
-        _request(cached, "always", 5, ALWAYS, guidance_scale=1.0),
+        _request(stage, "never", 4, NEVER),
+        _request(stage, "a", 3, threshold),
+        _request(stage, "always", 5, ALWAYS, guidance_scale=1.0),
     )
     mixed.until_done()
     assert mixed.decisions["a"] == alone.decisions["a"]
-    assert all(mixed.decisions["never"]) and not any(mixed.decisions["always"][1:])
-    gap = (_pixels(cached, mixed.latents("a")) - _pixels(cached, alone.latents("a"))).abs()
+    always = mixed.decisions["always"]
+    assert all(mixed.decisions["never"]) and all(always[:first_reuse])
+    assert not any(always[first_reuse:])
+    gap = (_pixels(stage, mixed.latents("a")) - _pixels(stage, alone.latents("a"))).abs()
     assert gap.max().item() <= 1
 
 
@@ -227,6 +236,17 @@ def test_a_lagged_decision_never_fires_at_zero_and_waits_a_step_to_reuse(flux):
     assert torch.equal(lagged.latents("a"), plain.latents("a"))
     # its first two steps compute (the first measures nothing, the second's is read a step late)
     assert reusing.decisions["a"][:2] == [True, True] and not any(reusing.decisions["a"][2:])
+
+
+def test_a_lagged_row_decides_alone_too(flux):
+    """The default decision: a row's decisions and image whatever its peers decide, its first
+    two steps computed."""
+    cache = flux.runtime.denoise.cache
+    cache.lagged = True
+    try:
+        _decides_alone(flux, first_reuse=2)
+    finally:
+        cache.lagged = False
 
 
 def test_the_unet_family_is_refused_at_start_up_naming_the_flag():

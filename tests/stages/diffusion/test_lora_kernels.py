@@ -111,7 +111,10 @@ def _stage(lora_files, max_loras):
 
 
 def test_the_rule_pools_where_it_costs_no_more_multiply_adds_and_the_build_takes_it(lora_files):
-    assert [choose(m, 4) for m in (1, 4, 5, 8)] == ["pooled", "pooled", "gather", "gather"]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [choose(m, 4, cpu) for m in (1, 4, 5, 8)] == ["pooled", "pooled", "gather", "gather"]
+    # (an H100 measured the gather faster at every pool size: bench/results/lora_kernels-h100)
+    assert [choose(m, 4, cuda) for m in (1, 4, 5, 8)] == ["gather"] * 4
     stage = _stage(lora_files, 2)
     try:
         pool = stage.runtime.denoise.loras

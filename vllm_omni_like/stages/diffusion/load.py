@@ -22,6 +22,7 @@ from vllm_omni_like.models.registry import family_of, loops_for
 from vllm_omni_like.models.tiny import TINY_NAMES, ensure_tiny_model
 from vllm_omni_like.parallel.rank_link import Link
 from vllm_omni_like.parallel.ranks import Ranks
+from vllm_omni_like.speed_settings import cache_threshold
 from vllm_omni_like.stage_options import DiffusionOptions
 from vllm_omni_like.stages.diffusion import acceleration as accel
 from vllm_omni_like.stages.diffusion import (
@@ -290,7 +291,7 @@ def _denoisers(
     compiled in; returns the precision the stage runs, its LoRA pool and the batch buckets
     compiled."""
     precision = _quantize(config, adapter, device, dtype)
-    loras = lora_pool.build(config, adapter, dtype, leader=ranks.rank == 0)
+    loras = lora_pool.build(config, adapter, device, dtype, leader=ranks.rank == 0)
     ranks_load.split_sequence(config, ranks, link, adapter)
     return precision, loras, _compile(config, options, adapter)
 
@@ -349,12 +350,12 @@ def _own_loop(
     if config.cache == "first-block":
         stack = adapter.block_stack()  # (a family that has none refuses here: ConfigError)
         loop.cache = FirstBlockCache(stack, row_buckets, config.cache_decision == "lagged")
-        loop.cache_threshold = config.cache_threshold
+        loop.cache_threshold = cache_threshold(config)
         logger.info(
             "stage %s: First-Block Cache over %d blocks, threshold %g, decision %s",
             config.name,
             loop.cache.depth,
-            config.cache_threshold,
+            loop.cache_threshold,
             config.cache_decision,
         )
     loop.offload = offload.build(config, adapter, device, pipeline_modes)

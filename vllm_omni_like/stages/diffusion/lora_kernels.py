@@ -15,13 +15,18 @@ tensors of the same shapes (nothing recompiles, no host sync), and both return t
   slot a row names twice adds its scales, as the gather does). No copy of A or B; multiply-adds
   of rows x tokens x max_loras x wide x (in + out).
 
-`choose` picks one a layer at the pool's build, by the pool's sizes: `pooled` where it does no
-more multiply-adds than the gather (`--max-loras` <= `--max-loras-per-request`), so it only
-saves (the gathered copies) and runs as two large matmuls instead of `rows` narrow ones;
-`gather` otherwise. The sizes are the same on every device and both are plain matmuls every
-device has, so the rule is too; bench/lora_kernels.py times the two (and a grouped GEMM over
-the rows sorted by slot, `torch._grouped_mm`) over the layer shapes that matter, to move the
-line where a GPU says so.
+`choose` picks one a layer at the pool's build, by the device and the pool's sizes, as
+bench/lora_kernels.py measured them (the same layer shapes and batches on each device):
+- CUDA: `gather`, always. On an NVIDIA H100 (bf16, eager) the gather was the faster or within
+  4% in 99 of 100 cases; where the pool was no larger than K the pooled kernel took 1.01-1.14x
+  the gather's time, 1.2x at 8 slots and 2.7x at 32 (bench/results/lora_kernels-h100.json).
+- Elsewhere (the CPU): `pooled` where it does no more multiply-adds than the gather
+  (`--max-loras` <= `--max-loras-per-request`): it saves the gathered copies and runs two large
+  matmuls instead of `rows` narrow ones, 0.66-0.96x the gather's time at 32 rows of SD1.5's
+  shapes (fp32, 2 cores; bench/results/lora_kernels-cpu.json); `gather` otherwise (pooled
+  took 1.2-7x it).
+A grouped GEMM over the rows sorted by slot (`torch._grouped_mm`) was timed beside them on
+the H100 and took 4.8x the gather's time (its copies of the activations): not served.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ import torch
 KERNELS = ("gather", "pooled")
 
 
-def choose(max_loras: int, per_row: int) -> str:
-    """The kernel of a pool of `max_loras` adapters, `per_row` a row (module docstring)."""
+def choose(max_loras: int, per_row: int, device: torch.device) -> str:
+    """The kernel of a pool of `max_loras` adapters, `per_row` a row, on `device` (module
+    docstring: what each device measured)."""
+    if device.type == "cuda":
+        return "gather"
     return "pooled" if max_loras <= per_row else "gather"
 
 

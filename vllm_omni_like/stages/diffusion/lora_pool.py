@@ -276,18 +276,22 @@ def module_names(model: torch.nn.Module) -> set[str]:
 
 
 def build(
-    config: StageConfig, adapter: Adapter, dtype: torch.dtype, leader: bool = True
+    config: StageConfig,
+    adapter: Adapter,
+    device: torch.device,
+    dtype: torch.dtype,
+    leader: bool = True,
 ) -> LoraPool | None:
     """The LoRA pool: the denoiser's attention and MLP linear layers wrapped (lora_layers.py),
     `--max-loras` slots of `--max-lora-rank` (and slot 0, none), `--max-loras-per-request` a
-    row, the update's kernel chosen by those sizes (lora_kernels.choose), the registered
-    adapters read and checked against the base now (by rank 0: the other ranks' slots are
-    copies of its)."""
+    row, the update's kernel chosen by the device and those sizes (lora_kernels.choose), the
+    registered adapters read and checked against the base now (by rank 0: the other ranks'
+    slots are copies of its)."""
     if not config.loras and config.lora_dir is None:
         return None
     experts, context = adapter.experts(), LoraContext()
     sizes = config.max_loras, config.max_lora_rank, config.max_loras_per_request
-    kernel = choose(config.max_loras, config.max_loras_per_request)
+    kernel = choose(config.max_loras, config.max_loras_per_request, device)
     targets: dict[str, Target] = {}
     known: set[str] = set()
     for expert in experts:  # (two experts, Wan2.2-A14B's: one pool over both, named by expert)
