@@ -188,8 +188,7 @@ class StageConfig:
     # compile each repeated block of the denoiser on its own (one graph a kind of block, reused
     # by all of them) instead of the whole denoiser: "auto" does so with fp8 or a step cache
     regional_compile: str = "auto"
-    # a step cache of our own loop's rows, its threshold (None: the decision's default) and
-    # decision (speed_settings.py)
+    # a step cache of our own loop's rows, its threshold (None: its decision's) and decision
     cache: str = "none"
     cache_threshold: float | None = None
     cache_decision: str = "lagged"
