@@ -17,9 +17,10 @@ tensors of the same shapes (nothing recompiles, no host sync), and both return t
 
 `choose` picks one a layer at the pool's build, by the device and the pool's sizes, as
 bench/lora_kernels.py measured them (the same layer shapes and batches on each device):
-- CUDA: `gather`, always. On an NVIDIA H100 (bf16, eager) the gather was the faster or within
-  4% in 99 of 100 cases; where the pool was no larger than K the pooled kernel took 1.01-1.14x
-  the gather's time, 1.2x at 8 slots and 2.7x at 32 (bench/results/lora_kernels-h100.json).
+- CUDA: `gather`, always. On an NVIDIA H100 (bf16, eager) the gather was the faster in 99 of
+  100 cases (the other within 4%); where the pool was no larger than K the pooled kernel took
+  0.97-1.14x the gather's time (median 1.09x), 1.2x at 8 slots and 2.7x at 32 (medians;
+  bench/results/lora_kernels-h100.json).
 - Elsewhere (the CPU): `pooled` where it does no more multiply-adds than the gather
   (`--max-loras` <= `--max-loras-per-request`): it saves the gathered copies and runs two large
   matmuls instead of `rows` narrow ones, 0.66-0.96x the gather's time at 32 rows of SD1.5's
