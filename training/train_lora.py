@@ -85,6 +85,11 @@ def round_trip_reads(vae, latents: torch.Tensor, name: str) -> float:
     for i in range(0, len(latents), 256):
         x = vae.decode(latents[i : i + 256]).sample.clamp(-1, 1)
         images.extend(((x + 1) * 127.5).round().permute(0, 2, 3, 1).byte().cpu().numpy())
+    return read_share(images, name)
+
+
+def read_share(images: list[np.ndarray], name: str) -> float:
+    """The share of `images` whose `colour` / `shape` the checker reads as adapter `name`."""
     field = ADAPTERS[name]
     return round(sum(checker.read_image(im)[field] == name for im in images) / len(images), 4)
 
@@ -142,9 +147,7 @@ def evaluate(pipe, name: str, n: int, seed: int) -> float:
             output_type="np",
         )
         images.extend((out.images * 255).round().astype(np.uint8))
-    field = ADAPTERS[name]
-    hits = [checker.read_image(img)[field] == name for img in images]
-    return round(sum(hits) / len(hits), 4)
+    return read_share(images, name)
 
 
 def one(args: argparse.Namespace, name: str) -> dict:

@@ -81,6 +81,30 @@ def tiny_image_pipe():
     return pipe
 
 
+def pipeline_image(
+    pipe, stage: DiffusionStage, seed: int, prompt: str = "a red circle", steps: int = STEPS
+) -> np.ndarray:
+    """The diffusers pipeline's image of a stage's request (its prompt, steps and the stage's
+    guidance and size), as ints."""
+    rt = stage.runtime
+    with torch.inference_mode():
+        out = pipe(
+            prompt,
+            num_inference_steps=steps,
+            guidance_scale=rt.defaults.guidance,
+            generator=torch.Generator().manual_seed(seed),
+            width=rt.defaults.width,
+            height=rt.defaults.height,
+            output_type="np",
+        )
+    return (out.images[0] * 255).round().astype(int)
+
+
+def psnr(x: np.ndarray, y: np.ndarray) -> float:
+    mse = float(((x.astype(float) - y.astype(float)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
 def load_lora_stage(model: str, loras, max_lora_rank: int, **kw) -> DiffusionStage:
     """A tiny model's fp32 stage on the CPU with adapters `loras`, loaded."""
     config = StageConfig(

@@ -9,41 +9,20 @@ import pytest
 import torch
 
 from tests.stages.diffusion.lora_helpers import (
-    STEPS,
     expert_files,
     load_lora_stage,
     lora_request,
+    pipeline_image,
+    psnr,
     run_images,
     run_videos,
     tiny_image_pipe,
 )
 from vllm_omni_like.errors import InvalidRequestError
 from vllm_omni_like.params import GenerationParams, LoraRef
-from vllm_omni_like.stages.diffusion.stage import DiffusionStage
 from vllm_omni_like.wire import StageRequest
 
 pytestmark = pytest.mark.slow
-
-
-def _pipeline_image(pipe, stage: DiffusionStage, seed: int) -> np.ndarray:
-    """The diffusers pipeline's image of the stage's request (its prompt, steps and defaults)."""
-    rt = stage.runtime
-    with torch.inference_mode():
-        out = pipe(
-            "a red circle",
-            num_inference_steps=STEPS,
-            guidance_scale=rt.defaults.guidance,
-            generator=torch.Generator().manual_seed(seed),
-            width=rt.defaults.width,
-            height=rt.defaults.height,
-            output_type="np",
-        )
-    return (out.images[0] * 255).round().astype(int)
-
-
-def _psnr(x: np.ndarray, y: np.ndarray) -> float:
-    mse = float(((x.astype(float) - y.astype(float)) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
 
 
 @pytest.mark.parametrize(("name", "scale"), [("b", 0.8), ("kohya", 1.0)])
@@ -54,8 +33,8 @@ def test_a_row_equals_diffusers_load_lora_weights_and_fuse_lora(
     pipe = tiny_image_pipe()
     pipe.load_lora_weights(lora_files[name])
     pipe.fuse_lora(lora_scale=scale)
-    theirs = _pipeline_image(pipe, lora_stage, 11)
-    assert _psnr(ours, theirs) >= 35
+    theirs = pipeline_image(pipe, lora_stage, 11)
+    assert psnr(ours, theirs) >= 35
 
 
 def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(
@@ -76,9 +55,9 @@ def test_three_adapters_in_one_request_equal_diffusers_set_adapters_and_fuse(
             pipe.load_lora_weights(lora_files[name], adapter_name=name)
     pipe.set_adapters(list(scales), adapter_weights=list(scales.values()))
     pipe.fuse_lora(adapter_names=list(scales))
-    theirs = _pipeline_image(pipe, lora_stage, 12)
-    assert _psnr(ours["x"][0], theirs) >= 35
-    assert _psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
+    theirs = pipeline_image(pipe, lora_stage, 12)
+    assert psnr(ours["x"][0], theirs) >= 35
+    assert psnr(ours["base"][0], theirs) < 30  # (the three adapters do something)
     five = tuple(LoraRef(n) for n in ("a", "b", "kohya", "c", "fast"))
     with pytest.raises(InvalidRequestError) as info:
         lora_stage.validate(lora_request("y", five))
@@ -143,7 +122,7 @@ def test_two_experts_take_an_adapter_as_diffusers_loads_it_into_both(tmp_path):
                 output_type="np",
             )
         theirs = (out.frames[0] * 255).round().astype(int)
-        assert _psnr(together[name], theirs) >= 35, name
+        assert psnr(together[name], theirs) >= 35, name
     assert np.abs(together["both"] - together["base"]).mean() > 5
 
 

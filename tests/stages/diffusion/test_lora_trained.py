@@ -13,7 +13,13 @@ import random
 import numpy as np
 import pytest
 
-from tests.stages.diffusion.lora_helpers import load_lora_stage, run_images, tiny_image_pipe
+from tests.stages.diffusion.lora_helpers import (
+    load_lora_stage,
+    pipeline_image,
+    psnr,
+    run_images,
+    tiny_image_pipe,
+)
 from vllm_omni_like.params import GenerationParams, LoraRef
 from vllm_omni_like.shapes import checker, world
 from vllm_omni_like.wire import StageRequest
@@ -93,24 +99,10 @@ def test_scale_zero_is_the_base(trained_stage):
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_a_row_equals_diffusers_fused_adapter(trained_stage, mixed, name):
-    import torch
-
     _, images = mixed
-    rt = trained_stage.runtime
     pipe = tiny_image_pipe()
     pipe.load_lora_weights(str(EXAMPLES / f"{name}.safetensors"))
     pipe.fuse_lora(lora_scale=1.0)
-    with torch.inference_mode():
-        out = pipe(
-            _captions(name)[0],
-            num_inference_steps=rt.defaults.steps,
-            guidance_scale=rt.defaults.guidance,
-            generator=torch.Generator().manual_seed(100),
-            width=rt.defaults.width,
-            height=rt.defaults.height,
-            output_type="np",
-        )
-    theirs = (out.images[0] * 255).round().astype(float)
-    ours = images[f"{name}-on-0"][0].astype(float)
-    mse = float(((ours - theirs) ** 2).mean())
-    assert mse == 0 or 10 * np.log10(255**2 / mse) >= 35, mse
+    steps = trained_stage.runtime.defaults.steps  # (the rows' own: they name none)
+    theirs = pipeline_image(pipe, trained_stage, 100, _captions(name)[0], steps)
+    assert psnr(images[f"{name}-on-0"][0], theirs) >= 35
